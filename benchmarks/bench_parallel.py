@@ -1,0 +1,119 @@
+"""Wrapper overhead of BalancedDataParallel, measured side by side in one process.
+
+- CPU path: BalancedDataParallel over 4 CPU slots vs the bare module running the very same
+  chunks (split, forward each, concatenate) — forward + backward. Target: <= 5% overhead.
+- GPU: BalancedDataParallel vs ``nn.DataParallel`` at an equal split over the same GPUs.
+  Target: <= 2% overhead. Needs CUDA; reported as not measured otherwise.
+
+Usage: python -m benchmarks.bench_parallel [--repeats 30] [--model resnet18] [--batch 32]
+Medians over interleaved repeats, printed as ratios; results in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torchvision
+from torch import nn
+
+from benchmarks.timing import interleaved_medians, summary, write_result
+from drbalance import DataRatio
+from drbalance.client import BalancedDataParallel
+
+
+def build(model_name: str) -> nn.Module:
+    if model_name == "mlp":
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    return getattr(torchvision.models, model_name)(weights=None, num_classes=10)
+
+
+def make_batch(model_name: str, batch: int, image: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (batch, 256) if model_name == "mlp" else (batch, 3, image, image)
+    return torch.randn(*shape, device=device), torch.randint(0, 10, (batch,), device=device)
+
+
+def train_step(runner: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = nn.functional.cross_entropy(runner(x), y)
+    loss.backward()
+
+
+def bench_cpu(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model = build(args.model)
+    x, y = make_batch(args.model, args.batch, args.image, "cpu")
+    ratio = DataRatio([1, 2, 3, 4])
+    sizes = list(ratio.split(args.batch))
+    wrapped = BalancedDataParallel(model, device_ids=[0, 1, 2, 3], ratio=ratio)
+
+    def bare_same_chunks() -> None:
+        out = torch.cat([model(chunk) for chunk in torch.split(x, sizes)])
+        nn.functional.cross_entropy(out, y).backward()
+
+    samples = interleaved_medians(
+        {"bare_same_chunks": bare_same_chunks, "balanced": lambda: train_step(wrapped, x, y)},
+        repeats=args.repeats,
+    )
+    return _ratios(samples, baseline="bare_same_chunks", candidate="balanced")
+
+
+def bench_gpu(args: argparse.Namespace) -> dict:
+    devices = list(range(torch.cuda.device_count()))
+    torch.manual_seed(0)
+    model = build(args.model).cuda(devices[0])
+    x, y = make_batch(args.model, args.batch, args.image, f"cuda:{devices[0]}")
+    data_parallel = nn.DataParallel(model, device_ids=devices)
+    even = DataRatio([1] * len(devices), len(devices))
+    wrapped = BalancedDataParallel(model, device_ids=devices, ratio=even)
+
+    def synced(runner: nn.Module):
+        def run() -> None:
+            train_step(runner, x, y)
+            torch.cuda.synchronize()
+
+        return run
+
+    samples = interleaved_medians(
+        {"data_parallel": synced(data_parallel), "balanced": synced(wrapped)}, repeats=args.repeats
+    )
+    result = _ratios(samples, baseline="data_parallel", candidate="balanced")
+    result["gpus"] = len(devices)
+    return result
+
+
+def _ratios(samples: dict[str, list[float]], baseline: str, candidate: str) -> dict:
+    stats = {name: summary(values) for name, values in samples.items()}
+    ratio = stats[candidate]["median"] / stats[baseline]["median"]
+    return {"seconds": stats, "median_ratio": ratio, "overhead_percent": 100 * (ratio - 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18", help="torchvision model name, or 'mlp' (default resnet18)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
+    parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed repeats per candidate (default 30)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args)}
+    print(f"CPU path ({args.model}, batch {args.batch}): BalancedDataParallel / bare module on the same chunks "
+          f"= {payload['cpu_path']['median_ratio']:.4f} (overhead {payload['cpu_path']['overhead_percent']:+.2f}%, "
+          f"target <= 5%)")
+    if torch.cuda.is_available():
+        payload["gpu"] = bench_gpu(args)
+        print(f"GPU ({payload['gpu']['gpus']} GPU(s)): BalancedDataParallel / nn.DataParallel = "
+              f"{payload['gpu']['median_ratio']:.4f} (overhead {payload['gpu']['overhead_percent']:+.2f}%, target <= 2%)")
+    else:
+        payload["gpu"] = "not measured: CUDA is not available on this machine"
+        print("GPU: not measured (CUDA is not available on this machine)")
+    if not args.no_write:
+        name = f"parallel_overhead_{args.model}" + ("_gpu" if torch.cuda.is_available() else "_cpu")
+        path = write_result(name, "python -m benchmarks.bench_parallel " + " ".join(argv or sys.argv[1:]), payload)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,339 @@
+"""Where the replicas of a ``BalancedDataParallel`` run: CUDA GPUs or the CPU.
+
+A backend turns one forward's *chunk plan* (which DR slots get how many samples) into the
+module's output: scatter the inputs by the chunk sizes, run one replica per non-empty chunk,
+gather the outputs in sample order. ``CudaBackend`` uses PyTorch's own parallel primitives
+(``Scatter``, ``replicate``, threads per device, ``Gather``); ``CpuBackend`` runs the same split
+path sequentially with one module on the CPU, so every piece of the split logic is testable on a
+machine without a GPU. The emulated-GPU backend (``drbalance.client.emulated``) extends the CPU
+one. ``BalancedDataParallel`` picks CUDA when it is available, else the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel.replicate import replicate
+
+from drbalance.client.scatter_gather import (
+    cpu_splitter,
+    cuda_concat,
+    cuda_splitter,
+    gather_outputs,
+    scatter_by_sizes,
+)
+from drbalance.client.timing import ReplicaTiming
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One forward's split: DR slot indices with a non-empty chunk, and their chunk sizes.
+
+    ``whole`` marks a call with no batch to split (no tensor argument, or 0 samples): the whole
+    call goes to ``slots[0]`` unchanged.
+    """
+
+    slots: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim: int
+    scalar_mode: str
+    whole: bool = False
+
+
+def reraise_in_replica(error: BaseException, where: str) -> None:
+    """Re-raise ``error`` with ``where`` (replica and device) added to its message.
+
+    Keeps the exception type when it can be built from a message (as torch's ExceptionWrapper
+    does), else raises a RuntimeError; the original is chained as the cause either way.
+    """
+    message = f"Caught {type(error).__name__} {where}: {error}"
+    try:
+        wrapped = type(error)(message)
+    except Exception:  # exception types whose constructor wants other arguments
+        wrapped = RuntimeError(message)
+    raise wrapped from error
+
+
+class DeviceBackend(ABC):
+    """Runs one forward's chunks. Subclasses own device naming and placement rules."""
+
+    kind: str = "abstract"
+
+    @abstractmethod
+    def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
+        """Validated device ids (one per DR slot) from the user's ``device_ids`` argument."""
+
+    def resolve_output_device(self, output_device: Any, device_ids: Sequence[int]) -> Any:
+        return "cpu"
+
+    def prepare(self, module: nn.Module, device_ids: Sequence[int]) -> None:  # noqa: B027 (optional hook)
+        """Called once by the constructor (e.g. to move the module to a single GPU)."""
+
+    def check_module(self, module: nn.Module, device_ids: Sequence[int]) -> None:  # noqa: B027
+        """Raise if the module is not where this backend expects it."""
+
+    def describe(self, device_ids: Sequence[int], slot: int) -> str:
+        """The device of DR slot ``slot``, for messages and timings."""
+        return "cpu"
+
+    @abstractmethod
+    def run(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int],
+        output_device: Any,
+        plan: ChunkPlan,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, list[Callable[[], ReplicaTiming]]]:
+        """The gathered output, and one (lazy) timing per replica."""
+
+    def where(self, device_ids: Sequence[int], plan: ChunkPlan, position: int) -> str:
+        slot = plan.slots[position]
+        return (
+            f"in replica {position} on device {self.describe(device_ids, slot)} "
+            f"(DR slot {slot}, {plan.sizes[position]} samples)"
+        )
+
+
+def _scatter_all(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    plan: ChunkPlan,
+    split: Callable[[torch.Tensor], Sequence[Any]],
+) -> tuple[list[Any], list[Any]]:
+    count = len(plan.slots)
+    chunk_inputs = scatter_by_sizes(inputs, plan.sizes, plan.dim, split, "inputs") if inputs else [()] * count
+    chunk_kwargs = scatter_by_sizes(kwargs, plan.sizes, plan.dim, split, "kwargs") if kwargs else [{}] * count
+    return chunk_inputs, chunk_kwargs
+
+
+class CpuBackend(DeviceBackend):
+    """The split path without a GPU: one module, chunk after chunk, on the CPU.
+
+    ``device_ids`` are slot labels here (default: one per DR entry). Gradients match the bare
+    module on the whole batch (to float tolerance) for models without batch-norm; batch-norm
+    sees per-chunk statistics, as each replica of ``nn.DataParallel`` does.
+    """
+
+    kind = "cpu"
+
+    def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
+        if device_ids is None:
+            return list(range(ratio_length or 1))
+        labels = []
+        for position, device in enumerate(device_ids):
+            if isinstance(device, torch.device) and device.type != "cpu":
+                raise ValueError(
+                    f"device_ids[{position}] is {device}, but CUDA is not available here; without "
+                    f"CUDA, BalancedDataParallel runs its chunks on the CPU and device_ids are "
+                    f"integer slot labels (or None)"
+                )
+            if isinstance(device, torch.device):
+                device = device.index if device.index is not None else position
+            if isinstance(device, bool) or not isinstance(device, int):
+                raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer")
+            labels.append(device)
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"device_ids {labels} contain duplicates")
+        if not labels:
+            raise ValueError("device_ids is empty; give at least one device")
+        return labels
+
+    def describe(self, device_ids: Sequence[int], slot: int) -> str:
+        return "cpu"
+
+    def run(self, module, device_ids, output_device, plan, inputs, kwargs):
+        if plan.whole:
+            return self._run_whole(module, device_ids, plan, inputs, kwargs)
+        chunk_inputs, chunk_kwargs = _scatter_all(inputs, kwargs, plan, cpu_splitter(plan.sizes, plan.dim))
+        outputs, timings = self.apply(module, device_ids, plan, chunk_inputs, chunk_kwargs)
+        output = gather_outputs(
+            outputs, plan.sizes, plan.dim, plan.scalar_mode,
+            concat=lambda tensors: torch.cat(list(tensors), plan.dim),
+            move=lambda tensor: tensor,
+        )
+        return output, timings
+
+    def _run_whole(self, module, device_ids, plan, inputs, kwargs):
+        outputs, timings = self.apply(module, device_ids, plan, [inputs], [kwargs])
+        return outputs[0], timings
+
+    def apply(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int],
+        plan: ChunkPlan,
+        chunk_inputs: Sequence[Any],
+        chunk_kwargs: Sequence[dict[str, Any]],
+    ) -> tuple[list[Any], list[Callable[[], ReplicaTiming]]]:
+        """Run the module on each chunk in turn, timing each with the wall clock."""
+        outputs, spans = [], []
+        clock = time.perf_counter
+        for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
+            started = clock()
+            try:
+                outputs.append(module(*args, **kw))
+            except Exception as error:
+                reraise_in_replica(error, self.where(device_ids, plan, position))
+            spans.append(clock() - started)
+        return outputs, self.timings(device_ids, plan, spans)
+
+    def timings(
+        self, device_ids: Sequence[int], plan: ChunkPlan, seconds: Sequence[float]
+    ) -> list[Callable[[], ReplicaTiming]]:
+        """Lazy timing records: built only when someone reads them."""
+        return [
+            partial(ReplicaTiming, slot, self.describe(device_ids, slot), size, spent)
+            for slot, size, spent in zip(plan.slots, plan.sizes, seconds)
+        ]
+
+
+class CudaBackend(DeviceBackend):
+    """Replicas on CUDA GPUs through PyTorch's own parallel primitives.
+
+    Chunks are copied with ``Scatter`` (per-device chunk sizes), the module is replicated only to
+    the GPUs with a non-empty chunk, replicas run in one thread per GPU, and outputs are gathered
+    with ``Gather`` in sample order. The module must live on ``device_ids[0]``, as for
+    ``nn.DataParallel``.
+    """
+
+    kind = "cuda"
+
+    def resolve_device_ids(self, device_ids, ratio_length):
+        count = torch.cuda.device_count()
+        if device_ids is None:
+            device_ids = list(range(count))
+        resolved = []
+        for position, device in enumerate(device_ids):
+            index = torch._utils._get_device_index(device, True)
+            if not 0 <= index < count:
+                raise ValueError(f"device_ids[{position}] = {device!r} is not one of the {count} CUDA devices")
+            resolved.append(index)
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(f"device_ids {resolved} contain duplicates")
+        if not resolved:
+            raise ValueError("device_ids is empty; give at least one CUDA device")
+        return resolved
+
+    def resolve_output_device(self, output_device, device_ids):
+        if output_device is None:
+            return device_ids[0]
+        return torch._utils._get_device_index(output_device, True)
+
+    def prepare(self, module, device_ids):
+        if len(device_ids) == 1:
+            module.to(torch.device("cuda", device_ids[0]))
+
+    def check_module(self, module, device_ids):
+        source = torch.device("cuda", device_ids[0])
+        for tensor in chain(module.parameters(), module.buffers()):
+            if tensor.device != source:
+                raise RuntimeError(
+                    f"module must have its parameters and buffers on device {source} "
+                    f"(device_ids[0]) but found one of them on device: {tensor.device}"
+                )
+
+    def describe(self, device_ids, slot):
+        return f"cuda:{device_ids[slot]}"
+
+    def run(self, module, device_ids, output_device, plan, inputs, kwargs):
+        devices = [device_ids[slot] for slot in plan.slots]
+        if plan.whole:
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", devices[0]))
+            chunk_inputs, chunk_kwargs = [inputs], [kwargs]
+        else:
+            chunk_inputs, chunk_kwargs = _scatter_all(
+                inputs, kwargs, plan, cuda_splitter(devices, plan.sizes, plan.dim)
+            )
+        source = device_ids[0]
+        if devices == [source]:
+            replicas = [module]  # as nn.DataParallel with one device: no replica, no gather
+        else:
+            targets = [source] + [d for d in devices if d != source]
+            copies = dict(zip(targets, replicate(module, targets, not torch.is_grad_enabled())))
+            replicas = [copies[d] for d in devices]
+        outputs, timings = self.parallel_apply(replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs)
+        if len(outputs) == 1 and devices == [source]:
+            return outputs[0], timings
+        target = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
+        output = gather_outputs(
+            outputs, plan.sizes, plan.dim, plan.scalar_mode,
+            concat=cuda_concat(output_device, plan.dim),
+            move=lambda tensor: tensor.to(target),
+        )
+        return output, timings
+
+    def parallel_apply(self, replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs):
+        """Run each replica on its GPU (one thread per GPU when several), timed by CUDA events."""
+        results: dict[int, Any] = {}
+        events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        grad_enabled, autocast_enabled = torch.is_grad_enabled(), torch.is_autocast_enabled()
+
+        def worker(position: int) -> None:
+            torch.set_grad_enabled(grad_enabled)
+            device = devices[position]
+            try:
+                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)), \
+                        torch.amp.autocast("cuda", enabled=autocast_enabled):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    results[position] = replicas[position](*chunk_inputs[position], **chunk_kwargs[position])
+                    end.record()
+                    events[position] = (start, end)
+            except Exception as error:  # re-raised in the caller's thread below
+                results[position] = error
+
+        if len(replicas) > 1:
+            threads = [threading.Thread(target=worker, args=(p,)) for p in range(len(replicas))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            worker(0)
+        outputs = []
+        for position in range(len(replicas)):
+            result = results[position]
+            if isinstance(result, Exception):
+                reraise_in_replica(result, self.where(device_ids, plan, position))
+            outputs.append(result)
+        timings = [
+            _cuda_timing(plan.slots[p], f"cuda:{devices[p]}", plan.sizes[p], *events[p])
+            for p in range(len(replicas))
+        ]
+        return outputs, timings
+
+
+def _cuda_timing(slot: int, device: str, samples: int, start: Any, end: Any) -> Callable[[], ReplicaTiming]:
+    def resolve() -> ReplicaTiming:
+        end.synchronize()
+        return ReplicaTiming(slot, device, samples, start.elapsed_time(end) / 1000.0)
+
+    return resolve
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj
+
+
+def default_backend() -> DeviceBackend:
+    """CUDA when PyTorch sees a CUDA device, else the sequential CPU path."""
+    return CudaBackend() if torch.cuda.is_available() else CpuBackend()

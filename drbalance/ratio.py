@@ -1,0 +1,190 @@
+"""The data ratio (DR): how an app's mini-batch is shared across the GPUs of a server.
+
+A DR is one non-negative integer share per GPU; the shares sum to a fixed total (the paper's
+default is 10, so ``[0, 7, 3, 0]`` puts 70% of every mini-batch on GPU 1 and 30% on GPU 2).
+This module is framework-free: the torch client, the manager and the simulator all use it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+
+DEFAULT_TOTAL = 10
+"""The paper's granularity: shares are tenths of the mini-batch."""
+
+
+def apportion(weights: Sequence[Fraction | int], amount: int) -> tuple[int, ...]:
+    """Split ``amount`` whole units in proportion to non-negative ``weights`` (largest remainder).
+
+    Every entry gets the floor of its exact quota; the units left over go, one each, to the
+    entries with the largest fractional remainder. Ties go to the larger weight, then the lower
+    index, so the result is deterministic. The result always sums to ``amount`` exactly, and an
+    entry with weight 0 always gets 0. Arithmetic is exact (integers or fractions), never float.
+    """
+    if amount < 0:
+        raise ValueError(f"cannot apportion a negative amount ({amount})")
+    if all(isinstance(w, int) for w in weights):
+        return _apportion_integers(tuple(weights), amount)  # type: ignore[arg-type]
+    fractions = [Fraction(w) for w in weights]
+    common = 1
+    for value in fractions:
+        common = common * value.denominator // _gcd(common, value.denominator)
+    return _apportion_integers(tuple(int(v * common) for v in fractions), amount)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+@lru_cache(maxsize=4096)
+def _apportion_integers(weights: tuple[int, ...], amount: int) -> tuple[int, ...]:
+    weight_sum = sum(weights)
+    if weight_sum <= 0 or min(weights) < 0:
+        raise ValueError(f"cannot apportion by weights {list(weights)}: need >= 0, sum > 0")
+    scaled = [w * amount for w in weights]
+    floors = [s // weight_sum for s in scaled]
+    leftover = amount - sum(floors)
+    if leftover:
+        # The remainder s % weight_sum orders entries by their exact fractional part.
+        order = sorted(range(len(weights)), key=lambda i: (-(scaled[i] % weight_sum), -weights[i], i))
+        for index in order[:leftover]:
+            floors[index] += 1
+    return tuple(floors)
+
+
+def _as_share(value: object, position: int, shares: Sequence[object]) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"DR shares must be non-negative integers; entry {position} of {list(shares)} "
+            f"is {value!r} ({type(value).__name__})"
+        )
+    if value < 0:
+        raise ValueError(
+            f"DR shares must be non-negative integers; entry {position} of {list(shares)} "
+            f"is {value}"
+        )
+    return int(value)
+
+
+@dataclass(frozen=True)
+class DataRatio:
+    """One integer share per GPU, summing to ``total`` (default 10).
+
+    ``DataRatio([1, 2, 7, 0])`` gives GPU 0 10%, GPU 1 20%, GPU 2 70% of each batch and holds no
+    replica on GPU 3. Construction validates: a ``ValueError`` names the bad value and the rule.
+    """
+
+    shares: tuple[int, ...]
+    total: int = DEFAULT_TOTAL
+
+    def __init__(self, shares: Sequence[int] | DataRatio, total: int | None = None) -> None:
+        if isinstance(shares, DataRatio):
+            total = shares.total if total is None else total
+            shares = shares.shares
+        if total is None:
+            total = DEFAULT_TOTAL
+        if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+            raise ValueError(f"a DR is a sequence of integer shares, one per GPU; got {shares!r}")
+        if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total < 1:
+            raise ValueError(f"the DR total must be a positive integer; got {total!r}")
+        if len(shares) == 0:
+            raise ValueError("a DR needs at least one GPU entry; got an empty sequence")
+        checked = tuple(_as_share(value, i, shares) for i, value in enumerate(shares))
+        if sum(checked) != total:
+            raise ValueError(
+                f"DR shares {list(checked)} sum to {sum(checked)}, but the DR total is {total} "
+                f"(shares must sum to the total exactly)"
+            )
+        object.__setattr__(self, "shares", checked)
+        object.__setattr__(self, "total", int(total))
+
+    # --- constructors -----------------------------------------------------------------------
+    @classmethod
+    def even(cls, gpu_count: int, total: int = DEFAULT_TOTAL) -> DataRatio:
+        """As even a split of ``total`` over ``gpu_count`` GPUs as integers allow."""
+        _check_gpu_count(gpu_count)
+        return cls(apportion([1] * gpu_count, total), total)
+
+    @classmethod
+    def single(cls, gpu_count: int, gpu: int, total: int = DEFAULT_TOTAL) -> DataRatio:
+        """The whole mini-batch on one GPU (index ``gpu`` of ``gpu_count``)."""
+        _check_gpu_count(gpu_count)
+        if not 0 <= gpu < gpu_count:
+            raise ValueError(f"GPU index {gpu} is outside 0..{gpu_count - 1}")
+        shares = [0] * gpu_count
+        shares[gpu] = total
+        return cls(shares, total)
+
+    @classmethod
+    def from_weights(cls, weights: Sequence[float], total: int = DEFAULT_TOTAL) -> DataRatio:
+        """Shares proportional to non-negative real ``weights`` (largest remainder, exact sum)."""
+        fractions = []
+        for i, weight in enumerate(weights):
+            if not isinstance(weight, numbers.Real) or weight != weight or weight < 0:
+                raise ValueError(f"weight {i} of {list(weights)} is {weight!r}; need a real >= 0")
+            if weight == float("inf"):
+                raise ValueError(f"weight {i} of {list(weights)} is infinite")
+            fractions.append(Fraction(weight))
+        return cls(apportion(fractions, total), total)
+
+    # --- queries ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.shares)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shares)
+
+    def __getitem__(self, index: int) -> int:
+        return self.shares[index]
+
+    @property
+    def used(self) -> tuple[int, ...]:
+        """Indices of the GPUs with a non-zero share (the paper's GPU_used)."""
+        return tuple(i for i, share in enumerate(self.shares) if share > 0)
+
+    def fraction(self, gpu: int) -> float:
+        """Share of GPU ``gpu`` as a fraction of the mini-batch (0..1)."""
+        return self.shares[gpu] / self.total
+
+    def split(self, batch_size: int) -> tuple[int, ...]:
+        """Chunk sizes (samples per GPU) for a batch of ``batch_size`` samples.
+
+        Sizes sum to ``batch_size`` exactly, are proportional to the shares (largest remainder,
+        deterministic ties) and are 0 wherever the share is 0. A batch smaller than the number
+        of non-zero shares leaves some of those GPUs with 0 samples.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+            raise ValueError(f"batch size must be an integer; got {batch_size!r}")
+        if batch_size < 0:
+            raise ValueError(f"batch size must be >= 0; got {batch_size}")
+        return apportion(self.shares, int(batch_size))
+
+    def rescale(self, total: int) -> DataRatio:
+        """The same proportions expressed with another total (largest remainder)."""
+        if total == self.total:
+            return self
+        return DataRatio(apportion(self.shares, total), total)
+
+    def to_list(self) -> list[int]:
+        return list(self.shares)
+
+    def __str__(self) -> str:
+        return f"[{', '.join(str(s) for s in self.shares)}]/{self.total}"
+
+
+def _check_gpu_count(gpu_count: int) -> None:
+    if isinstance(gpu_count, bool) or not isinstance(gpu_count, numbers.Integral) or gpu_count < 1:
+        raise ValueError(f"GPU count must be a positive integer; got {gpu_count!r}")
+
+
+def as_ratio(value: DataRatio | Sequence[int], total: int | None = None) -> DataRatio:
+    """Coerce a user value (a DataRatio or a list of ints) into a validated DataRatio."""
+    if isinstance(value, DataRatio):
+        return value if total is None or total == value.total else DataRatio(value.shares, total)
+    return DataRatio(value, total)

@@ -1,0 +1,251 @@
+"""BalancedDataParallel on the CPU path: split, order, gradients, state dicts, errors."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from drbalance import DataRatio
+from drbalance.client import BalancedDataParallel, CpuBackend
+
+RATIOS = [[10, 0, 0, 0], [1, 2, 7, 0], [3, 3, 3, 1], [0, 0, 0, 10], [0, 5, 0, 5]]
+
+
+def small_cnn(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+def batch(size: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, 5, (size,), generator=generator)
+
+
+def loss_and_grads(model: nn.Module, wrapped: nn.Module, images, labels):
+    model.zero_grad()
+    loss = nn.functional.cross_entropy(wrapped(images), labels)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("shares", RATIOS)
+@pytest.mark.parametrize("size", [1, 3, 16])
+def test_loss_and_gradients_match_the_bare_module(shares, size):
+    model = small_cnn()
+    images, labels = batch(size)
+    reference_loss, reference_grads = loss_and_grads(model, model, images, labels)
+    wrapped = BalancedDataParallel(model, ratio=shares)
+    loss, grads = loss_and_grads(model, wrapped, images, labels)
+    torch.testing.assert_close(loss, reference_loss)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert sum(wrapped.last_chunk_sizes) == size
+
+
+def test_optimizer_steps_with_ratio_changes_end_at_the_same_parameters():
+    plain, balanced = small_cnn(seed=3), small_cnn(seed=3)
+    wrapped = BalancedDataParallel(balanced, ratio=[10, 0, 0, 0])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, balanced)]
+    for step, shares in enumerate([[10, 0, 0, 0], [1, 2, 7, 0], [3, 3, 3, 1], [0, 0, 5, 5], [4, 0, 6, 0]]):
+        wrapped.set_ratio(shares)
+        images, labels = batch(12, seed=step)
+        for runner, optimizer in ((plain, optimizers[0]), (wrapped, optimizers[1])):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(runner(images), labels).backward()
+            optimizer.step()
+        assert wrapped.last_chunk_sizes == DataRatio(shares).split(12)
+    for a, b in zip(plain.parameters(), balanced.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dicts_interchange_with_data_parallel_and_the_bare_module():
+    source = small_cnn(seed=5)
+    balanced = BalancedDataParallel(source, ratio=[1, 2, 7, 0])
+    data_parallel = nn.DataParallel(small_cnn(seed=6))
+    assert list(balanced.state_dict()) == list(data_parallel.state_dict())
+    data_parallel.load_state_dict(balanced.state_dict())
+    bare = small_cnn(seed=7)
+    bare.load_state_dict(balanced.module.state_dict())
+    images, _ = batch(6)
+    torch.testing.assert_close(bare(images), balanced(images))
+    other = BalancedDataParallel(small_cnn(seed=8), ratio=[0, 0, 0, 10])
+    other.load_state_dict(data_parallel.state_dict())
+    torch.testing.assert_close(other(images), balanced(images))
+    assert isinstance(balanced, nn.DataParallel)
+
+
+class Echo(nn.Module):
+    """Returns its inputs, so gathering order and pass-through can be checked exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x, pair=None, *, extra=None, flag="default", table=None):
+        self.calls.append(x.shape[0])
+        return {"x": x, "pair": pair, "extra": extra, "flag": flag, "table": table}
+
+
+Pair = namedtuple("Pair", "left right")
+
+
+def test_nested_inputs_kwargs_and_non_tensors_are_split_and_gathered_in_order():
+    echo = Echo()
+    wrapped = BalancedDataParallel(echo, ratio=[2, 0, 5, 3])
+    x = torch.arange(10.0).unsqueeze(1)
+    pair = Pair(torch.arange(10), [torch.arange(10) * 2, "label"])
+    out = wrapped(x, pair, extra=(torch.arange(10) + 100,), flag="kept", table={"ids": torch.arange(10) - 5})
+    assert echo.calls == [2, 5, 3]  # one call per non-empty chunk, in slot order; none for slot 1
+    torch.testing.assert_close(out["x"], x)
+    assert isinstance(out["pair"], Pair)
+    torch.testing.assert_close(out["pair"].left, torch.arange(10))
+    torch.testing.assert_close(out["pair"].right[0], torch.arange(10) * 2)
+    assert out["pair"].right[1] == "label" and out["flag"] == "kept"
+    torch.testing.assert_close(out["extra"][0], torch.arange(10) + 100)
+    torch.testing.assert_close(out["table"]["ids"], torch.arange(10) - 5)
+    assert [t.slot for t in wrapped.last_replica_timings()] == [0, 2, 3]
+    assert all(t.seconds >= 0 and t.device == "cpu" for t in wrapped.last_replica_timings())
+
+
+def test_batch_smaller_than_used_gpus_runs_fewer_replicas():
+    echo = Echo()
+    wrapped = BalancedDataParallel(echo, ratio=[3, 3, 3, 1])
+    out = wrapped(torch.ones(2, 1))
+    assert echo.calls == [1, 1]
+    assert wrapped.last_chunk_sizes == (1, 1, 0, 0)
+    assert out["x"].shape == (2, 1)
+
+
+def test_call_without_tensors_or_with_an_empty_batch_runs_once_on_the_first_used_slot():
+    calls = []
+
+    class NoTensor(nn.Module):
+        def forward(self, value):
+            calls.append(value)
+            return value * 2
+
+    wrapped = BalancedDataParallel(NoTensor(), ratio=[0, 4, 6, 0])
+    assert wrapped(21) == 42 and calls == [21]
+    assert wrapped.last_chunk_sizes == (0, 0, 0, 0)
+    out = BalancedDataParallel(nn.Linear(3, 2), ratio=[5, 5])(torch.ones(0, 3))
+    assert out.shape == (0, 2)
+
+
+class MeanLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return ((self.linear(x).squeeze(1) - y) ** 2).mean()
+
+
+def test_scalar_outputs_are_weighted_by_chunk_size_by_default():
+    torch.manual_seed(0)
+    module = MeanLoss()
+    x, y = torch.randn(10, 4), torch.randn(10)
+    expected = module(x, y)
+    expected.backward()
+    expected_grad = module.linear.weight.grad.clone()
+    module.zero_grad()
+    wrapped = BalancedDataParallel(module, ratio=[1, 2, 7, 0])
+    loss = wrapped(x, y)
+    assert loss.dim() == 0
+    torch.testing.assert_close(loss, expected)
+    loss.mean().backward()  # the usual DataParallel idiom stays correct
+    torch.testing.assert_close(module.linear.weight.grad, expected_grad)
+
+
+def test_scalar_outputs_can_be_stacked_like_data_parallel():
+    torch.manual_seed(0)
+    module = MeanLoss()
+    x, y = torch.randn(10, 4), torch.randn(10)
+    stacked = BalancedDataParallel(module, ratio=[1, 2, 7, 0], scalar_outputs="stack")(x, y)
+    assert stacked.shape == (3,)
+    torch.testing.assert_close(stacked[2], module(x[3:], y[3:]))
+
+
+def test_set_ratio_applies_at_the_next_forward_never_mid_forward():
+    wrapped = None
+
+    class ChangesRatio(nn.Module):
+        def forward(self, x):
+            wrapped.set_ratio([0, 0, 0, 10])
+            return x
+
+    wrapped = BalancedDataParallel(ChangesRatio(), ratio=[5, 5, 0, 0])
+    wrapped(torch.ones(4, 1))
+    assert wrapped.last_chunk_sizes == (2, 2, 0, 0)  # every chunk of this forward kept the old DR
+    assert wrapped.ratio == DataRatio([0, 0, 0, 10])
+    wrapped(torch.ones(4, 1))
+    assert wrapped.last_chunk_sizes == (0, 0, 0, 4)
+
+
+def test_batchnorm_in_eval_mode_matches_and_train_mode_uses_per_chunk_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    x = torch.randn(8, 3)
+    wrapped = BalancedDataParallel(model, ratio=[5, 0, 5, 0])
+    model.eval()
+    torch.testing.assert_close(wrapped(x), model(x))
+    model.train()
+    per_chunk = torch.cat([model(x[:4]), model(x[4:])])
+    torch.testing.assert_close(wrapped(x), per_chunk)
+
+
+def test_default_ratio_is_an_exactly_even_split():
+    wrapped = BalancedDataParallel(Echo(), device_ids=[0, 1, 2, 3])
+    assert wrapped.ratio == DataRatio([1, 1, 1, 1], total=4)
+    wrapped(torch.ones(16, 1))
+    assert wrapped.last_chunk_sizes == (4, 4, 4, 4)
+    assert isinstance(wrapped.backend, CpuBackend)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"ratio": [5, 5, 0], "device_ids": [0, 1]}, ValueError, "has 3 entries but device_ids"),
+        ({"ratio": [5, 5], "device_ids": [0, 1, 2]}, ValueError, "has 2 entries but device_ids"),
+        ({"ratio": [6, 5]}, ValueError, "sum to 11, but the DR total is 10"),
+        ({"dim": "0"}, ValueError, "dim must be an integer"),
+        ({"scalar_outputs": "sum"}, ValueError, "scalar_outputs must be one of"),
+        ({"device_ids": [0, 0]}, ValueError, "duplicates"),
+        ({"device_ids": [torch.device("cuda", 0)]}, ValueError, "CUDA is not available"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        BalancedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+def test_not_a_module_and_bad_set_ratio():
+    with pytest.raises(TypeError, match="wraps an nn.Module"):
+        BalancedDataParallel(lambda x: x)
+    wrapped = BalancedDataParallel(nn.Linear(2, 2), ratio=[5, 5])
+    with pytest.raises(ValueError, match="sum to 4, but the DR total is 10"):
+        wrapped.set_ratio([2, 2])
+    with pytest.raises(ValueError, match="has 3 entries"):
+        wrapped.set_ratio([5, 5, 0])
+    assert wrapped.ratio == DataRatio([5, 5])  # a rejected ratio changes nothing
+
+
+def test_mismatched_tensor_lengths_are_rejected_with_the_offending_argument():
+    wrapped = BalancedDataParallel(Echo(), ratio=[5, 5])
+    with pytest.raises(ValueError, match=r"tensor inputs\[1\] has shape \(3,\).*4 samples"):
+        wrapped(torch.ones(4, 1), torch.ones(3))
+
+
+def test_an_error_in_a_replica_names_the_replica_and_device():
+    class FailsOnSmallChunks(nn.Module):
+        def forward(self, x):
+            if x.shape[0] < 3:
+                raise KeyError("boom")
+            return x
+
+    wrapped = BalancedDataParallel(FailsOnSmallChunks(), ratio=[0, 7, 0, 3])
+    with pytest.raises(KeyError, match=r"in replica 1 on device cpu \(DR slot 3, 3 samples\)|DR slot 3"):
+        wrapped(torch.ones(5, 1))

@@ -1,0 +1,101 @@
+"""BalancedDataParallel on CUDA. Skipped only where CUDA (or a second GPU) is missing.
+
+On a one-GPU machine the single-device cases run on cuda:0; the multi-GPU cases need two GPUs.
+Results from a GPU run are recorded in docs/gpu-results.md with the command.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from drbalance.client import BalancedDataParallel, CudaBackend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (hardware)")
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (hardware)"
+)
+
+
+def model_on(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+
+
+def test_single_gpu_matches_the_bare_module_and_times_on_cuda():
+    model = model_on("cuda:0")
+    x = torch.randn(9, 16)  # on the CPU: scattered to the GPU as DataParallel does
+    y = torch.randint(0, 4, (9,))
+    reference = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+    reference.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    wrapped = BalancedDataParallel(model, device_ids=[0], ratio=[10])
+    assert isinstance(wrapped.backend, CudaBackend)
+    loss = nn.functional.cross_entropy(wrapped(x), y.cuda())
+    loss.backward()
+    torch.testing.assert_close(loss, reference)
+    for grad, exp in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(grad, exp)
+    timings = wrapped.last_replica_timings()
+    assert [(t.slot, t.device, t.samples) for t in timings] == [(0, "cuda:0", 9)]
+    assert timings[0].seconds > 0
+
+
+def test_single_gpu_scalar_loss_and_state_dict_round_trip():
+    class MeanLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return ((self.linear(x).squeeze(1) - y) ** 2).mean()
+
+    module = MeanLoss().cuda()
+    x, y = torch.randn(7, 4, device="cuda"), torch.randn(7, device="cuda")
+    wrapped = BalancedDataParallel(module, device_ids=[0])
+    torch.testing.assert_close(wrapped(x, y), module(x, y))
+    data_parallel = nn.DataParallel(MeanLoss().cuda(), device_ids=[0])
+    data_parallel.load_state_dict(wrapped.state_dict())
+    torch.testing.assert_close(data_parallel(x, y), module(x, y))
+
+
+def test_module_on_the_wrong_device_is_reported():
+    wrapped = BalancedDataParallel(model_on("cuda:0"), device_ids=[0])
+    wrapped.module.to("cpu")
+    with pytest.raises(RuntimeError, match="on device cuda:0"):
+        wrapped(torch.randn(2, 16))
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("shares", [[10, 0], [0, 10], [3, 7], [7, 3]])
+def test_two_gpus_zero_shares_and_uneven_splits_match_the_bare_module(shares):
+    model = model_on("cuda:0")
+    x, y = torch.randn(10, 16, device="cuda:0"), torch.randint(0, 4, (10,), device="cuda:0")
+    nn.functional.cross_entropy(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    wrapped = BalancedDataParallel(model, device_ids=[0, 1], ratio=shares)
+    out = wrapped(x)
+    assert out.device == torch.device("cuda:0")
+    nn.functional.cross_entropy(out, y).backward()
+    for grad, exp in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(grad, exp, rtol=1e-4, atol=1e-5)
+    used = [slot for slot, share in enumerate(shares) if share]
+    assert [t.slot for t in wrapped.last_replica_timings()] == used
+
+
+@needs_two_gpus
+def test_an_error_names_the_gpu():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x):
+            if x.device.index == 1:
+                raise ValueError("bad chunk")
+            return self.linear(x)
+
+    wrapped = BalancedDataParallel(Fails().cuda(), device_ids=[0, 1], ratio=[5, 5])
+    with pytest.raises(ValueError, match="on device cuda:1"):
+        wrapped(torch.randn(4, 2))
