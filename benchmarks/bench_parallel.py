@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
           f"target <= 5%)")
     if torch.cuda.is_available():
         payload["gpu"] = bench_gpu(args)
-        print(f"GPU ({payload['gpu']['gpus']} GPU(s)): BalancedDataParallel / nn.DataParallel = "
-              f"{payload['gpu']['median_ratio']:.4f} (overhead {payload['gpu']['overhead_percent']:+.2f}%, target <= 2%)")
+        gpu = payload["gpu"]
+        print(f"GPU ({gpu['gpus']} GPU(s)): BalancedDataParallel / nn.DataParallel = {gpu['median_ratio']:.4f} "
+              f"(overhead {gpu['overhead_percent']:+.2f}%, target <= 2%)")
     else:
         payload["gpu"] = "not measured: CUDA is not available on this machine"
         print("GPU: not measured (CUDA is not available on this machine)")

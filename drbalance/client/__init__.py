@@ -2,6 +2,7 @@
 
 from drbalance.client.backends import ChunkPlan, CpuBackend, CudaBackend, DeviceBackend
 from drbalance.client.parallel import BalancedDataParallel
+from drbalance.client.session import ProfileComplete, Session
 from drbalance.client.timing import ReplicaTiming
 
 __all__ = [
@@ -10,5 +11,7 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "DeviceBackend",
+    "ProfileComplete",
     "ReplicaTiming",
+    "Session",
 ]

@@ -1,0 +1,63 @@
+"""The ``drbalance`` command: one subcommand per module, imported only when used.
+
+Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("demo", "drbalance.demo", "run the paper's scenario (a), scaled down, with and without balancing"),
+    ("launch", "drbalance.launcher", "start a manager and a scenario's apps as real processes"),
+    ("report", "drbalance.report.command", "summarise and plot the logs of one or more runs"),
+    ("simulate", "drbalance.sim.command", "simulate a scenario under a policy (no GPUs needed)"),
+    ("status", "drbalance.manager.status", "show the running manager's apps and GPU utilisation"),
+    ("profile", "drbalance.profile_command", "measure and store an app's solo-run time"),
+)
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None, str | None]:
+    parser = argparse.ArgumentParser(
+        prog="drbalance",
+        description="Fair sharing of a multi-GPU server by adaptive mini-batch redistribution. "
+        "The daemon itself is 'drbalance-manager'.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, module, help_text in SUBCOMMANDS:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(sub)
+            return parser, sub, module
+    return parser, None, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after '--' is another program's command line
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser, _sub, module = build_parser(argv)
+    args = parser.parse_args(argv)
+    args.passthrough = passthrough
+    if module is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return int(importlib.import_module(module).run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, PermissionError) as error:
+        print(f"drbalance {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

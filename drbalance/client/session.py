@@ -1,0 +1,359 @@
+"""The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
+
+    model = BalancedDataParallel(net, device_ids=[0, 1, 2, 3])
+    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=500, solo_time="resnet50")
+    for epoch in range(90):
+        for images, labels in loader:
+            ...; optimizer.step()
+            session.step()            # once per iteration, after the optimizer step
+    session.close()                   # or use the session as a context manager
+
+Every ``report_every`` iterations the session writes its SD, DR and progress into its shared
+record. At each decision boundary (the end of every epoch, and every ``decide_every`` iterations
+if set) it also sends a notice to the manager and waits at most ``exchange_timeout`` seconds for
+a new DR, which the model uses from its next forward. Without a manager, or with a slow or dead
+one, training goes on with its own DR (one warning); it re-attaches when a manager appears.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+from drbalance import env
+from drbalance.clock import Clock, SystemClock
+from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind
+from drbalance.ipc.link import DetachedLink, ManagerLink, PosixManagerLink
+from drbalance.ipc.names import IpcNames, check_app_name
+from drbalance.jsonlog import JsonLinesWriter
+from drbalance.profiles import Measurement, resolve_solo_time
+from drbalance.ratio import DataRatio
+from drbalance.slowdown import IterationPlan, SlowdownTracker
+
+logger = logging.getLogger("drbalance.client")
+
+
+class RatioTarget(Protocol):
+    """What a session steers: ``BalancedDataParallel`` (or anything with a DR to set)."""
+
+    @property
+    def ratio(self) -> DataRatio: ...
+
+    def set_ratio(self, ratio: DataRatio) -> None: ...
+
+
+class ProfileComplete(SystemExit):
+    """Raised by ``step()`` in profile mode once enough iterations are measured (exit status 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}; got {value!r}")
+    return value
+
+
+class Session:
+    """Connects one training job to the drbalance manager. See the module docstring.
+
+    Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
+    ``epochs`` x ``iterations_per_epoch`` (the iteration plan), ``solo_time`` (seconds, or the
+    name of a stored profile), ``report_every`` (iterations between records, default 5),
+    ``decide_every`` (iterations between decisions; default None = at epoch ends only),
+    ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
+    None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
+    to wait for the manager's answer, default 0.5), ``handle_sigterm`` (clean up on SIGTERM when
+    no other handler is installed, then die of SIGTERM as before; default True).
+    """
+
+    def __init__(
+        self,
+        model: RatioTarget,
+        app: str,
+        epochs: int,
+        iterations_per_epoch: int,
+        solo_time: float | str,
+        *,
+        report_every: int = 5,
+        decide_every: int | None = None,
+        namespace: str | None = None,
+        sd_log: str | Path | bool | None = None,
+        exchange_timeout: float = 0.5,
+        send_timeout: float = 0.05,
+        handle_sigterm: bool = True,
+        clock: Clock | None = None,
+        link: ManagerLink | None = None,
+    ) -> None:
+        if not (hasattr(model, "set_ratio") and hasattr(model, "ratio")):
+            raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
+        self.model = model
+        self.app = check_app_name(app)
+        self.plan = IterationPlan(epochs, iterations_per_epoch)
+        self.report_every = _positive_int(report_every, "report_every")
+        self.decide_every = _positive_int(decide_every, "decide_every", allow_none=True)
+        if not exchange_timeout >= 0 or not send_timeout >= 0:
+            raise ValueError("exchange_timeout and send_timeout must be >= 0 seconds")
+        if len(model.ratio) > MAX_GPUS:
+            raise ValueError(f"the model's DR has {len(model.ratio)} entries; the protocol carries at most {MAX_GPUS}")
+        self.exchange_timeout = float(exchange_timeout)
+        self.send_timeout = float(send_timeout)
+        self.clock = clock or SystemClock()
+        self.profile_output = env.profile_output()
+        self.own_ratio = model.ratio
+        if self.profile_output is not None:
+            self._start_profile_mode()
+            solo = 1.0  # unknown yet: this run measures it
+        else:
+            solo = resolve_solo_time(solo_time)
+        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic())
+        self.start_wall = self.clock.wall()
+        self.pid = os.getpid()
+        self.notice_seq = 0
+        self.applied_generation = 0
+        self._awaiting: int | None = None
+        self._attached_pid = 0
+        self._warned_absent = False
+        self._last_manager_look = self.clock.monotonic()
+        self._closed = False
+        self._state = AppState.STARTING
+        self.names = IpcNames.current(namespace)
+        self.link = link if link is not None else self._default_link()
+        self.log = self._open_log(sd_log)
+        self._previous_sigterm: Any = None
+        if handle_sigterm:
+            self._install_sigterm_handler()
+        atexit.register(self.close)
+        self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
+                        epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
+                        namespace=self.names.namespace, profile=self.profile_output is not None)
+        self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
+
+    # --- set-up -------------------------------------------------------------------------------
+    def _default_link(self) -> ManagerLink:
+        if self.profile_output is not None or env.no_manager():
+            return DetachedLink()
+        try:
+            return PosixManagerLink(self.names, self.app, self.clock)
+        except OSError as error:  # e.g. no /dev/shm: train on without a manager
+            logger.warning("drbalance: POSIX IPC unavailable (%s); training %r with its own DR %s",
+                           error, self.app, self.own_ratio)
+            return DetachedLink()
+
+    def _open_log(self, sd_log: str | Path | bool | None) -> JsonLinesWriter | None:
+        if sd_log is False:
+            return None
+        path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
+        return JsonLinesWriter(path, flush_every=64)
+
+    def _start_profile_mode(self) -> None:
+        ratio = self.model.ratio
+        self.model.set_ratio(DataRatio.single(len(ratio), 0, ratio.total))
+        self.profile_iterations = env.profile_iterations()
+        self.profile_warmup = env.profile_warmup()
+        self.profile_times: list[float] = []
+
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        chained = getattr(previous, "_drbalance_session", False)
+        if previous is not signal.SIG_DFL and not chained:
+            return  # the user's own handler stays; cleanup then comes from atexit or the manager's GC
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            self.close()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        on_sigterm._drbalance_session = True  # type: ignore[attr-defined]
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous_sigterm = (on_sigterm, previous)
+
+    # --- what the training loop calls --------------------------------------------------------
+    def step(self) -> None:
+        """Call once per iteration, after the optimizer step."""
+        if self._closed:
+            raise RuntimeError(f"session {self.app!r} is closed")
+        now = self.clock.monotonic()
+        duration = self.tracker.iteration_finished(now)
+        self._state = AppState.RUNNING
+        if self.profile_output is not None:
+            self._profile_step(duration)
+        if self.tracker.finished:
+            self._finish(now)
+            return
+        done = self.tracker.done
+        if done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0):
+            self._boundary(now)
+        elif done % self.report_every == 0:
+            self._report(now)
+
+    @property
+    def slowdown(self) -> float | None:
+        """The current SD (Eq. 2), or None before an iteration time is known."""
+        return self.tracker.slowdown(self.clock.monotonic())
+
+    @property
+    def attached(self) -> bool:
+        """Whether the last exchange reached a manager."""
+        return self._attached_pid != 0
+
+    def close(self) -> None:
+        """Leave: tell the manager (if the run is not finished), remove this app's IPC objects."""
+        if self._closed:
+            return
+        self._closed = True
+        now = self.clock.monotonic()
+        if self._state != AppState.FINISHED:
+            self._state = AppState.FINISHED
+            self._exchange(NoticeKind.FINISH, now, leaving=True)
+        self.link.close()
+        self._write_log("closed", now)
+        if self.log is not None:
+            self.log.close()
+        self._restore_sigterm_handler()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reports and boundaries ---------------------------------------------------------------
+    def _status(self, now: float) -> AppStatus:
+        tracker = self.tracker
+        return AppStatus(
+            pid=self.pid, app=self.app, state=self._state, ratio=self.model.ratio,
+            epoch=tracker.epoch, epochs=self.plan.epochs, iteration=tracker.done,
+            iterations_total=self.plan.total, iterations_per_epoch=self.plan.iterations_per_epoch,
+            notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
+            iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time,
+            start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
+        )
+
+    def _report(self, now: float) -> None:
+        self.link.publish(self._status(now))
+        self._write_log("report", now)
+        if self._awaiting is not None:
+            command = self.link.poll_command(self._awaiting)
+            if command is not None:
+                self._apply(command, now, late=True)
+        if not self.attached and now - self._last_manager_look > 5.0:
+            self._last_manager_look = now
+            if self.link.manager() is not None:
+                self._exchange(NoticeKind.REGISTER, now)
+
+    def _boundary(self, now: float) -> None:
+        self._write_log("boundary", now)
+        self._exchange(NoticeKind.BOUNDARY, now)
+        self.tracker.new_window()
+
+    def _finish(self, now: float) -> None:
+        self._state = AppState.FINISHED
+        self._write_log("finish", now)
+        if self.profile_output is not None:
+            self._write_measurement()
+        self._exchange(NoticeKind.FINISH, now)
+        self.close()
+
+    def _exchange(self, kind: NoticeKind, now: float, leaving: bool = False) -> None:
+        """Publish, notify, and (except for FINISH) wait a bounded time for the new DR."""
+        self._last_manager_look = now
+        beat = self.link.manager()
+        if beat is None:
+            self._lost_manager(now)
+            self.link.publish(self._status(now))
+            return
+        self.notice_seq += 1
+        self.link.publish(self._status(now))
+        notice = Notice(kind, self.pid, self.notice_seq, self.app, self.clock.wall())
+        if not self.link.notify(notice, self.send_timeout):
+            self._lost_manager(now, reason="its inbox did not accept a notice in time")
+            return
+        if self._attached_pid != beat.pid:
+            self._attached_pid, self._warned_absent = beat.pid, False
+            logger.info("drbalance: %r attached to the manager (pid %d)", self.app, beat.pid)
+            self._write_log("attached", now, manager_pid=beat.pid)
+        if kind == NoticeKind.FINISH:
+            return
+        command = self.link.await_command(self.notice_seq, self.exchange_timeout)
+        if command is None:
+            self._awaiting = self.notice_seq  # a late answer is applied at the next report
+            self._write_log("no_answer", now, generation=self.notice_seq)
+            return
+        self._apply(command, self.clock.monotonic())
+
+    def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
+        self._awaiting = None
+        self.applied_generation = command.generation
+        current = self.model.ratio
+        if len(command.ratio) != len(current):
+            logger.warning("drbalance: manager sent %r a DR of %d GPUs, the model has %d; ignored",
+                           self.app, len(command.ratio), len(current))
+            self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list())
+            return
+        if command.ratio != current:
+            self.model.set_ratio(command.ratio)
+            self._write_log("update", now, generation=command.generation, branch=command.branch,
+                            old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late)
+
+    def _lost_manager(self, now: float, reason: str = "none is running") -> None:
+        if self._attached_pid:
+            self._write_log("detached", now, manager_pid=self._attached_pid)
+        self._attached_pid = 0
+        self._awaiting = None
+        if not self._warned_absent and self.profile_output is None and not isinstance(self.link, DetachedLink):
+            self._warned_absent = True
+            logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",
+                           self.names.namespace, reason, self.app, self.model.ratio)
+
+    # --- logs and profile mode ------------------------------------------------------------------
+    def _write_log(self, event: str, now: float, **extra: Any) -> None:
+        if self.log is None:
+            return
+        tracker = self.tracker
+        ratio = self.model.ratio
+        record = {
+            "t": self.clock.wall(), "elapsed": now - tracker.start, "event": event, "app": self.app,
+            "pid": self.pid, "epoch": tracker.epoch, "iteration": tracker.done,
+            "iterations_total": self.plan.total, "sd": tracker.slowdown(now),
+            "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
+        }
+        record.update(extra)
+        self.log.write(record)
+        if event != "report":
+            self.log.flush()
+
+    def _profile_step(self, duration: float) -> None:
+        self.profile_times.append(duration)
+        if len(self.profile_times) >= self.profile_iterations and not self.tracker.finished:
+            self._write_measurement()
+            self.close()
+            raise ProfileComplete()
+
+    def _write_measurement(self) -> None:
+        device = getattr(self.model, "backend", None)
+        label = device.describe(self.model.device_ids, 0) if device is not None else "unknown"
+        Measurement(self.profile_times, self.profile_warmup, self.plan.total, label).write(self.profile_output)
+
+    def _restore_sigterm_handler(self) -> None:
+        if not self._previous_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        mine, previous = self._previous_sigterm
+        if signal.getsignal(signal.SIGTERM) is mine:
+            signal.signal(signal.SIGTERM, previous)
+        self._previous_sigterm = None

@@ -1,0 +1,38 @@
+"""``drbalance profile NAME -- COMMAND...``: measure a solo-run time and store it by name."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from drbalance import env
+from drbalance.profiles import run_profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run a training script alone for a few hundred iterations, extrapolate its solo-run time "
+        "(iterations in its full plan x mean iteration time after warm-up) and store it under NAME. "
+        "The script must use a drbalance Session; in profile mode the session trains on its first "
+        "device only, never contacts a manager, and ends the script after --iterations iterations. "
+        "Refer to the result with Session(..., solo_time=NAME)."
+    )
+    parser.usage = "drbalance profile NAME [options] -- TRAINING COMMAND..."
+    parser.add_argument("name", help="profile name (letters, digits, '_', '.', '-'); the training command "
+                        "follows '--', e.g. -- python examples/train.py --model resnet50")
+    parser.add_argument("--iterations", type=int, default=200,
+                        help="iterations to run, warm-up included (default 200)")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="leading iterations left out of the mean (default 10)")
+    parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    parser.add_argument("--profiles", default=None,
+                        help=f"profiles file (default DRBALANCE_PROFILES or {env.profiles_path()})")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.passthrough)
+    path = Path(args.profiles) if args.profiles else None
+    profile = run_profile(args.name, command, args.iterations, args.warmup, path=path, timeout=args.timeout)
+    print(f"{profile.name}\t{profile.solo_time_s:.3f} s solo-run time\t"
+          f"{profile.iteration_time_s * 1000:.2f} ms/iteration")
+    return 0

@@ -1,0 +1,187 @@
+"""Solo-run profiles: measure an app alone on one device, store its solo-run time by name.
+
+``drbalance profile NAME -- python train.py ...`` runs the script with ``DRBALANCE_PROFILE_*``
+set. The script's session then trains alone on its first device, records each iteration's
+duration, writes them to a file and ends the script after N iterations. The solo-run time is
+extrapolated as ``iterations in the full plan x mean iteration time after warm-up`` and stored
+under NAME in the profiles file (``DRBALANCE_PROFILES``, see ``docs/profiles.md``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from drbalance import env
+
+PROFILES_VERSION = 1
+PROFILE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A stored solo-run measurement. Times in seconds."""
+
+    name: str
+    solo_time_s: float
+    iteration_time_s: float
+    iterations_total: int
+    measured_iterations: int
+    warmup_iterations: int
+    device: str
+    command: list[str]
+    host: str
+    created: str
+
+
+class ProfileNotFound(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0])
+
+
+def check_profile_name(name: str) -> str:
+    if not name or len(name) > 64 or not set(name) <= PROFILE_NAME_CHARS:
+        raise ValueError(f"profile name {name!r} is not valid: use 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
+def _read_store(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"version": PROFILES_VERSION, "profiles": {}}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"profiles file {path} is not readable JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
+        raise ValueError(f"profiles file {path} has no 'profiles' object")
+    return data
+
+
+def load_profile(name: str, path: Path | None = None) -> Profile:
+    """The stored profile ``name``; ``ProfileNotFound`` lists the names that exist."""
+    path = path or env.profiles_path()
+    profiles = _read_store(path)["profiles"]
+    if name not in profiles:
+        known = ", ".join(sorted(profiles)) or "none"
+        raise ProfileNotFound(
+            f"no solo-run profile named {name!r} in {path} (profiles there: {known}); "
+            f"create one with: drbalance profile {name} -- python your_train.py ..."
+        )
+    try:
+        profile = Profile(**profiles[name])
+    except TypeError as error:
+        raise ValueError(f"profile {name!r} in {path} is malformed: {error}") from None
+    if not (isinstance(profile.solo_time_s, (int, float)) and math.isfinite(profile.solo_time_s)
+            and profile.solo_time_s > 0):
+        raise ValueError(f"profile {name!r} in {path} has an invalid solo time {profile.solo_time_s!r}")
+    return profile
+
+
+def save_profile(profile: Profile, path: Path | None = None) -> Path:
+    """Add or replace ``profile`` in the store (locked, atomically replaced)."""
+    path = path or env.profiles_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read_store(path)
+        data["profiles"][profile.name] = asdict(profile)
+        data["version"] = PROFILES_VERSION
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".profiles.")
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.write("\n")
+        os.replace(temporary, path)
+    return path
+
+
+def resolve_solo_time(solo_time: float | str) -> float:
+    """Seconds from a number, or from the stored profile of that name."""
+    if isinstance(solo_time, str):
+        return load_profile(solo_time).solo_time_s
+    return float(solo_time)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a session in profile mode writes: its iteration times and its full plan."""
+
+    iteration_times: list[float]
+    warmup: int
+    iterations_total: int
+    device: str
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, path: Path) -> Measurement:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as error:
+            raise ValueError(f"profile measurement {path} is missing or malformed: {error}") from None
+
+
+def extrapolate(measurement: Measurement) -> tuple[float, float]:
+    """(solo-run seconds, mean iteration seconds) from the post-warm-up iterations."""
+    steady = measurement.iteration_times[measurement.warmup:]
+    if not steady:
+        raise ValueError(
+            f"the profile run finished only {len(measurement.iteration_times)} iterations, none after "
+            f"the {measurement.warmup} warm-up ones; run more iterations or a shorter warm-up"
+        )
+    mean = statistics.fmean(steady)
+    return mean * measurement.iterations_total, mean
+
+
+def run_profile(
+    name: str, command: Sequence[str], iterations: int, warmup: int, path: Path | None = None,
+    timeout: float | None = None,
+) -> Profile:
+    """Run ``command`` in profile mode and store the result as ``name``."""
+    check_profile_name(name)
+    if not command:
+        raise ValueError("give the training command after '--', e.g. drbalance profile NAME -- python train.py")
+    if iterations <= warmup:
+        raise ValueError(f"--iterations ({iterations}) must be larger than --warmup ({warmup})")
+    with tempfile.TemporaryDirectory(prefix="drbalance-profile-") as scratch:
+        output = Path(scratch) / "measurement.json"
+        child_env = dict(os.environ)
+        child_env.update({
+            "DRBALANCE_PROFILE_OUTPUT": str(output),
+            "DRBALANCE_PROFILE_ITERATIONS": str(iterations),
+            "DRBALANCE_PROFILE_WARMUP": str(warmup),
+        })
+        started = time.monotonic()
+        completed = subprocess.run(list(command), env=child_env, timeout=timeout)
+        if completed.returncode != 0:
+            raise RuntimeError(f"the profiled command exited with status {completed.returncode}: {list(command)}")
+        if not output.exists():
+            raise RuntimeError(
+                "the profiled command finished without writing a measurement: does it create a "
+                "drbalance Session and call session.step() every iteration?"
+            )
+        measurement = Measurement.read(output)
+    solo, mean = extrapolate(measurement)
+    profile = Profile(
+        name=name, solo_time_s=solo, iteration_time_s=mean, iterations_total=measurement.iterations_total,
+        measured_iterations=len(measurement.iteration_times) - measurement.warmup,
+        warmup_iterations=measurement.warmup, device=measurement.device, command=list(command),
+        host=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    save_profile(profile, path)
+    print(f"profile {name!r}: {mean * 1000:.1f} ms/iteration x {measurement.iterations_total} iterations "
+          f"= solo-run time {solo:.1f} s (measured in {time.monotonic() - started:.0f} s on {measurement.device})",
+          file=sys.stderr)
+    return profile

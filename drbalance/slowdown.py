@@ -1,0 +1,107 @@
+"""Slow-down (SD) by the paper's Eq. 2, as the client and the simulator compute it.
+
+    SD = (T_now - T_start + iterations_left * iter_time) / solo_run_time
+
+``iter_time`` is the mean iteration time (seconds) in the current *window*: the current epoch,
+or the current decision interval when decisions come every K iterations. A window starts at each
+decision boundary, so it also restarts whenever the DR may have changed. Before the first
+iteration of a new window finishes, the previous window's mean is used. The first iteration of a
+run is warm-up (model set-up, allocator and cuDNN warm-up): it counts for progress and elapsed
+time but not for the mean. Once every iteration is done, SD is the actual finish time / solo time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """How long a run is: ``epochs`` x ``iterations_per_epoch`` iterations."""
+
+    epochs: int
+    iterations_per_epoch: int
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "iterations_per_epoch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+    @property
+    def total(self) -> int:
+        return self.epochs * self.iterations_per_epoch
+
+
+def check_solo_time(seconds: float) -> float:
+    """A solo-run time must be a finite number of seconds > 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"solo-run time must be a finite number of seconds > 0; got {seconds!r}")
+    return float(seconds)
+
+
+class SlowdownTracker:
+    """Progress, the windowed mean iteration time, and SD (Eq. 2). Times in seconds."""
+
+    def __init__(self, plan: IterationPlan, solo_time: float, start: float) -> None:
+        self.plan = plan
+        self.solo_time = check_solo_time(solo_time)
+        self.start = float(start)
+        self.last_mark = float(start)
+        self.done = 0
+        self._window_sum = 0.0
+        self._window_count = 0
+        self._previous_mean: float | None = None
+
+    def iteration_finished(self, now: float) -> float:
+        """Record that one more iteration ended at ``now``; return its duration."""
+        if self.done >= self.plan.total:
+            raise RuntimeError(f"the plan has {self.plan.total} iterations and all are done")
+        duration = max(0.0, now - self.last_mark)
+        self.last_mark = now
+        self.done += 1
+        if self.done > 1:  # the first iteration of the run is warm-up
+            self._window_sum += duration
+            self._window_count += 1
+        return duration
+
+    def new_window(self) -> None:
+        """Start a new averaging window (at a decision boundary)."""
+        if self._window_count:
+            self._previous_mean = self._window_sum / self._window_count
+        self._window_sum, self._window_count = 0.0, 0
+
+    @property
+    def mean_iteration_time(self) -> float | None:
+        """Mean seconds per iteration in this window (else the last window's; None before any)."""
+        if self._window_count:
+            return self._window_sum / self._window_count
+        return self._previous_mean
+
+    @property
+    def iterations_left(self) -> int:
+        return self.plan.total - self.done
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.plan.total
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self.done // self.plan.iterations_per_epoch
+
+    def slowdown(self, now: float) -> float | None:
+        """SD at ``now``; None while no iteration time is known yet."""
+        if self.finished:
+            return (self.last_mark - self.start) / self.solo_time
+        mean = self.mean_iteration_time
+        if mean is None:
+            return None
+        return (now - self.start + self.iterations_left * mean) / self.solo_time
+
+    def predicted_finish(self, now: float) -> float | None:
+        """Predicted seconds from start to the end of the run."""
+        sd = self.slowdown(now)
+        return None if sd is None else sd * self.solo_time

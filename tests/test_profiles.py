@@ -1,0 +1,78 @@
+"""Solo-run profiles: the command measures a real script, stores it, the client resolves it."""
+
+import json
+import sys
+
+import pytest
+from torch import nn
+
+from drbalance.cli import main as drbalance
+from drbalance.client import BalancedDataParallel
+from drbalance.client.session import Session
+from drbalance.profiles import Measurement, ProfileNotFound, extrapolate, load_profile, run_profile
+
+
+def test_profile_command_measures_a_real_script_and_the_session_resolves_the_name(ipc_env, tmp_path, capsys):
+    status = drbalance([
+        "profile", "toy", "--iterations", "30", "--warmup", "5", "--",
+        sys.executable, "-m", "tests.helpers.toy_app", "--app", "prof", "--epochs", "4", "--iterations", "50",
+        "--sleep", "0.02",
+    ])
+    assert status == 0
+    profile = load_profile("toy")
+    assert profile.iterations_total == 200 and profile.measured_iterations == 25 and profile.device == "cpu"
+    assert 0.02 <= profile.iteration_time_s < 0.2
+    assert profile.solo_time_s == pytest.approx(200 * profile.iteration_time_s)
+    stored = json.loads((tmp_path / "profiles.json").read_text())
+    assert stored["version"] == 1 and stored["profiles"]["toy"]["solo_time_s"] == profile.solo_time_s
+    assert "toy\t" in capsys.readouterr().out
+
+    session = Session(BalancedDataParallel(nn.Linear(2, 2)), "user", 1, 10, solo_time="toy",
+                      sd_log=False, handle_sigterm=False)
+    assert session.tracker.solo_time == profile.solo_time_s
+    session.close()
+
+
+def test_profile_mode_trains_alone_on_the_first_device(ipc_env, tmp_path, monkeypatch):
+    output = tmp_path / "m.json"
+    monkeypatch.setenv("DRBALANCE_PROFILE_OUTPUT", str(output))
+    monkeypatch.setenv("DRBALANCE_PROFILE_ITERATIONS", "3")
+    monkeypatch.setenv("DRBALANCE_PROFILE_WARMUP", "1")
+    model = BalancedDataParallel(nn.Linear(2, 2), ratio=[2, 3, 5])
+    session = Session(model, "profiled", 2, 5, solo_time="does-not-exist-yet", sd_log=False, handle_sigterm=False)
+    assert model.ratio.shares == (10, 0, 0)
+    session.step()
+    session.step()
+    with pytest.raises(SystemExit) as ended:
+        session.step()
+    assert ended.value.code == 0
+    measurement = Measurement.read(output)
+    assert len(measurement.iteration_times) == 3 and measurement.iterations_total == 10
+    assert ipc_env.listed_apps() == []  # never touched the manager protocol
+
+
+def test_unknown_profile_names_list_what_exists(ipc_env, tmp_path):
+    with pytest.raises(ProfileNotFound, match=r"no solo-run profile named 'nope'.*profiles there: none"):
+        Session(BalancedDataParallel(nn.Linear(2, 2)), "user", 1, 10, solo_time="nope", sd_log=False)
+    assert ipc_env.listed_apps() == []  # a refused session leaves nothing behind
+
+
+def test_bad_profile_runs_give_clear_errors(ipc_env, tmp_path):
+    with pytest.raises(RuntimeError, match="without writing a measurement"):
+        run_profile("x", [sys.executable, "-c", "pass"], 20, 5)
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        run_profile("x", [sys.executable, "-c", "raise SystemExit(3)"], 20, 5)
+    with pytest.raises(ValueError, match="must be larger than --warmup"):
+        run_profile("x", ["true"], 5, 5)
+    with pytest.raises(ValueError, match="profile name"):
+        run_profile("bad name", ["true"], 20, 5)
+    with pytest.raises(ValueError, match="none after the 4 warm-up"):
+        extrapolate(Measurement([0.1] * 4, 4, 100, "cpu"))
+    (tmp_path / "profiles.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        load_profile("any")
+
+
+def test_extrapolation_uses_the_mean_after_warmup():
+    solo, mean = extrapolate(Measurement([5.0, 1.0, 2.0, 3.0], 1, 100, "cpu"))
+    assert mean == pytest.approx(2.0) and solo == pytest.approx(200.0)

@@ -1,0 +1,136 @@
+"""The training-side protocol between real processes over real POSIX IPC.
+
+A real training process (tests/helpers/toy_app.py) talks to a minimal manager process built on
+the manager-side primitives (tests/helpers/toy_manager.py). The daemon's own tests are in
+test_manager_daemon.py.
+"""
+
+import json
+import os
+import signal
+import time
+
+from tests.conftest import leftovers, python_process
+
+
+def lines(process, timeout=60):
+    out, err = process.communicate(timeout=timeout)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")], err
+
+
+def start_manager(*args):
+    manager = python_process("tests.helpers.toy_manager", *args)
+    assert "ready" in manager.stdout.readline()
+    return manager
+
+
+def stop(process):
+    """Stop a toy manager the way a user would (Ctrl-C), so it removes its inbox and heartbeat."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    process.communicate(timeout=30)
+
+
+def test_notice_and_update_between_two_real_processes(ipc_env):
+    manager = start_manager("--answer", "0,0,0,10", "--notices", "3")
+    app = python_process("tests.helpers.toy_app", "--app", "pair", "--epochs", "2", "--iterations", "3")
+    app_lines, err = lines(app)
+    manager_lines, _ = lines(manager)
+    assert app.returncode == 0, err
+    assert app_lines[0] == {"iteration": 0, "ratio": [0, 0, 0, 10], "attached": True}  # REGISTER answered
+    kinds = [(m["kind"], m["seq"]) for m in manager_lines if "kind" in m]
+    # the end of the last epoch is the end of the run: a FINISH, no decision
+    assert kinds == [("REGISTER", 1), ("BOUNDARY", 2), ("FINISH", 3)]
+    boundary = [m for m in manager_lines if m.get("kind") == "BOUNDARY"][0]
+    assert boundary["iteration"] == 3 and boundary["sd"] > 0  # step 3 read the record written at step 1
+    assert leftovers(ipc_env) == []
+
+
+def test_without_a_manager_training_finishes_in_bounded_time(ipc_env):
+    app = python_process("tests.helpers.toy_app", "--app", "alone", "--epochs", "5", "--iterations", "4",
+                         "--sleep", "0.01", "--exchange-timeout", "2.0")
+    app_lines, err = lines(app)
+    assert app.returncode == 0, err
+    done = app_lines[-1]
+    assert done["done"] and done["elapsed"] < 20 * 0.01 + 1.0, done  # no waiting for an absent manager
+    assert all(line["ratio"] == [1, 1, 1, 1] for line in app_lines if "ratio" in line)
+    assert err.count("no manager in namespace") == 1  # one warning, not one per boundary
+    assert leftovers(ipc_env) == []
+
+
+def test_a_stuck_manager_costs_at_most_the_exchange_timeout_per_boundary(ipc_env):
+    manager = start_manager("--silent", "--seconds", "20")  # heartbeats, never reads its inbox
+    try:
+        app = python_process("tests.helpers.toy_app", "--app", "patient", "--epochs", "12", "--iterations", "1",
+                             "--sleep", "0", "--exchange-timeout", "0.1")
+        app_lines, err = lines(app)
+    finally:
+        stop(manager)
+    assert app.returncode == 0, err
+    # 12 boundaries + register: at most 13 x 0.1 s of waiting; once the 10-message inbox is full,
+    # notices fail within the 50 ms send timeout instead.
+    assert app_lines[-1]["elapsed"] < 13 * 0.1 + 1.5, app_lines[-1]
+    assert leftovers(ipc_env) == []
+
+
+def test_a_dead_manager_leaves_no_app_stuck_and_a_new_one_is_found(ipc_env):
+    dead = start_manager("--seconds", "30")
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait()
+    # its inbox and heartbeat are still there, stale: the app must see that nobody is home
+    app = python_process("tests.helpers.toy_app", "--app", "orphan", "--epochs", "40", "--iterations", "2",
+                         "--sleep", "0.1", "--exchange-timeout", "1.0")
+    try:
+        first = json.loads(app.stdout.readline())
+        assert first == {"iteration": 0, "ratio": [1, 1, 1, 1], "attached": False}
+        manager = start_manager("--answer", "10,0,0,0", "--seconds", "30")
+        attached_at = None
+        for raw in app.stdout:
+            line = json.loads(raw)
+            if line.get("attached"):
+                attached_at = line["iteration"]
+                break
+        assert attached_at is not None and attached_at < 40
+        app_lines, err = lines(app)
+        assert app.returncode == 0, err
+        assert app_lines[-2]["ratio"] == [10, 0, 0, 0]  # the new manager's DR applied after re-attaching
+    finally:
+        app.kill()
+        stop(manager)
+    assert leftovers(ipc_env) == []
+
+
+def test_sigterm_and_exceptions_remove_the_apps_objects(ipc_env):
+    app = python_process("tests.helpers.toy_app", "--app", "termed", "--hang-after", "2")
+    for _ in range(3):
+        app.stdout.readline()
+    assert ipc_env.listed_apps() == ["termed"]
+    app.send_signal(signal.SIGTERM)
+    app.wait(timeout=30)
+    assert app.returncode == -signal.SIGTERM  # still dies of SIGTERM, as without drbalance
+    assert leftovers(ipc_env) == []
+
+    failing = python_process("tests.helpers.toy_app", "--app", "crashes", "--fail-after", "2")
+    _, err = lines(failing)
+    assert failing.returncode == 1 and "failing on purpose" in err
+    assert leftovers(ipc_env) == []
+
+
+def test_the_sd_log_is_json_lines_with_the_documented_fields(ipc_env, tmp_path):
+    manager = start_manager("--answer", "0,5,5,0", "--notices", "3")
+    app = python_process("tests.helpers.toy_app", "--app", "logged", "--epochs", "2", "--iterations", "6")
+    _, err = lines(app)
+    lines(manager)
+    assert app.returncode == 0, err
+    records = [json.loads(line) for line in (tmp_path / "logs" / "logged.sd.jsonl").read_text().splitlines()]
+    events = [r["event"] for r in records]
+    assert events[:3] == ["start", "attached", "update"] and events[-2:] == ["finish", "closed"]
+    assert events.count("boundary") == 1 and events.count("report") >= 1
+    for record in records:
+        assert {"t", "elapsed", "event", "app", "pid", "epoch", "iteration", "sd", "dr", "dr_total",
+                "iter_time"} <= set(record)
+    update = records[events.index("update")]
+    assert update["old_dr"] == [1, 1, 1, 1] and update["new_dr"] == [0, 5, 5, 0] and update["branch"] == "toy"
+    finish = records[events.index("finish")]
+    assert finish["iteration"] == 12 and finish["sd"] > 0
+    assert time.time() - finish["t"] < 120

@@ -1,0 +1,232 @@
+"""Shared-memory records and notices: layout, validation, torn reads, stale leftovers, modes."""
+
+import dataclasses
+import os
+import signal
+import stat
+import struct
+import time
+
+import posix_ipc
+import pytest
+
+from drbalance import DataRatio
+from drbalance.ipc import objects
+from drbalance.ipc.layout import (
+    LAYOUT_VERSION,
+    AppCommand,
+    AppState,
+    AppStatus,
+    ManagerBeat,
+    Notice,
+    NoticeKind,
+    RecordError,
+)
+from drbalance.ipc.names import SHM_DIR, IpcNames
+from drbalance.ipc.records import AppNameInUse, AppRecord, RecordBusy, RecordEmpty
+from tests.conftest import leftovers, python_process
+from tests.helpers.record_writer import consistent, status_for
+
+
+def sample_status(**changes) -> AppStatus:
+    base = AppStatus(
+        pid=os.getpid(), app="rec", state=AppState.RUNNING, ratio=DataRatio([1, 2, 7, 0]), epoch=1, epochs=3,
+        iteration=12, iterations_total=30, iterations_per_epoch=10, notice_seq=4, slowdown=1.37,
+        iteration_time=0.25, solo_time=7.5, start_wall=1.7e9, updated_wall=1.7e9 + 3, updated_mono=123.0,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_status_command_notice_and_heartbeat_round_trip(ipc_env):
+    record = AppRecord.create(ipc_env, "rec")
+    try:
+        with pytest.raises(RecordEmpty):
+            record.read_status()
+        assert record.read_command() is None
+        status = sample_status(slowdown=None, iteration_time=None, state=AppState.STARTING)
+        record.write_status(status)
+        assert record.read_status() == status
+        status = sample_status()
+        record.write_status(status)
+        assert record.read_status() == status
+        command = AppCommand(4242, 7, DataRatio([0, 0, 3, 7]), "util", 1.7e9)
+        record.write_command(command)
+        assert record.read_command() == command
+    finally:
+        record.close()
+        objects.unlink_shared_memory(ipc_env.app_record("rec"))
+    notice = Notice(NoticeKind.BOUNDARY, 99, 5, "rec", 1.7e9)
+    assert Notice.decode(notice.encode()) == notice
+    beat = ManagerBeat(99, 4, 10, 1.7e9, 55.0)
+    assert ManagerBeat.decode(beat.encode(), "hb") == beat
+
+
+def corrupt(status_bytes: bytes, fmt: str, offset: int, value) -> bytes:
+    data = bytearray(status_bytes)
+    struct.pack_into(fmt, data, offset, value)
+    return bytes(data)
+
+
+# Offsets inside the AppStatus payload (see AppStatus.STRUCT).
+PID, NAME, STATE, FLAGS, COUNT, TOTAL, SHARES = 0, 4, 52, 53, 54, 56, 60
+FLOATS = AppStatus.STRUCT.size - 6 * 8  # sd, iter_time, solo, start, updated, mono
+
+
+@pytest.mark.parametrize(
+    ("fmt", "offset", "value", "message"),
+    [
+        ("<i", PID, 0, "pid 0 is not a process id"),
+        ("<B", STATE, 9, "unknown app state 9"),
+        ("<B", COUNT, 0, "GPU count 0 outside"),
+        ("<B", COUNT, 40, "GPU count 40 outside"),
+        ("<H", TOTAL, 11, "sum to 10, but the DR total is 11"),
+        ("<H", SHARES + 2 * 5, 3, "shares beyond GPU 3 are not zero"),
+        ("<d", FLOATS, float("nan"), "SD is nan"),
+        ("<d", FLOATS, float("inf"), "SD is inf"),
+        ("<d", FLOATS, -1.0, "SD is -1.0"),
+        ("<d", FLOATS + 8, float("nan"), "iteration time is nan"),
+        ("<d", FLOATS + 16, 0.0, "solo-run time 0.0"),
+        ("<d", FLOATS + 40, float("inf"), "monotonic time is inf"),
+        ("<4s", NAME, b"../x", "app name '../x' is not valid"),
+        ("<2s", NAME, b"\xff\xfe", "not ASCII"),
+    ],
+)
+def test_malformed_status_bytes_are_rejected_with_a_clear_error(fmt, offset, value, message):
+    payload = corrupt(sample_status().encode(), fmt, offset, value)
+    with pytest.raises(RecordError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        AppStatus.decode(payload, "test record")
+
+
+def test_malformed_notices_are_rejected_with_a_clear_error():
+    good = Notice(NoticeKind.REGISTER, 7, 1, "app", 1.0).encode()
+    cases = {
+        good[:-1]: "75 bytes, expected 76",
+        b"XXXX" + good[4:]: "bad magic",
+        good[:4] + struct.pack("<H", LAYOUT_VERSION + 1) + good[6:]: "version 2",
+        good[:6] + b"\x09" + good[7:]: "unknown kind 9",
+        good[:8] + struct.pack("<i", -5) + good[12:]: "pid -5",
+        good[:-8] + struct.pack("<d", float("nan")): "send time is nan",
+        b"": "0 bytes",
+    }
+    for message, expected in cases.items():
+        with pytest.raises(RecordError, match=expected):
+            Notice.decode(message)
+
+
+def test_checksum_catches_bytes_changed_behind_the_seqlock(ipc_env):
+    record = AppRecord.create(ipc_env, "rec")
+    try:
+        record.write_status(sample_status())
+        area = record.status_area
+        record.segment.mapping[area.start + 60] ^= 0xFF  # flip a byte without touching the counter
+        with pytest.raises(RecordError, match="checksum mismatch"):
+            record.read_status()
+        struct.pack_into("<I", record.segment.mapping, area.offset, 7)  # a writer died mid-write
+        with pytest.raises(RecordBusy, match="still being written"):
+            area.read(attempts=30)
+        record.write_status(sample_status())  # the next writer recovers the area
+        assert record.read_status() == sample_status()
+    finally:
+        record.close()
+        objects.unlink_shared_memory(ipc_env.app_record("rec"))
+
+
+def test_a_record_naming_another_app_is_refused(ipc_env):
+    record = AppRecord.create(ipc_env, "owner")
+    try:
+        record.write_status(sample_status(app="intruder"))
+        with pytest.raises(RecordError, match="names app 'intruder', not 'owner'"):
+            record.read_status()
+    finally:
+        record.close()
+        objects.unlink_shared_memory(ipc_env.app_record("owner"))
+
+
+def test_reader_never_sees_a_torn_record_while_another_process_rewrites_it(ipc_env):
+    writer = python_process("tests.helpers.record_writer", "torn", "2.5")
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        record = AppRecord.open(ipc_env, "torn")
+        seen, busy, distinct = 0, 0, set()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                status = record.read_status()
+            except RecordBusy:
+                busy += 1
+                continue
+            assert consistent(status), f"torn read: {status}"
+            seen += 1
+            distinct.add(status.iteration)
+        record.close()
+        writes = int(writer.stdout.readline())
+    finally:
+        writer.kill()
+        writer.wait()
+        objects.unlink_shared_memory(ipc_env.app_record("torn"))
+    assert seen > 1000 and len(distinct) > 100, (seen, busy, len(distinct))
+    assert writes > len(distinct)  # the writer really was rewriting during the reads
+    assert status_for(5, "x") != status_for(6, "x")  # the consistency check can tell k apart
+
+
+def test_leftovers_of_a_killed_app_do_not_break_the_next_run_with_the_same_name(ipc_env):
+    app = python_process("tests.helpers.toy_app", "--app", "phoenix", "--hang-after", "1",
+                         env={"DRBALANCE_NO_MANAGER": ""})
+    try:
+        for _ in range(2):
+            app.stdout.readline()  # iteration 0 and 1: the record and semaphore exist
+        assert ipc_env.listed_apps() == ["phoenix"]
+        with pytest.raises(AppNameInUse, match="already running as pid"):
+            AppRecord.create(ipc_env, "phoenix")  # the name is taken while the app lives
+        os.kill(app.pid, signal.SIGKILL)
+        app.wait()
+    finally:
+        app.kill()
+    assert ipc_env.listed_apps() == ["phoenix"] and ipc_env.listed_signals() == ["phoenix"]
+    again = python_process("tests.helpers.toy_app", "--app", "phoenix", "--epochs", "1", "--iterations", "3")
+    out, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    assert out.strip().splitlines()[-1].startswith('{"iteration": 3')
+    assert leftovers(ipc_env) == []  # the new run replaced the leftovers and removed its own at exit
+
+
+def test_an_unreadable_stale_segment_is_replaced(ipc_env):
+    name = ipc_env.app_record("junk")
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=100)
+    os.write(segment.fd, b"garbage")
+    segment.close_fd()
+    os.utime(SHM_DIR / name[1:], (time.time() - 60, time.time() - 60))  # old enough to be stale
+    record = AppRecord.create(ipc_env, "junk")
+    record.write_status(sample_status(app="junk"))
+    assert record.read_status().app == "junk"
+    record.close()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_objects_are_private_whatever_the_umask(ipc_env, umask):
+    previous = os.umask(umask)
+    try:
+        record = AppRecord.create(ipc_env, "private")
+        semaphore = objects.create_semaphore(ipc_env.app_signal("private"))
+    finally:
+        os.umask(previous)
+    try:
+        for entry in leftovers(ipc_env):
+            mode = stat.S_IMODE((SHM_DIR / entry).stat().st_mode)
+            assert mode == 0o600, (entry, oct(mode))
+        assert len(leftovers(ipc_env)) == 2
+    finally:
+        record.close()
+        semaphore.close()
+
+
+def test_names_are_namespaced_per_user_and_validated():
+    names = IpcNames("lab", 1000)
+    assert names.app_record("a.b-c_1") == "/drb.1000.lab.app.a.b-c_1"
+    assert names.inbox() == "/drb.1000.lab.inbox"
+    assert IpcNames("other", 1000).inbox() != names.inbox() != IpcNames("lab", 1001).inbox()
+    for bad in ("", "../etc", "a/b", "x" * 49, "-lead", "sp ace"):
+        with pytest.raises(ValueError, match="not valid"):
+            names.app_record(bad)
+    with pytest.raises(ValueError, match="namespace"):
+        IpcNames.current("bad/ns")
