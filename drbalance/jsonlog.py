@@ -33,7 +33,11 @@ class JsonLinesWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        try:
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a NaN or infinity somewhere: write null instead
+            line = json.dumps(_clean(record), separators=(",", ":"))
+        self._file.write(line + "\n")
         self._pending += 1
         if self._pending >= self._flush_every:
             self.flush()

@@ -95,7 +95,10 @@ class DataRatio:
             raise ValueError(f"the DR total must be a positive integer; got {total!r}")
         if len(shares) == 0:
             raise ValueError("a DR needs at least one GPU entry; got an empty sequence")
-        checked = tuple(_as_share(value, i, shares) for i, value in enumerate(shares))
+        if all(type(value) is int and value >= 0 for value in shares):
+            checked = tuple(shares)  # the common case, without the slower generic checks
+        else:
+            checked = tuple(_as_share(value, i, shares) for i, value in enumerate(shares))
         if sum(checked) != total:
             raise ValueError(
                 f"DR shares {list(checked)} sum to {sum(checked)}, but the DR total is {total} "

@@ -29,7 +29,13 @@ from typing import Any, Protocol
 from drbalance import env
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind
-from drbalance.ipc.link import DetachedLink, ManagerLink, PosixManagerLink
+from drbalance.ipc.link import (
+    DEFAULT_EXCHANGE_TIMEOUT,
+    DEFAULT_SEND_TIMEOUT,
+    DetachedLink,
+    ManagerLink,
+    PosixManagerLink,
+)
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiles import Measurement, resolve_solo_time
@@ -72,7 +78,8 @@ class Session:
     ``decide_every`` (iterations between decisions; default None = at epoch ends only),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
-    to wait for the manager's answer, default 0.5), ``handle_sigterm`` (clean up on SIGTERM when
+    to wait for the manager's answer, default 0.5), ``send_timeout`` (seconds a notice may wait
+    for room in a full inbox, default 0.25), ``handle_sigterm`` (clean up on SIGTERM when
     no other handler is installed, then die of SIGTERM as before; default True).
     """
 
@@ -88,8 +95,8 @@ class Session:
         decide_every: int | None = None,
         namespace: str | None = None,
         sd_log: str | Path | bool | None = None,
-        exchange_timeout: float = 0.5,
-        send_timeout: float = 0.05,
+        exchange_timeout: float = DEFAULT_EXCHANGE_TIMEOUT,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
         handle_sigterm: bool = True,
         clock: Clock | None = None,
         link: ManagerLink | None = None,

@@ -24,6 +24,8 @@ from drbalance.ipc.records import AppRecord, ManagerRecord
 
 INBOX_MAX_MESSAGES = 10  # Linux's default limit for an unprivileged user
 INBOX_MESSAGE_SIZE = 128  # a Notice is 76 bytes
+DEFAULT_SEND_TIMEOUT = 0.25  # seconds a notice may wait for room in a full inbox
+DEFAULT_EXCHANGE_TIMEOUT = 0.5  # seconds an app waits for the manager's answer
 
 
 class ManagerLink(Protocol):

@@ -63,6 +63,7 @@ class SeqlockArea:
         self.start = offset + AREA_HEADER.size
         self.end = self.start + payload_size
         self.where = where
+        self.last_counter = -1  # the counter value of the last payload returned by read()
 
     def write(self, payload: bytes) -> None:
         if len(payload) != self.end - self.start:
@@ -90,6 +91,7 @@ class SeqlockArea:
                 crc = words[self.crc_index]
                 if words[index] == before:
                     if zlib.crc32(payload) == crc:
+                        self.last_counter = before
                         return payload
                     if attempt >= 3:  # stable counter, wrong CRC: not a race, corrupted bytes
                         raise RecordError(f"{self.where}: checksum mismatch (corrupted record)")
@@ -156,6 +158,8 @@ class AppRecord:
         self.segment = segment
         self.status_area = segment.area(STATUS_OFFSET, AppStatus.STRUCT.size, "status")
         self.command_area = segment.area(COMMAND_OFFSET, AppCommand.STRUCT.size, "command")
+        self._status_counter = -1
+        self._status: AppStatus | None = None
 
     @classmethod
     def create(cls, names: IpcNames, app: str) -> AppRecord:
@@ -179,9 +183,15 @@ class AppRecord:
         self.status_area.write(status.encode())
 
     def read_status(self) -> AppStatus:
-        status = AppStatus.decode(self.status_area.read(), self.status_area.where)
+        """The app's status; decoded again only when the seqlock counter shows a new write."""
+        area = self.status_area
+        counter = area.words[area.counter_index]
+        if counter == self._status_counter and counter % 2 == 0:
+            return self._status
+        status = AppStatus.decode(area.read(), area.where)
         if status.app != self.app:
-            raise RecordError(f"{self.status_area.where}: record names app {status.app!r}, not {self.app!r}")
+            raise RecordError(f"{area.where}: record names app {status.app!r}, not {self.app!r}")
+        self._status_counter, self._status = area.last_counter, status
         return status
 
     def write_command(self, command: AppCommand) -> None:
@@ -223,8 +233,10 @@ def remove_stale_app(names: IpcNames, app: str, grace_seconds: float = 5.0) -> b
             owner = record.read_status().pid
         except RecordEmpty:
             owner = None
+        except RecordBusy:
+            raise AppNameInUse(f"the record of app {app!r} is being written right now") from None
         except RecordError:
-            owner = -1
+            owner = -1  # corrupt beyond use: nobody can read it, so nobody can be using it
         finally:
             record.close()
     if owner is None and _age_seconds(name) < grace_seconds:

@@ -1,0 +1,123 @@
+"""Cost of the training side of the protocol, on this machine.
+
+1. One SD report (every ``report_every`` iterations): write the status record (seqlock + CRC)
+   and the SD-log line. Target: <= 50 us median. Shown beside a step() that does not report.
+2. The epoch-end exchange, from the notice to the new DR being set on the model, against a real
+   ``drbalance-manager`` process (paper policy, scripted utilisation). Target: <= 5 ms p99.
+
+Usage: python -m benchmarks.bench_protocol [--reports 20000] [--exchanges 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.timing import summary, write_result
+from drbalance import DataRatio
+from drbalance.ipc.layout import NoticeKind
+from drbalance.ipc.names import IpcNames
+
+
+class RatioHolder:
+    """Stands in for BalancedDataParallel: the session only reads and sets the DR."""
+
+    def __init__(self) -> None:
+        self.ratio = DataRatio([1, 1, 1, 1], 4)
+
+    def set_ratio(self, ratio: DataRatio) -> None:
+        self.ratio = ratio
+
+
+def bench_report(count: int, scratch: Path) -> dict:
+    from drbalance.client.session import Session
+
+    os.environ["DRBALANCE_NO_MANAGER"] = ""
+    session = Session(RatioHolder(), "bench-report", 1, count * 4, solo_time=100.0,
+                      sd_log=scratch / "report.sd.jsonl", handle_sigterm=False)
+    report, plain = [], []
+    for _ in range(count):
+        session.step()  # not a report iteration unless count aligns
+        now = session.clock.monotonic()
+        started = time.perf_counter()
+        session._report(now)
+        report.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        session.tracker.iteration_finished(session.clock.monotonic())
+        plain.append(time.perf_counter() - started)
+    session.close()
+    return {"report_seconds": summary(report), "tracker_update_seconds": summary(plain)}
+
+
+def bench_exchange(count: int, scratch: Path) -> dict:
+    from drbalance.client.session import Session
+
+    util = scratch / "util.json"
+    util.write_text(json.dumps({"gpus": 4, "steps": [{"at": 0, "util": [40, 50, 60, 70]}]}))
+    names = IpcNames.current()
+    manager = subprocess.Popen(
+        [sys.executable, "-m", "drbalance.manager.cli", "--source", f"scripted:{util}", "--policy", "paper",
+         "--log", str(scratch / "manager.jsonl")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not names.manager_status().exists():
+            if manager.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the manager did not start: {manager.stderr.read()}")
+            time.sleep(0.05)
+        model = RatioHolder()
+        session = Session(model, "bench-exchange", 1, count * 4, solo_time=100.0, sd_log=False,
+                          handle_sigterm=False)
+        if not session.attached:
+            raise RuntimeError("the session did not attach to the manager")
+        samples = []
+        for _ in range(count):
+            session.tracker.iteration_finished(session.clock.monotonic())
+            started = time.perf_counter()
+            session._exchange(NoticeKind.BOUNDARY, session.clock.monotonic())
+            samples.append(time.perf_counter() - started)
+            if session.applied_generation != session.notice_seq:
+                raise RuntimeError(f"exchange {session.notice_seq} was not answered in time")
+        session.close()
+    finally:
+        manager.send_signal(signal.SIGTERM)
+        manager.wait(timeout=30)
+    return {"exchange_seconds": summary(samples), "placement": model.ratio.to_list()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reports", type=int, default=20000, help="timed SD reports (default 20000)")
+    parser.add_argument("--exchanges", type=int, default=2000, help="timed exchanges (default 2000)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="drbalance-bench-") as folder:
+        scratch = Path(folder)
+        os.environ["DRBALANCE_NAMESPACE"] = f"bench{os.getpid()}"
+        os.environ["DRBALANCE_RUNTIME_DIR"] = str(scratch / "run")
+        payload = {"args": vars(args), "report": bench_report(args.reports, scratch),
+                   "exchange": bench_exchange(args.exchanges, scratch)}
+    report = payload["report"]["report_seconds"]
+    exchange = payload["exchange"]["exchange_seconds"]
+    print(f"SD report: median {report['median'] * 1e6:.1f} us, p99 {report['p99'] * 1e6:.1f} us "
+          f"(target <= 50 us median); a step() without report: "
+          f"{payload['report']['tracker_update_seconds']['median'] * 1e6:.2f} us")
+    print(f"epoch-end exchange with a real manager: median {exchange['median'] * 1e3:.3f} ms, "
+          f"p99 {exchange['p99'] * 1e3:.3f} ms (target <= 5 ms p99)")
+    if not args.no_write:
+        path = write_result("protocol", "python -m benchmarks.bench_protocol " + " ".join(argv or sys.argv[1:]),
+                            payload)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The manager daemon (no torch): inbox, app table, utilisation sources, policy calls, logs."""

@@ -1,0 +1,103 @@
+"""``drbalance-manager``: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from drbalance import env
+from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings
+from drbalance.manager.utilization import UtilizationUnavailable, open_source
+from drbalance.policy import POLICIES
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    """``0,1,3`` -> [0, 1, 3]; None/empty -> all GPUs of the source."""
+    if not text:
+        return None
+    try:
+        gpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        message = f"--gpus takes comma-separated GPU indices, e.g. 0,1,2,3; got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"--gpus needs distinct non-negative indices; got {text!r}")
+    return gpus
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ManagerSettings()
+    parser = argparse.ArgumentParser(
+        prog="drbalance-manager",
+        description="The drbalance manager: reads every training job's slow-down (SD) and the GPUs' "
+        "utilisation, and re-splits the mini-batch of the job that suffers most (the data ratio, DR) "
+        "so that all jobs' slow-downs converge. Jobs find it through their namespace; without it "
+        "they train on with their own DR. Stop it with Ctrl-C or SIGTERM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--namespace", default=None,
+                        help="namespace shared with the jobs (default: DRBALANCE_NAMESPACE or 'default')")
+    parser.add_argument("--policy", default=defaults.policy, choices=list(POLICIES),
+                        help="DR-management policy: 'paper' = the paper's Alg. 1+2; 'observe' = never change "
+                        "a DR (baseline)")
+    parser.add_argument("--sd-threshold", type=float, default=defaults.sd_threshold,
+                        help="SD_th: no move while max SD - min SD is below this")
+    parser.add_argument("--util-threshold", type=float, default=defaults.util_threshold,
+                        help="Util_th, percentage points: above it the utilisation branch runs, else the SD branch")
+    parser.add_argument("--dr-total", type=int, default=defaults.dr_total,
+                        help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch")
+    parser.add_argument("--source", default="nvml",
+                        help="utilisation source: 'nvml' (real GPUs), 'emulated[:N]' (emulated GPUs), or "
+                        "'scripted:FILE' (a JSON script, for tests)")
+    parser.add_argument("--gpus", type=parse_gpus, default=None,
+                        help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
+    parser.add_argument("--sample-period", type=float, default=defaults.sample_period,
+                        help="seconds between utilisation samples")
+    parser.add_argument("--window", type=int, default=defaults.window,
+                        help="utilisation smoothing window, in samples")
+    parser.add_argument("--util-log-period", type=float, default=defaults.util_log_period,
+                        help="seconds between utilisation records in the manager log")
+    parser.add_argument("--stale-after", type=float, default=defaults.stale_after,
+                        help="seconds without a record update after which an app is treated as dead")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="manager log, JSON Lines (default: <runtime dir>/<namespace>/manager.jsonl)")
+    parser.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        settings = ManagerSettings(
+            namespace=args.namespace if args.namespace is not None else env.namespace(),
+            policy=args.policy, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
+            dr_total=args.dr_total, sample_period=args.sample_period, window=args.window,
+            util_log_period=args.util_log_period, stale_after=args.stale_after, log_path=args.log,
+        )
+        source = open_source(args.source, args.gpus)
+    except (UtilizationUnavailable, ValueError) as error:
+        print(f"drbalance-manager: {error}", file=sys.stderr)
+        return 2
+    manager = Manager(settings, source)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda number, frame: manager.request_stop(signal.Signals(number).name))
+    try:
+        manager.start()
+    except (ManagerAlreadyRunning, PermissionError, ValueError) as error:
+        source.close()
+        print(f"drbalance-manager: {error}", file=sys.stderr)
+        return 1
+    try:
+        manager.run(args.duration)
+    finally:
+        manager.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

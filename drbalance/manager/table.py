@@ -1,0 +1,94 @@
+"""The manager's table of live apps (the paper's APP_Info), built from their shared records."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import posix_ipc
+
+from drbalance.ipc.endpoint import AppChannel
+from drbalance.ipc.layout import AppState, AppStatus, RecordError
+from drbalance.ipc.names import IpcNames
+from drbalance.policy.base import AppView
+from drbalance.ratio import DataRatio
+
+
+@dataclass
+class AppEntry:
+    """One live app: its channel, its last valid status, and the DR last sent to it."""
+
+    name: str
+    channel: AppChannel
+    status: AppStatus
+    added_mono: float
+    assigned: DataRatio | None = None
+    assigned_mono: float = -math.inf
+    last_complaint_mono: float = -math.inf
+
+    def effective_ratio(self) -> DataRatio:
+        """The DR the app uses now: the one just sent, until the app publishes a newer status."""
+        if self.assigned is not None and self.assigned_mono > self.status.updated_mono:
+            return self.assigned
+        return self.status.ratio
+
+    def view(self) -> AppView:
+        status = self.status
+        return AppView(
+            name=self.name, ratio=self.effective_ratio(), slowdown=status.slowdown, pid=status.pid,
+            epoch=status.epoch, iteration=status.iteration, iterations_total=status.iterations_total,
+            iteration_time=status.iteration_time, solo_time=status.solo_time,
+        )
+
+
+class AppTable:
+    """Apps by name. ``admit`` opens an app's record and checks it; ``refresh`` re-reads it."""
+
+    def __init__(self, names: IpcNames) -> None:
+        self.names = names
+        self.entries: dict[str, AppEntry] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, name: str) -> AppEntry | None:
+        return self.entries.get(name)
+
+    def admit(self, name: str, now: float, expected_pid: int | None = None) -> AppEntry:
+        """Open ``name``'s record and add it. RecordError if unreadable or owned by another pid."""
+        try:
+            channel = AppChannel(self.names, name)
+        except posix_ipc.ExistentialError:
+            raise RecordError(f"app {name!r} has no record in namespace {self.names.namespace!r}") from None
+        try:
+            status = channel.read_status()
+            if expected_pid is not None and status.pid != expected_pid:
+                raise RecordError(f"notice from pid {expected_pid} for app {name!r}, whose record belongs to "
+                                  f"pid {status.pid}")
+        except Exception:
+            channel.close()
+            raise
+        entry = AppEntry(name, channel, status, now)
+        self.entries[name] = entry
+        return entry
+
+    def refresh(self, entry: AppEntry) -> None:
+        """Re-read the record (RecordError leaves the last valid status in place)."""
+        entry.status = entry.channel.read_status()
+
+    def remove(self, name: str, unlink: bool) -> AppEntry | None:
+        entry = self.entries.pop(name, None)
+        if entry is not None:
+            entry.channel.close()
+            if unlink:
+                entry.channel.remove_objects()
+        return entry
+
+    def live(self) -> list[AppEntry]:
+        return [e for e in self.entries.values() if e.status.state != AppState.FINISHED]
+
+    def views(self) -> tuple[AppView, ...]:
+        return tuple(entry.view() for entry in self.live())

@@ -1,0 +1,194 @@
+"""GPU utilisation sources behind one interface, and the smoothing window.
+
+A source reports, per GPU, the percentage of recent time during which the GPU was busy (NVML's
+``utilization.gpu``: at least one kernel running), or None where no reading could be had.
+
+- ``NvmlSource``: real GPUs through NVML.
+- ``ScriptedSource``: utilisations from a JSON file that may change while the manager runs
+  (tests and demos of the policy without GPUs).
+- ``EmulatedSource`` (``drbalance.emu``): busy time of emulated GPUs, reported as NVML would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+from drbalance.clock import Clock, SystemClock
+from drbalance.manager.nvml import Nvml, NvmlUnavailable
+
+
+class UtilizationUnavailable(RuntimeError):
+    """The source cannot be used at all (e.g. no NVIDIA driver)."""
+
+
+class UtilizationSource(Protocol):
+    def gpu_count(self) -> int:
+        """Number of GPUs this source reports on."""
+        ...
+
+    def sample(self) -> tuple[float | None, ...]:
+        """Percent busy per GPU (0-100), None where unavailable this time."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NvmlSource:
+    """``utilization.gpu`` of real GPUs; ``gpus`` selects indices (default: all)."""
+
+    name = "nvml"
+
+    def __init__(self, gpus: Sequence[int] | None = None, nvml: Nvml | None = None) -> None:
+        self.nvml = nvml or Nvml()
+        try:
+            count = self.nvml.call("nvmlDeviceGetCount")
+        except NvmlUnavailable as error:
+            raise UtilizationUnavailable(str(error)) from None
+        indices = list(range(count)) if gpus is None else list(gpus)
+        if not indices:
+            raise UtilizationUnavailable("NVML reports no GPUs")
+        bad = [g for g in indices if not 0 <= g < count]
+        if bad:
+            raise UtilizationUnavailable(f"GPU indices {bad} do not exist (NVML sees {count} GPUs)")
+        self.indices = indices
+        self.handles = [self.nvml.call("nvmlDeviceGetHandleByIndex", g) for g in indices]
+
+    def gpu_count(self) -> int:
+        return len(self.handles)
+
+    def sample(self) -> tuple[float | None, ...]:
+        readings: list[float | None] = []
+        for handle in self.handles:
+            try:
+                readings.append(float(self.nvml.call("nvmlDeviceGetUtilizationRates", handle).gpu))
+            except NvmlUnavailable:
+                readings.append(None)
+        return tuple(readings)
+
+    def close(self) -> None:
+        self.nvml.shutdown()
+
+
+class ScriptedSource:
+    """Utilisations from a JSON file: ``{"gpus": 4, "steps": [{"at": 0, "util": [..]}, ...]}``.
+
+    ``at`` is seconds since the source started; the last step at or before now applies. The file
+    is re-read whenever it changes, so a test can steer utilisation while the manager runs. A
+    ``null`` entry is an unavailable reading.
+    """
+
+    name = "scripted"
+
+    def __init__(self, path: str | Path, clock: Clock | None = None) -> None:
+        self.path = Path(path)
+        self.clock = clock or SystemClock()
+        self.start = self.clock.monotonic()
+        self._stamp: tuple[float, int] | None = None
+        self._gpus = 0
+        self._steps: list[tuple[float, tuple[float | None, ...]]] = []
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            info = self.path.stat()
+            stamp = (info.st_mtime, info.st_size)
+            if stamp == self._stamp:
+                return
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            if self._stamp is None:
+                raise UtilizationUnavailable(f"scripted utilisation file {self.path}: {error}") from None
+            return  # keep the last good script while the file is being rewritten
+        gpus, steps = _parse_script(data, self.path)
+        self._gpus, self._steps, self._stamp = gpus, steps, stamp
+
+    def gpu_count(self) -> int:
+        return self._gpus
+
+    def sample(self) -> tuple[float | None, ...]:
+        self._load()
+        elapsed = self.clock.monotonic() - self.start
+        current = self._steps[0][1]
+        for at, util in self._steps:
+            if at <= elapsed:
+                current = util
+        return current
+
+    def close(self) -> None:
+        pass
+
+
+def _parse_script(data: object, path: Path) -> tuple[int, list[tuple[float, tuple[float | None, ...]]]]:
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not data["steps"]:
+        raise UtilizationUnavailable(f"{path}: expected {{'gpus': N, 'steps': [{{'at': s, 'util': [...]}}]}}")
+    gpus = data.get("gpus")
+    if not isinstance(gpus, int) or gpus < 1:
+        raise UtilizationUnavailable(f"{path}: 'gpus' must be a positive integer")
+    steps = []
+    for step in data["steps"]:
+        util = step.get("util") if isinstance(step, dict) else None
+        at = step.get("at", 0) if isinstance(step, dict) else None
+        if not isinstance(util, list) or len(util) != gpus or not isinstance(at, (int, float)):
+            raise UtilizationUnavailable(f"{path}: bad step {step!r} (need 'at' and {gpus} 'util' values)")
+        for value in util:
+            if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 100):
+                raise UtilizationUnavailable(f"{path}: utilisation {value!r} outside 0..100")
+        steps.append((float(at), tuple(None if v is None else float(v) for v in util)))
+    return gpus, sorted(steps, key=lambda item: item[0])
+
+
+class UtilizationWindow:
+    """Mean of the last ``size`` readings per GPU, ignoring unavailable ones (None if none)."""
+
+    def __init__(self, gpu_count: int, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"the smoothing window must hold at least 1 sample; got {size}")
+        self.gpu_count = gpu_count
+        self._history: deque[tuple[float | None, ...]] = deque(maxlen=size)
+
+    def add(self, reading: Sequence[float | None]) -> None:
+        if len(reading) != self.gpu_count:
+            raise ValueError(f"a reading of {len(reading)} GPUs for a window of {self.gpu_count}")
+        self._history.append(tuple(_clean(v) for v in reading))
+
+    def values(self) -> tuple[float | None, ...]:
+        means: list[float | None] = []
+        for gpu in range(self.gpu_count):
+            known = [sample[gpu] for sample in self._history if sample[gpu] is not None]
+            means.append(sum(known) / len(known) if known else None)
+        return tuple(means)
+
+
+def _clean(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return min(100.0, max(0.0, float(value)))
+
+
+def _emulated(argument: str, gpus: Sequence[int] | None) -> UtilizationSource:
+    from drbalance.emu.gpus import EmulatedSource  # the emulated-GPU module
+
+    return EmulatedSource.open(argument, gpus)
+
+
+SOURCES: Mapping[str, Callable[[str, Sequence[int] | None], UtilizationSource]] = MappingProxyType({
+    "nvml": lambda argument, gpus: NvmlSource(gpus),
+    "scripted": lambda argument, gpus: ScriptedSource(argument),
+    "emulated": _emulated,
+})
+
+
+def open_source(spec: str, gpus: Sequence[int] | None = None) -> UtilizationSource:
+    """A source from ``nvml``, ``emulated[:N]`` or ``scripted:FILE``."""
+    kind, _, argument = spec.partition(":")
+    if kind not in SOURCES:
+        raise ValueError(f"unknown utilisation source {spec!r}; use one of: nvml, emulated[:N], scripted:FILE")
+    if kind == "scripted" and not argument:
+        raise ValueError("the scripted source needs a file: --source scripted:PATH.json")
+    return SOURCES[kind](argument, gpus)

@@ -1,0 +1,129 @@
+"""What a DR-management policy sees and returns: plain, framework-free data.
+
+A policy is a pure function of a snapshot: ``decide(app, trigger, snapshot) -> Decision``. The
+daemon builds snapshots from shared-memory records and NVML; the simulator builds them from its
+model; unit tests write them by hand. Policies never know which of the three called them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+
+TRIGGERS = ("register", "boundary")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds and shape of the server.
+
+    ``sd_threshold``: SD_th, the SD_max^diff below which nothing moves (a ratio, default 0.1).
+    ``util_threshold``: Util_th in percentage points (default 20): above it the utilisation
+    branch runs, below it the SD branch. ``dr_total``: the granularity of new DRs (default 10).
+    """
+
+    gpu_count: int
+    dr_total: int = DEFAULT_TOTAL
+    sd_threshold: float = 0.1
+    util_threshold: float = 20.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpu_count, bool) or not isinstance(self.gpu_count, int) or self.gpu_count < 1:
+            raise ValueError(f"gpu_count must be a positive integer; got {self.gpu_count!r}")
+        if isinstance(self.dr_total, bool) or not isinstance(self.dr_total, int) or self.dr_total < 1:
+            raise ValueError(f"dr_total must be a positive integer; got {self.dr_total!r}")
+        if not (math.isfinite(self.sd_threshold) and self.sd_threshold >= 0):
+            raise ValueError(f"sd_threshold must be a finite number >= 0; got {self.sd_threshold!r}")
+        if not (math.isfinite(self.util_threshold) and 0 <= self.util_threshold <= 100):
+            raise ValueError(f"util_threshold must be within 0..100 percentage points; got {self.util_threshold!r}")
+
+
+@dataclass(frozen=True)
+class AppView:
+    """One live app as a policy sees it. Times in seconds; ``slowdown`` None = not known yet."""
+
+    name: str
+    ratio: DataRatio
+    slowdown: float | None
+    pid: int = 0
+    epoch: int = 0
+    iteration: int = 0
+    iterations_total: int = 1
+    iteration_time: float | None = None
+    solo_time: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.slowdown is not None and not (math.isfinite(self.slowdown) and self.slowdown >= 0):
+            raise ValueError(f"app {self.name!r}: slowdown must be finite and >= 0 or None; got {self.slowdown!r}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a decision may depend on.
+
+    ``utilization``: per GPU, percent busy (0-100) averaged over the smoothing window, or None
+    where the driver gave no reading. ``apps``: every live app, the deciding one included.
+    """
+
+    apps: tuple[AppView, ...]
+    utilization: tuple[float | None, ...]
+    config: PolicyConfig
+
+    def __post_init__(self) -> None:
+        if len(self.utilization) != self.config.gpu_count:
+            raise ValueError(
+                f"{len(self.utilization)} utilisation readings for {self.config.gpu_count} GPUs"
+            )
+        for gpu, value in enumerate(self.utilization):
+            if value is not None and not (math.isfinite(value) and 0 <= value <= 100):
+                raise ValueError(f"utilisation of GPU {gpu} is {value!r}; expected 0..100 or None")
+        names = [app.name for app in self.apps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate app names in snapshot: {names}")
+
+    def app(self, name: str) -> AppView:
+        for view in self.apps:
+            if view.name == name:
+                return view
+        raise KeyError(f"app {name!r} is not in the snapshot (apps: {[a.name for a in self.apps]})")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The new DR for ``app``, the branch of the algorithm that produced it, and why."""
+
+    app: str
+    ratio: DataRatio
+    branch: str
+    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class Policy(Protocol):
+    """A DR-management policy: a pure function of (app, trigger, snapshot)."""
+
+    name: str
+
+    def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        """Decide ``app``'s DR. ``trigger`` is ``register`` (new app) or ``boundary``."""
+        ...
+
+
+def current_ratio(view: AppView, config: PolicyConfig) -> DataRatio | None:
+    """The app's DR in the configured total, or None if it does not fit this server."""
+    if len(view.ratio) != config.gpu_count:
+        return None
+    return view.ratio.rescale(config.dr_total)
+
+
+class ObservePolicy:
+    """The baseline: never change a DR (apps keep the placement they started with)."""
+
+    name = "observe"
+
+    def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        return Decision(app, snapshot.app(app).ratio, "observe")

@@ -1,0 +1,227 @@
+"""The real drbalance-manager process with real apps over real IPC and a scripted utilisation source."""
+
+import json
+import os
+import signal
+import time
+
+import posix_ipc
+import pytest
+
+from drbalance.cli import main as drbalance
+from drbalance.ipc.layout import Notice, NoticeKind
+from drbalance.jsonlog import read_json_lines
+from tests.conftest import leftovers, python_process
+
+
+def write_util(path, util):
+    path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": util}]}))
+
+
+def wait_for(predicate, timeout=15.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+class ManagerProcess:
+    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM."""
+
+    def __init__(self, tmp_path, names, util=(90, 80, 20, 50), *extra):
+        self.names = names
+        self.util_file = tmp_path / "util.json"
+        write_util(self.util_file, list(util))
+        self.log_path = tmp_path / f"manager-{time.monotonic_ns()}.jsonl"
+        self.process = python_process("drbalance.manager.cli", "--source", f"scripted:{self.util_file}",
+                                      "--log", str(self.log_path), "--sample-period", "0.1", *extra)
+        wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None)
+        assert self.process.poll() is None, self.process.communicate()
+
+    def events(self, kind=None):
+        if not self.log_path.exists():
+            return []
+        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        out, err = self.process.communicate(timeout=30)
+        return self.process.returncode, err
+
+
+def toy_app(name, *args):
+    return python_process("tests.helpers.toy_app", "--app", name, *args)
+
+
+def first_line(process):
+    return json.loads(process.stdout.readline())
+
+
+def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
+    try:
+        app = toy_app("solo", "--epochs", "2", "--iterations", "3")
+        assert first_line(app)["ratio"] == [0, 0, 10, 0]  # GPU 2 is the least used (20%)
+        out, err = app.communicate(timeout=60)
+        assert app.returncode == 0, err
+    finally:
+        code, err = manager.stop()
+    assert code == 0, err
+    decision = manager.events("decision")[0]
+    assert decision["app"] == "solo" and decision["branch"] == "exclusive" and decision["trigger"] == "register"
+    assert decision["util"] == [90, 80, 20, 50] and decision["old_dr"] == [1, 1, 1, 1]  # as the app had it
+    assert [e["reason"] for e in manager.events("app_removed")] == ["finished"]
+    assert leftovers(ipc_env) == []  # clean shutdown removed the inbox and heartbeat too
+    assert not ipc_env.manager_status().exists()
+
+
+def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
+    background = []
+    try:
+        for index in range(4):  # four apps, each placed alone on a GPU by the exclusive mode
+            app = toy_app(f"bg{index}", "--epochs", "200", "--iterations", "5", "--sleep", "0.05", "--solo", "1000")
+            first_line(app)
+            background.append(app)
+        slow = toy_app("slow", "--epochs", "2", "--iterations", "4", "--solo", "0.05")
+        assert first_line(slow)["ratio"] == [1, 1, 1, 1]  # 5 apps > 4 GPUs and no SD yet: kept
+        out, err = slow.communicate(timeout=60)
+        assert slow.returncode == 0, err
+        ratios = [json.loads(line)["ratio"] for line in out.splitlines() if line.startswith('{"iteration"')]
+    finally:
+        for app in background:
+            app.terminate()
+            app.wait()
+        manager.stop()
+    placements = {e["app"]: e["new_dr"] for e in manager.events("decision") if e["app"].startswith("bg")}
+    assert sorted(map(tuple, placements.values())) == sorted(
+        [(10, 0, 0, 0), (0, 10, 0, 0), (0, 0, 10, 0), (0, 0, 0, 10)])
+    util_decision = [e for e in manager.events("decision") if e["app"] == "slow" and e["trigger"] == "boundary"][0]
+    # DR [3, 3, 2, 2] on GPUs with remaining 10/20/80/50 % -> proportional shares of 10
+    assert util_decision["branch"] == "util" and util_decision["new_dr"] == [1, 1, 5, 3]
+    assert ratios[4] == [1, 1, 5, 3]  # applied from the iteration after the first epoch's end
+
+
+def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        app = toy_app("doomed", "--hang-after", "1")
+        first_line(app)
+        wait_for(lambda: manager.events("app_added"))
+        os.kill(app.pid, signal.SIGKILL)
+        app.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [], timeout=10)
+        collected_in = time.monotonic() - killed_at
+    finally:
+        manager.stop()
+    assert collected_in < 5.0
+    assert [e["reason"] for e in manager.events("app_removed")] == ["process gone"]
+
+
+def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
+    first = ManagerProcess(tmp_path, ipc_env)
+    app = toy_app("survivor", "--epochs", "400", "--iterations", "3", "--sleep", "0.05")
+    try:
+        first_line(app)
+        wait_for(lambda: first.events("app_added"))
+        first.stop()
+        second = ManagerProcess(tmp_path, ipc_env, (10, 20, 30, 40))
+        try:
+            added = wait_for(lambda: second.events("app_added"), timeout=10)
+            assert added[0]["app"] == "survivor" and added[0]["via"] in {"adopted", "notice"}
+            decision = wait_for(lambda: second.events("decision"), timeout=10)[0]
+            assert decision["app"] == "survivor"  # the survivor now talks to the new manager
+            status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"], timeout=5)
+            assert status[0]["name"] == "survivor"
+        finally:
+            second.stop()
+    finally:
+        app.terminate()
+        app.wait()
+
+
+def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "observe")
+    start = time.time() + 4.0
+    apps = [python_process("tests.helpers.flood_app", f"flood{i}", str(start), "5") for i in range(32)]
+    try:
+        results = []
+        for process in apps:
+            out, err = process.communicate(timeout=90)
+            assert process.returncode == 0, err
+            results.append(json.loads(out))
+    finally:
+        for process in apps:
+            process.kill()
+        manager.stop()
+    assert all(r["sent"] == 5 and r["answered"] == 5 and r["generations"] == [1, 2, 3, 4, 5] for r in results), \
+        [r["problems"] for r in results if r["answered"] != 5]
+    decisions = manager.events("decision")
+    assert len(decisions) == 32 * 5 and len({(d["app"], d["generation"]) for d in decisions}) == 160
+    assert leftovers(ipc_env) == []
+
+
+def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox())
+        inbox.send(b"definitely not a notice")
+        inbox.send(Notice(NoticeKind.BOUNDARY, os.getpid(), 1, "ghost", time.time()).encode())  # no record
+        inbox.close()
+        wait_for(lambda: len(manager.events("invalid")) >= 2)
+        app = toy_app("after", "--epochs", "1", "--iterations", "2")
+        assert first_line(app)["ratio"] == [0, 0, 10, 0]  # still serving
+        app.communicate(timeout=60)
+    finally:
+        code, _ = manager.stop()
+    assert code == 0
+    errors = [e["error"] for e in manager.events("invalid")]
+    assert any("bytes, expected 76" in e for e in errors) and any("ghost" in e for e in errors)
+
+
+def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = toy_app("shown", "--epochs", "100", "--iterations", "5", "--sleep", "0.05")
+    try:
+        first_line(app)
+        second = python_process("drbalance.manager.cli", "--source", f"scripted:{manager.util_file}")
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 1 and "is already running in namespace" in err
+        wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"])
+        assert drbalance(["status"]) == 0
+        table = capsys.readouterr().out
+        assert "shown" in table and "[0, 0, 10, 0]" in table and "90%, 80%, 20%, 50%" in table
+    finally:
+        app.terminate()
+        app.wait()
+        manager.stop()
+    assert drbalance(["status"]) == 1
+    assert "no drbalance-manager is running" in capsys.readouterr().err
+
+
+def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
+    process = python_process("drbalance.manager.cli", "--source", "nvml")
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 2 and "NVML unavailable" in err
+    for args, message in ((["--source", "bogus"], "unknown utilisation source"),
+                          (["--source", "scripted:/nonexistent.json"], "No such file"),
+                          (["--sample-period", "0", "--source", "scripted:x"], "sample_period must be"),
+                          (["--policy", "magic"], "invalid choice")):
+        process = python_process("drbalance.manager.cli", *args)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 2 and message in err, (args, err)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_clean_shutdown_on_signals(ipc_env, tmp_path, signum):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    manager.process.send_signal(signum)
+    code, err = manager.stop()
+    assert code == 0, err
+    assert manager.events("stop")[0]["reason"] == signal.Signals(signum).name
+    assert leftovers(ipc_env) == []
