@@ -151,6 +151,13 @@ def test_util_branch_rounding_sums_to_the_total_and_saturated_gpus_split_evenly(
     assert decision.branch == "util" and decision.ratio == DataRatio([0, 0, 0, 10])
 
 
+def test_no_move_while_some_app_has_not_measured_its_sd_yet():
+    apps = crowd(app("i", [6, 4, 0, 0], 2.0), app("new", [0, 0, 5, 5], None))
+    decision = PAPER.decide("i", "boundary", snapshot(apps, [90, 80, 20, 50]))
+    assert decision.branch == "incomplete-sd" and decision.details["waiting_for"] == ["new"]
+    assert decision.ratio == DataRatio([6, 4, 0, 0])
+
+
 def test_missing_utilisation_falls_back_to_the_sd_branch_and_bad_drs_are_left_alone():
     me = app("i", [6, 4, 0, 0], 2.0)
     decision = PAPER.decide("i", "boundary", snapshot(crowd(me), [None, 10, 90, None]))
@@ -209,7 +216,8 @@ def test_every_decision_is_a_valid_dr_on_at_least_one_gpu(case):
     decision = PAPER.decide(f"a{index}", "boundary", snap)
     assert len(decision.ratio) == snap.config.gpu_count
     assert sum(decision.ratio) == snap.config.dr_total and decision.ratio.used
-    assert decision.branch in {"exclusive", "exclusive-keep", "no-sd", "not-max", "below-threshold", "util",
+    assert decision.branch in {"exclusive", "exclusive-keep", "no-sd", "incomplete-sd", "not-max",
+                               "below-threshold", "util",
                                "sd", "sd-no-destination", "sd-not-slowed", "sd-zero-move"}
 
 
@@ -219,3 +227,11 @@ def test_keep_branches_return_the_apps_own_dr_exactly_whatever_its_total():
         decision = PAPER.decide("i", "register", snapshot(apps, [50] * 4))
         assert decision.ratio == DataRatio([1, 1, 1, 1], 4) or decision.branch == "exclusive"
     assert PAPER.decide("i", "register", snapshot(crowd(me), [50] * 4)).ratio.total == 4
+
+
+def test_a_gpu_whose_apps_have_no_sd_yet_is_not_mistaken_for_an_empty_one():
+    apps = [app("b1", [10, 0, 0, 0], 1.2), app("b2", [0, 10, 0, 0], 1.1), app("b3", [0, 0, 10, 0], None),
+            app("b4", [10, 0, 0, 0], 1.3), app("i", [0, 10, 0, 0], 2.0)]
+    averages = average_sd_per_gpu(snapshot(apps, [50, 55, 45, 40]))
+    assert averages[3] == 0.0  # nobody on GPU 3
+    assert averages[2] == pytest.approx((1.2 + 1.1 + 1.3 + 2.0) / 4)  # b3 unmeasured: neutral, not 0

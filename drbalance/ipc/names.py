@@ -66,6 +66,10 @@ class IpcNames:
         """Shared memory with the busy-time accounting of emulated GPU ``index``."""
         return self.prefix + f"emu.{index}"
 
+    def emulated_waiters(self, index: int) -> str:
+        """Semaphore counting the jobs waiting for emulated GPU ``index``."""
+        return self.prefix + f"emuw.{index}"
+
     def listed_apps(self) -> list[str]:
         """Names of the apps whose records exist now (Linux lists shared memory in /dev/shm)."""
         marker = self.prefix[1:] + "app."

@@ -172,7 +172,7 @@ def _clean(value: float | None) -> float | None:
 
 
 def _emulated(argument: str, gpus: Sequence[int] | None) -> UtilizationSource:
-    from drbalance.emu.gpus import EmulatedSource  # the emulated-GPU module
+    from drbalance.emu.gpus import EmulatedSource
 
     return EmulatedSource.open(argument, gpus)
 

@@ -59,6 +59,9 @@ class PaperPolicy:
         config = snapshot.config
         if me.slowdown is None:
             return _decision(me.name, me.ratio, "no-sd")
+        unknown = [app.name for app in snapshot.apps if app.slowdown is None]
+        if unknown:  # SD_max and SD_max^diff are undefined until every app has measured its SD
+            return _decision(me.name, me.ratio, "incomplete-sd", waiting_for=unknown)
         known = [app.slowdown for app in snapshot.apps if app.slowdown is not None]
         sd_max, sd_min = max(known), min(known)
         spread = sd_max - sd_min
@@ -133,16 +136,26 @@ def gpu_occupancy(snapshot: Snapshot, exclude: str | None = None) -> list[int]:
 
 
 def average_sd_per_gpu(snapshot: Snapshot) -> list[float]:
-    """Mean SD of the apps (with a known SD) on each GPU; 0.0 for a GPU nobody suffers on."""
-    sums = [0.0] * snapshot.config.gpu_count
-    counts = [0] * snapshot.config.gpu_count
+    """Mean SD of the apps on each GPU (DESIGN's "average SD of the apps running on it").
+
+    A GPU nobody uses counts 0.0 (nobody suffers there: the best destination). A GPU whose apps
+    have no SD yet counts as the mean SD of all apps with one (unknown, so neither best nor worst).
+    """
+    gpus = snapshot.config.gpu_count
+    sums, counts, occupied = [0.0] * gpus, [0] * gpus, [False] * gpus
+    known = []
     for app in snapshot.apps:
-        if app.slowdown is None or len(app.ratio) != snapshot.config.gpu_count:
+        if len(app.ratio) != gpus:
             continue
+        if app.slowdown is not None:
+            known.append(app.slowdown)
         for gpu in app.ratio.used:
-            sums[gpu] += app.slowdown
-            counts[gpu] += 1
-    return [s / c if c else 0.0 for s, c in zip(sums, counts)]
+            occupied[gpu] = True
+            if app.slowdown is not None:
+                sums[gpu] += app.slowdown
+                counts[gpu] += 1
+    neutral = sum(known) / len(known) if known else 0.0
+    return [s / c if c else (neutral if busy else 0.0) for s, c, busy in zip(sums, counts, occupied)]
 
 
 def _util_or(snapshot: Snapshot, gpu: int, default: float) -> float:

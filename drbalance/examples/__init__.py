@@ -1,0 +1,1 @@
+"""Example workloads shipped with the package (need torch and torchvision)."""

@@ -1,0 +1,187 @@
+"""Train one of the paper's torchvision models with BalancedDataParallel and a drbalance Session.
+
+Data: ``torchvision.datasets.FakeData`` (default) or an ImageFolder path. Devices: CUDA GPUs,
+emulated GPUs (``--devices emulated:4``; no GPU needed), or the CPU. Run it alone, or let
+``drbalance launch`` / ``drbalance demo`` start several of it beside a manager.
+
+    python examples/train.py --model resnet50 --epochs 2 --iterations 20 --solo-time 120
+    python examples/train.py --model densenet121 --devices emulated:4 --time-scale 10 --solo-time auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from drbalance.client import BalancedDataParallel, Session
+from drbalance.ratio import DataRatio
+
+MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
+    parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
+    parser.add_argument("--classes", type=int, default=10, help="classes of FakeData (default 10)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="iterations per epoch (default: the whole dataset; FakeData then has 20 batches)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per iteration (default 8)")
+    parser.add_argument("--image-size", type=int, default=64,
+                        help="image side in pixels (default 64: the smallest at which every model trains "
+                        "with 1-sample chunks)")
+    parser.add_argument("--devices", default="auto",
+                        help="'cuda', 'emulated:N', 'cpu', or 'auto' (CUDA if present, else DRBALANCE_EMULATED_GPUS, "
+                        "else the CPU)")
+    parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all)")
+    parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
+    parser.add_argument("--solo-time", default=None,
+                        help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
+                        "model's timing profile). Required unless profiling.")
+    parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
+    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
+    parser.add_argument("--decide-every", type=int, default=None,
+                        help="iterations between DR decisions (default: epoch ends only)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="emulated GPUs: multiply modelled times by this (default 1)")
+    parser.add_argument("--sample-scale", type=float, default=1.0,
+                        help="emulated GPUs: modelled samples per real sample (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def choose_devices(spec: str) -> tuple[str, int | None]:
+    """('cuda'|'emulated'|'cpu', emulated GPU count)."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return "cuda", None
+        spec = f"emulated:{os.environ['DRBALANCE_EMULATED_GPUS']}" if os.environ.get("DRBALANCE_EMULATED_GPUS") else "cpu"
+    kind, _, count = spec.partition(":")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("train.py: --devices cuda, but CUDA is not available; try --devices emulated:4")
+        return "cuda", None
+    if kind == "emulated":
+        if not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"train.py: --devices emulated:N needs a GPU count; got {spec!r}")
+        return "emulated", int(count)
+    if kind == "cpu":
+        return "cpu", None
+    raise SystemExit(f"train.py: unknown --devices {spec!r}; use cuda, emulated:N, cpu or auto")
+
+
+def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[DataLoader, int]:
+    tensor = transforms.ToTensor()
+    if args.data == "fake":
+        batches = iterations or 20
+        dataset = torchvision.datasets.FakeData(size=batches * args.batch_size, image_size=(3, args.image_size,
+                                                args.image_size), num_classes=args.classes, transform=tensor)
+        classes = args.classes
+    else:
+        if not os.path.isdir(args.data):
+            raise SystemExit(f"train.py: --data {args.data!r} is neither 'fake' nor a directory")
+        resize = transforms.Compose([transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size), tensor])
+        dataset = torchvision.datasets.ImageFolder(args.data, transform=resize)
+        classes = len(dataset.classes)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0)
+    if len(loader) == 0:
+        raise SystemExit(f"train.py: the dataset has fewer than --batch-size {args.batch_size} samples")
+    return loader, classes
+
+
+def build_model(args: argparse.Namespace, classes: int, kind: str, emulated_gpus: int | None) -> BalancedDataParallel:
+    network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
+    ratio = DataRatio([int(x) for x in args.ratio.split(",")]) if args.ratio else None
+    if kind == "cuda":
+        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
+        return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)
+    if kind == "emulated":
+        from drbalance.client.emulated import EmulatedBackend
+        from drbalance.models import model_profile
+
+        backend = EmulatedBackend(emulated_gpus, model_profile(args.model), args.time_scale, args.sample_scale)
+        return BalancedDataParallel(network, ratio=ratio, backend=backend)
+    return BalancedDataParallel(network, ratio=ratio)
+
+
+def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
+    value = args.solo_time
+    if value is None:
+        if os.environ.get("DRBALANCE_PROFILE_OUTPUT"):
+            return 1.0  # being profiled: the solo time is what is being measured
+        raise SystemExit("train.py: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
+                         "or 'auto' with emulated GPUs")
+    if value == "auto":
+        if kind != "emulated":
+            raise SystemExit("train.py: --solo-time auto needs emulated GPUs (their timing model is known)")
+        from drbalance.models import model_profile
+
+        per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
+        return iterations * args.epochs * per_iteration * args.time_scale
+    try:
+        seconds = float(value)
+    except ValueError:
+        return value  # a profile name
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise SystemExit(f"train.py: --solo-time must be > 0 seconds; got {value!r}")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    kind, emulated_gpus = choose_devices(args.devices)
+    loader, classes = build_loader(args, args.iterations)
+    iterations = min(args.iterations or len(loader), len(loader))
+    model = build_model(args, classes, kind, emulated_gpus)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    app = args.app or f"{args.model}-{os.getpid()}"
+    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
+                      report_every=args.report_every, decide_every=args.decide_every)
+    device = torch.device("cuda", model.device_ids[0]) if kind == "cuda" else torch.device("cpu")
+    progress = None
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=iterations * args.epochs, desc=app, unit="it")
+    started = time.monotonic()
+    with session:
+        for epoch in range(args.epochs):
+            for index, (images, labels) in enumerate(loader):
+                if index >= iterations:
+                    break
+                output = model(images.to(device, non_blocking=True))
+                loss = criterion(output, labels.to(output.device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                session.step()
+                if progress is not None:
+                    sd = session.slowdown
+                    progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}",
+                                         sd="-" if sd is None else f"{sd:.2f}", dr=str(model.ratio))
+                    progress.update()
+    if progress is not None:
+        progress.close()
+    print(f"{app}: {iterations * args.epochs} iterations in {time.monotonic() - started:.1f} s, "
+          f"final DR {model.ratio}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

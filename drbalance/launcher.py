@@ -1,0 +1,217 @@
+"""``drbalance launch``: a manager and a scenario's apps as real processes, logs in one run directory.
+
+The run directory holds ``run.json`` (what ran, when, exit codes), ``manager.jsonl`` (the
+manager's log), ``apps/<app>.sd.jsonl`` (each app's SD log) and ``apps/<app>.out`` (its output).
+Each run gets its own namespace, so runs never meet each other or a user's manager.
+
+On emulated GPUs every modelled time is stretched by ``--time-scale`` (so that the real CPU
+work of six jobs on a small machine hides inside the modelled host time), each app's real
+mini-batch is ``--real-batch`` images of ``--image-size`` pixels standing for the scenario's
+batch, and solo-run times come from the timing model. On CUDA GPUs solo-run times come from
+stored profiles named after the models (``drbalance profile resnet50 -- python examples/train.py ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drbalance.emu.gpus import remove_emulated_gpus
+from drbalance.ipc.names import IpcNames
+from drbalance.policy import POLICIES
+from drbalance.scenarios import Scenario, load_scenario
+
+
+@dataclass
+class LaunchOptions:
+    scenario: Scenario
+    policy: str
+    run_dir: Path
+    devices: str = "emulated"  # "emulated" or "cuda"
+    time_scale: float = 10.0
+    real_batch: int = 4
+    image_size: int = 64
+    decide_every: int | None = None
+    report_every: int = 2
+    sd_threshold: float | None = None
+    util_threshold: float | None = None
+    timeout: float | None = None
+    label: str | None = None
+    extra_manager_args: list[str] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
+    parser.add_argument("--policy", default="paper", choices=list(POLICIES),
+                        help="the manager's policy ('observe' = no balancing)")
+    parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
+    parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
+                        help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
+    parser.add_argument("--time-scale", type=float, default=10.0, help="emulated GPUs: stretch modelled times")
+    parser.add_argument("--real-batch", type=int, default=4, help="emulated GPUs: real images per iteration")
+    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
+    parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
+    parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop every app after this many seconds")
+    parser.add_argument("--label", default=None, help="name of this run in reports (default: the policy)")
+
+
+def cuda_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario)
+    devices = args.devices
+    if devices == "auto":
+        devices = "cuda" if cuda_gpu_count() >= scenario.gpus else "emulated"
+    options = LaunchOptions(
+        scenario, args.policy, args.run_dir, devices, args.time_scale, args.real_batch, args.image_size,
+        args.decide_every, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
+        timeout=args.timeout, label=args.label,
+    )
+    launch(options)
+    from drbalance.report.command import summarise_runs
+
+    print(summarise_runs([args.run_dir]))
+    return 0
+
+
+def _wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with status {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[str]:
+    scenario, app = options.scenario, options.scenario.apps[index]
+    ratio = scenario.initial_ratio(index)
+    command = [
+        sys.executable, "-m", "drbalance.examples.train", "--model", app.model, "--app", app.name,
+        "--epochs", str(app.epochs), "--iterations", str(app.iterations_per_epoch),
+        "--image-size", str(options.image_size), "--ratio", ",".join(map(str, ratio.shares)),
+        "--report-every", str(options.report_every), "--no-progress", "--devices", devices_arg,
+    ]
+    if options.devices == "emulated":
+        command += ["--batch-size", str(options.real_batch), "--sample-scale", str(app.batch / options.real_batch),
+                    "--time-scale", str(options.time_scale), "--solo-time", str(app.solo_time() * options.time_scale)]
+    else:
+        command += ["--batch-size", str(app.batch), "--gpus", ",".join(map(str, range(scenario.gpus))),
+                    "--solo-time", app.model]
+    if options.decide_every:
+        command += ["--decide-every", str(options.decide_every)]
+    return command
+
+
+def launch(options: LaunchOptions) -> Path:
+    """Run the scenario to completion (or ``timeout``); return the run directory."""
+    scenario, run_dir = options.scenario, options.run_dir
+    (run_dir / "apps").mkdir(parents=True, exist_ok=True)
+    namespace = f"run-{uuid.uuid4().hex[:12]}"
+    child_env = dict(os.environ)
+    child_env.update({
+        "DRBALANCE_NAMESPACE": namespace,
+        "DRBALANCE_RUNTIME_DIR": str(run_dir.resolve() / ".runtime"),
+        "DRBALANCE_LOG_DIR": str(run_dir.resolve() / "apps"),
+        "PYTHONUNBUFFERED": "1",
+    })
+    child_env.pop("DRBALANCE_NO_MANAGER", None)
+    source = f"emulated:{scenario.gpus}" if options.devices == "emulated" else "nvml"
+    devices_arg = f"emulated:{scenario.gpus}" if options.devices == "emulated" else "cuda"
+    manager_command = [sys.executable, "-m", "drbalance.manager.cli", "--namespace", namespace,
+                       "--policy", options.policy, "--source", source, "--log", str(run_dir / "manager.jsonl"),
+                       "--util-log-period", "0.5", "--sample-period", "0.5"]
+    if options.devices == "cuda":
+        manager_command += ["--gpus", ",".join(map(str, range(scenario.gpus)))]
+    if options.sd_threshold is not None:
+        manager_command += ["--sd-threshold", str(options.sd_threshold)]
+    if options.util_threshold is not None:
+        manager_command += ["--util-threshold", str(options.util_threshold)]
+    manager_command += options.extra_manager_args
+    info = {
+        "scenario": scenario.name, "description": scenario.description, "policy": options.policy,
+        "label": options.label or options.policy, "devices": options.devices, "gpus": scenario.gpus,
+        "time_scale": options.time_scale if options.devices == "emulated" else 1.0,
+        "namespace": namespace, "apps": {}, "scenario_json": json.loads(scenario.to_json()),
+    }
+    manager_out = open(run_dir / "manager.out", "w")
+    manager = subprocess.Popen(manager_command, env=child_env, stdout=manager_out, stderr=subprocess.STDOUT)
+    names = IpcNames(namespace, os.getuid())
+    apps: dict[str, subprocess.Popen] = {}
+    outputs = []
+    try:
+        status_file = run_dir.resolve() / ".runtime" / namespace / "status.json"
+        _wait_for(status_file.exists, 60, "drbalance-manager", manager)
+        info["started"] = time.time()
+        _write(run_dir, info)
+        order = sorted(range(len(scenario.apps)), key=lambda i: scenario.apps[i].arrival)
+        for index in order:
+            app = scenario.apps[index]
+            delay = info["started"] + app.arrival * info["time_scale"] - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            out = open(run_dir / "apps" / f"{app.name}.out", "w")
+            outputs.append(out)
+            command = app_command(options, index, devices_arg)
+            apps[app.name] = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
+            info["apps"][app.name] = {"model": app.model, "command": command, "pid": apps[app.name].pid,
+                                      "initial_dr": scenario.initial_ratio(index).to_list()}
+        deadline = None if options.timeout is None else info["started"] + options.timeout
+        for name, process in apps.items():
+            remaining = None if deadline is None else max(0.1, deadline - time.time())
+            try:
+                process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                info["apps"][name]["stopped"] = "timeout"
+                _stop(process)
+    finally:
+        for process in apps.values():
+            _stop(process)
+        _stop(manager)
+        manager_out.close()
+        for out in outputs:
+            out.close()
+        info["ended"] = time.time()
+        for name, process in apps.items():
+            info["apps"][name]["returncode"] = process.returncode
+        info["manager_returncode"] = manager.returncode
+        _write(run_dir, info)
+        if options.devices == "emulated":
+            remove_emulated_gpus(names, scenario.gpus)
+    failed = {n: a["returncode"] for n, a in info["apps"].items() if a["returncode"] not in (0, None)
+              and a.get("stopped") != "timeout"}
+    if failed:
+        raise RuntimeError(f"apps failed: {failed}; see {run_dir / 'apps'}/*.out")
+    return run_dir
+
+
+def _write(run_dir: Path, info: dict) -> None:
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2))

@@ -1,0 +1,72 @@
+"""``drbalance report RUN_DIR [RUN_DIR ...]``: a summary table and PNG plots, runs side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from drbalance.report.metrics import Summary, load_run, summarise
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (from launch, demo or simulate)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the plots and report.md (default: <first run>/../report)")
+    parser.add_argument("--step", type=float, default=1.0, help="time grid of the SD views, seconds (default 1)")
+    parser.add_argument("--no-plots", action="store_true", help="print the table only")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+
+
+def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def format_table(summaries: list[Summary]) -> str:
+    """The comparison table: one column per run."""
+    rows = [
+        ("makespan (s)", [_fmt(s.makespan, "{:.1f}") for s in summaries]),
+        ("SD_max^diff at start", [_fmt(s.start_sd_diff) for s in summaries]),
+        ("SD_max^diff final", [_fmt(s.final_sd_diff) for s in summaries]),
+        ("SD_max^diff time-avg", [_fmt(s.mean_sd_diff) for s in summaries]),
+        ("mean SD final", [_fmt(s.final_mean_sd) for s in summaries]),
+        ("mean SD time-avg", [_fmt(s.mean_sd) for s in summaries]),
+        ("mean GPU util (%)", [_fmt(s.mean_util, "{:.1f}") for s in summaries]),
+    ]
+    apps = sorted({name for s in summaries for name in s.final_sd})
+    for name in apps:
+        rows.append((f"final SD {name}", [_fmt(s.final_sd.get(name)) for s in summaries]))
+    header = ("", [s.label for s in summaries])
+    width0 = max(len(r[0]) for r in [header, *rows])
+    widths = [max(len(header[1][i]), *(len(r[1][i]) for r in rows)) for i in range(len(summaries))]
+    lines = []
+    for label, cells in [header, *rows]:
+        lines.append("  ".join([label.ljust(width0), *(c.rjust(w) for c, w in zip(cells, widths))]).rstrip())
+    lines.insert(1, "-" * len(lines[0]))
+    unfinished = [f"{s.label}: {', '.join(s.unfinished)}" for s in summaries if s.unfinished]
+    if unfinished:
+        lines.append("not finished (final SD = last prediction): " + "; ".join(unfinished))
+    return "\n".join(lines)
+
+
+def summarise_runs(paths: list[Path], step: float = 1.0) -> str:
+    return format_table([summarise(load_run(p), step) for p in paths])
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = [load_run(path) for path in args.runs]
+    summaries = [summarise(run_data, args.step) for run_data in runs]
+    if args.json:
+        print(json.dumps([asdict(s) for s in summaries], indent=2))
+    else:
+        print(format_table(summaries))
+    if not args.no_plots:
+        from drbalance.report.plots import plot_runs
+
+        out = args.out or (args.runs[0].resolve().parent / "report")
+        paths = plot_runs(runs, out, args.step)
+        (out / "report.md").write_text("```\n" + format_table(summaries) + "\n```\n\n" +
+                                       "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
+        print(f"plots: {', '.join(str(p) for p in paths)}")
+    return 0

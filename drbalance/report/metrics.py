@@ -1,0 +1,185 @@
+"""A run's logs as time series and a summary: the paper's three views plus per-app results.
+
+Definitions (docs/report.md):
+- Time is seconds since the run started (``run.json``'s ``started``, else the first record).
+- An app is *live* from its ``start`` record until its ``finish`` (or ``closed``) record.
+- At time t, each live app's SD is its latest logged SD at or before t (unknown before its
+  first measurement). ``SD_max^diff(t)`` = max - min of the known SDs of live apps (defined when
+  at least two are known); ``mean SD(t)`` = their mean.
+- Utilisation: the manager's raw samples, averaged over GPUs; ``util(t)`` = the latest sample.
+- Summary: final SD per app (its SD at finish; the last known one if it did not finish),
+  makespan (last finish - start), final SD_max^diff (max - min of the final SDs), time averages
+  over the run of SD_max^diff, mean SD and mean utilisation, and SD_max^diff at the start (the
+  first time every app has an SD).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+
+from drbalance.jsonlog import read_json_lines
+
+SD_EVENTS = {"report", "boundary", "finish", "update"}
+
+
+@dataclass
+class AppSeries:
+    name: str
+    start: float
+    end: float | None  # finish (or close) time; None if still running when the logs end
+    finished: bool
+    times: list[float] = field(default_factory=list)
+    sds: list[float] = field(default_factory=list)
+
+    def sd_at(self, t: float) -> float | None:
+        index = bisect_right(self.times, t)
+        return self.sds[index - 1] if index else None
+
+    def live_at(self, t: float) -> bool:
+        return self.start <= t and (self.end is None or t <= self.end)
+
+    @property
+    def final_sd(self) -> float | None:
+        return self.sds[-1] if self.sds else None
+
+
+@dataclass
+class RunData:
+    """Everything a report needs from one run directory (or a simulator's output directory)."""
+
+    label: str
+    path: Path
+    start: float
+    apps: dict[str, AppSeries]
+    util_times: list[float]
+    util_means: list[float]
+    info: dict
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read ``run.json``, ``apps/*.sd.jsonl`` and ``manager.jsonl`` of a run directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"run directory {root} does not exist")
+    info = {}
+    if (root / "run.json").exists():
+        info = json.loads((root / "run.json").read_text())
+    logs = sorted((root / "apps").glob("*.sd.jsonl")) if (root / "apps").is_dir() else []
+    if not logs:
+        raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
+    records = {log.name[: -len(".sd.jsonl")]: list(read_json_lines(log)) for log in logs}
+    first = min((r[0]["t"] for r in records.values() if r), default=0.0)
+    start = float(info.get("started", first))
+    apps = {name: _series(name, recs, start) for name, recs in records.items() if recs}
+    util_times, util_means = [], []
+    if (root / "manager.jsonl").exists():
+        for record in read_json_lines(root / "manager.jsonl"):
+            if record.get("event") != "util":
+                continue
+            known = [u for u in record.get("util", []) if isinstance(u, (int, float))]
+            if known:
+                util_times.append(record["t"] - start)
+                util_means.append(fmean(known))
+    label = info.get("label") or root.name
+    return RunData(label, root, start, apps, util_times, util_means, info)
+
+
+def _series(name: str, records: list[dict], start: float) -> AppSeries:
+    begin = records[0]["t"] - start
+    end, finished = None, False
+    series = AppSeries(name, begin, None, False)
+    for record in records:
+        event, t = record.get("event"), record["t"] - start
+        sd = record.get("sd")
+        if event in SD_EVENTS and isinstance(sd, (int, float)) and math.isfinite(sd):
+            series.times.append(t)
+            series.sds.append(float(sd))
+        if event == "finish":
+            end, finished = t, True
+        elif event == "closed" and end is None:
+            end = t
+    series.end, series.finished = end, finished
+    return series
+
+
+def grid_times(run: RunData, step: float) -> list[float]:
+    ends = [a.end for a in run.apps.values() if a.end is not None]
+    last_sd = max((a.times[-1] for a in run.apps.values() if a.times), default=0.0)
+    end = max(ends + [last_sd])
+    count = int(end / step) + 1
+    return [i * step for i in range(count + 1)]
+
+
+def sd_views(run: RunData, step: float = 1.0) -> tuple[list[float], list[float | None], list[float | None]]:
+    """(times, SD_max^diff(t), mean SD(t)) on a grid of ``step`` seconds."""
+    times = grid_times(run, step)
+    diffs: list[float | None] = []
+    means: list[float | None] = []
+    for t in times:
+        known = [sd for app in run.apps.values() if app.live_at(t) for sd in [app.sd_at(t)] if sd is not None]
+        diffs.append(max(known) - min(known) if len(known) >= 2 else None)
+        means.append(fmean(known) if known else None)
+    return times, diffs, means
+
+
+def util_view(run: RunData, window: float = 5.0) -> tuple[list[float], list[float]]:
+    """Mean GPU utilisation over time, as a trailing mean over ``window`` seconds of samples."""
+    times, values = run.util_times, run.util_means
+    smoothed, start, running = [], 0, 0.0
+    for index, (t, value) in enumerate(zip(times, values)):
+        running += value
+        while times[start] < t - window:
+            running -= values[start]
+            start += 1
+        smoothed.append(running / (index - start + 1))
+    return times, smoothed
+
+
+@dataclass
+class Summary:
+    label: str
+    final_sd: dict[str, float | None]
+    makespan: float | None
+    final_sd_diff: float | None
+    start_sd_diff: float | None
+    mean_sd_diff: float | None
+    mean_sd: float | None
+    final_mean_sd: float | None
+    mean_util: float | None
+    unfinished: list[str]
+
+
+def summarise(run: RunData, step: float = 1.0) -> Summary:
+    times, diffs, means = sd_views(run, step)
+    finals = {name: app.final_sd for name, app in sorted(run.apps.items())}
+    known = [sd for sd in finals.values() if sd is not None]
+    unfinished = [name for name, app in run.apps.items() if not app.finished]
+    ends = [app.end for app in run.apps.values() if app.end is not None]
+    makespan = max(ends) if ends and not unfinished else None
+    all_known_at = max((app.times[0] for app in run.apps.values() if app.times), default=None)
+    start_diff = None
+    if all_known_at is not None:
+        for t, diff in zip(times, diffs):
+            if t >= all_known_at and diff is not None:
+                start_diff = diff
+                break
+    end = makespan if makespan is not None else (times[-1] if times else 0.0)
+    util = [u for t, u in zip(run.util_times, run.util_means) if t <= end]
+    return Summary(
+        label=run.label, final_sd=finals, makespan=makespan,
+        final_sd_diff=max(known) - min(known) if len(known) >= 2 else None,
+        start_sd_diff=start_diff,
+        mean_sd_diff=_mean(diffs), mean_sd=_mean(means),
+        final_mean_sd=fmean(known) if known else None,
+        mean_util=fmean(util) if util else None, unfinished=sorted(unfinished),
+    )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return fmean(known) if known else None

@@ -1,0 +1,198 @@
+"""Workload scenarios: which apps (model, batch, plan, initial DR, arrival) on how many GPUs.
+
+The paper's three experiments (a), (b), (c) are here in code, with the choices the paper leaves
+open made explicit (batch, run length, initial placement; see docs/reproduction.md), plus scaled
+down versions for the demo and the end-to-end test. New scenarios can be written as JSON:
+
+    {"name": "mine", "gpus": 2, "placement": "round-robin",
+     "apps": [{"name": "r1", "model": "resnet50", "batch": 32, "epochs": 4, "iterations_per_epoch": 50,
+               "ratio": [10, 0], "arrival": 0.0}, ...]}
+
+``placement`` gives the initial DR of apps without a ``ratio``: ``round-robin`` puts app i alone
+on GPU i mod m (the usual one-GPU-per-job launch); ``spread`` splits evenly over every GPU (plain
+DataParallel on all GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+
+from drbalance.models import model_profile
+from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+
+PLACEMENTS = ("round-robin", "spread")
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    """One training job. ``batch`` is samples per iteration; ``arrival`` seconds after the start."""
+
+    name: str
+    model: str
+    batch: int
+    epochs: int
+    iterations_per_epoch: int
+    ratio: tuple[int, ...] | None = None
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        model_profile(self.model)  # raises for an unknown model
+        for what in ("batch", "epochs", "iterations_per_epoch"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"app {self.name!r}: {what} must be a positive integer; got {value!r}")
+        if not (math.isfinite(self.arrival) and self.arrival >= 0):
+            raise ValueError(f"app {self.name!r}: arrival must be >= 0 seconds; got {self.arrival!r}")
+
+    @property
+    def iterations(self) -> int:
+        return self.epochs * self.iterations_per_epoch
+
+    def solo_time(self) -> float:
+        """Modelled seconds alone on one reference GPU (the SD denominator)."""
+        return self.iterations * model_profile(self.model).solo_iteration(self.batch)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    gpus: int
+    apps: tuple[AppSpec, ...]
+    description: str = ""
+    placement: str = "round-robin"
+    dr_total: int = DEFAULT_TOTAL
+    paper: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"scenario {self.name!r}: needs at least one GPU")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"scenario {self.name!r}: placement must be one of {PLACEMENTS}")
+        names = [app.name for app in self.apps]
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"scenario {self.name!r}: app names must be distinct and non-empty: {names}")
+        for app in self.apps:
+            if app.ratio is not None:
+                DataRatio(app.ratio, self.dr_total)  # validates
+                if len(app.ratio) != self.gpus:
+                    raise ValueError(f"app {app.name!r}: ratio {list(app.ratio)} is not for {self.gpus} GPUs")
+
+    def initial_ratio(self, index: int) -> DataRatio:
+        app = self.apps[index]
+        if app.ratio is not None:
+            return DataRatio(app.ratio, self.dr_total)
+        if self.placement == "spread":
+            return DataRatio.even(self.gpus, self.dr_total)
+        return DataRatio.single(self.gpus, index % self.gpus, self.dr_total)
+
+    def with_placement(self, placement: str) -> Scenario:
+        return replace(self, placement=placement, apps=tuple(replace(a, ratio=None) for a in self.apps))
+
+    def scaled(self, factor: float, name: str | None = None) -> Scenario:
+        """The same scenario with every run ``factor`` times as long (iterations per epoch)."""
+        apps = tuple(replace(a, iterations_per_epoch=max(1, round(a.iterations_per_epoch * factor))) for a in self.apps)
+        return replace(self, apps=apps, name=name or self.name)
+
+    def to_json(self) -> str:
+        data = {
+            "name": self.name, "gpus": self.gpus, "description": self.description, "placement": self.placement,
+            "dr_total": self.dr_total, "paper": dict(self.paper),
+            "apps": [{**asdict(app), "ratio": list(app.ratio) if app.ratio is not None else None} for app in self.apps],
+        }
+        return json.dumps(data, indent=2)
+
+
+def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
+    try:
+        data = json.loads(text)
+        apps = tuple(
+            AppSpec(**{**app, "ratio": tuple(app["ratio"]) if app.get("ratio") is not None else None})
+            for app in data.pop("apps")
+        )
+        data["paper"] = MappingProxyType(dict(data.get("paper", {})))
+        return Scenario(apps=apps, **data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{source}: not a valid scenario: {error}") from None
+
+
+def sized_app(name: str, model: str, batch: int, solo_seconds: float, epochs: int, arrival: float = 0.0) -> AppSpec:
+    """An app whose plan lasts about ``solo_seconds`` alone on one GPU."""
+    per_iteration = model_profile(model).solo_iteration(batch)
+    per_epoch = max(1, round(solo_seconds / per_iteration / epochs))
+    return AppSpec(name, model, batch, epochs, per_epoch, None, arrival)
+
+
+PAPER_BATCH = 32  # the paper does not say; 32 images per iteration for every app
+PAPER_SOLO_SECONDS = 1800.0  # each app would take ~30 min alone (the paper's plots span tens of minutes)
+PAPER_EPOCHS = 10
+
+
+def _paper(name: str, gpus: int, models: list[str], description: str, paper: dict[str, float]) -> Scenario:
+    counts: dict[str, int] = {}
+    apps = []
+    for model in models:
+        counts[model] = counts.get(model, 0) + 1
+        short = {"densenet121": "dense", "resnet50": "res", "alexnet": "alex", "resnext50_32x4d": "resnext",
+                 "shufflenet_v2_x1_0": "shuffle", "mnasnet1_0": "mnas"}[model]
+        apps.append(sized_app(f"{short}{counts[model]}", model, PAPER_BATCH, PAPER_SOLO_SECONDS, PAPER_EPOCHS))
+    return Scenario(name, gpus, tuple(apps), description, "round-robin", DEFAULT_TOTAL, MappingProxyType(paper))
+
+
+SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
+    "a": _paper("a", 4, ["densenet121", "resnet50", "alexnet", "densenet121", "resnet50", "alexnet"],
+                "paper (a): 4 GPUs, 6 apps: 2 x DenseNet121, 2 x ResNet50, 2 x AlexNet",
+                {"sd_diff_start": 0.65, "sd_diff_end": 0.1, "mean_sd_change": -0.15, "util_change": 0.40}),
+    "b": _paper("b", 3, ["densenet121", "resnet50", "alexnet", "densenet121", "resnet50"],
+                "paper (b): 3 GPUs, 5 apps: 2 x DenseNet121, 2 x ResNet50, 1 x AlexNet",
+                {"sd_diff_start": 0.65, "sd_diff_end": 0.3, "mean_sd_change": -0.20, "util_change": 0.25}),
+    "c": _paper("c", 4, ["densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0",
+                         "mnasnet1_0"],
+                "paper (c): 4 GPUs, 6 apps: one each of the six models",
+                {"sd_diff_start": 0.65, "sd_diff_end": 0.1, "mean_sd_change": -0.15, "util_change": 0.15}),
+})
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A built-in scenario by name (a, b, c, demo-a, e2e-a), or a JSON file."""
+    if name_or_path in SCENARIOS:
+        return SCENARIOS[name_or_path]
+    if name_or_path in DEMO_SCENARIOS:
+        return DEMO_SCENARIOS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read scenario file {path}: {error}") from None
+        return scenario_from_json(text, str(path))
+    known = ", ".join([*SCENARIOS, *DEMO_SCENARIOS])
+    raise ValueError(f"unknown scenario {name_or_path!r}: use one of {known}, or a .json file")
+
+
+DEMO_BATCH = {"densenet121": 32, "resnet50": 32, "alexnet": 128}  # AlexNet's customary batch is 128
+
+
+def _demo(name: str, solo_seconds: float, epochs: int, description: str) -> Scenario:
+    """Scenario (a) with short runs. AlexNet uses batch 128 (as Krizhevsky et al. trained it), so
+    that on emulated GPUs its modelled iteration is long enough to hide its real CPU work."""
+    models = ["densenet121", "resnet50", "alexnet", "densenet121", "resnet50", "alexnet"]
+    counts: dict[str, int] = {}
+    apps = []
+    for index, model in enumerate(models):
+        counts[model] = counts.get(model, 0) + 1
+        short = {"densenet121": "dense", "resnet50": "res", "alexnet": "alex"}[model]
+        apps.append(sized_app(f"{short}{counts[model]}", model, DEMO_BATCH[model], solo_seconds, epochs,
+                              arrival=0.1 * index))
+    return Scenario(name, 4, tuple(apps), description, "round-robin")
+
+
+# Solo-run lengths are in modelled seconds; the launcher's --time-scale stretches them in wall time.
+DEMO_SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
+    "demo-a": _demo("demo-a", 3.2, 4, "scenario (a) scaled down for the demo: 6 apps on 4 GPUs"),
+    "e2e-a": _demo("e2e-a", 2.4, 3, "scenario (a) scaled down further for the end-to-end test"),
+})
