@@ -158,7 +158,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
 
 
 def load_scenario(name_or_path: str) -> Scenario:
-    """A built-in scenario by name (a, b, c, demo-a, e2e-a), or a JSON file."""
+    """A built-in scenario by name (a, b, c, demo-a, e2e-a, e2e-skewed), or a JSON file."""
     if name_or_path in SCENARIOS:
         return SCENARIOS[name_or_path]
     if name_or_path in DEMO_SCENARIOS:
@@ -177,7 +177,8 @@ def load_scenario(name_or_path: str) -> Scenario:
 DEMO_BATCH = {"densenet121": 32, "resnet50": 32, "alexnet": 128}  # AlexNet's customary batch is 128
 
 
-def _demo(name: str, solo_seconds: float, epochs: int, description: str) -> Scenario:
+def _demo(name: str, solo_seconds: float, epochs: int, description: str,
+          start_gpus: tuple[int, ...] | None = None) -> Scenario:
     """Scenario (a) with short runs. AlexNet uses batch 128 (as Krizhevsky et al. trained it), so
     that on emulated GPUs its modelled iteration is long enough to hide its real CPU work."""
     models = ["densenet121", "resnet50", "alexnet", "densenet121", "resnet50", "alexnet"]
@@ -186,13 +187,17 @@ def _demo(name: str, solo_seconds: float, epochs: int, description: str) -> Scen
     for index, model in enumerate(models):
         counts[model] = counts.get(model, 0) + 1
         short = {"densenet121": "dense", "resnet50": "res", "alexnet": "alex"}[model]
-        apps.append(sized_app(f"{short}{counts[model]}", model, DEMO_BATCH[model], solo_seconds, epochs,
-                              arrival=0.1 * index))
+        app = sized_app(f"{short}{counts[model]}", model, DEMO_BATCH[model], solo_seconds, epochs, arrival=0.1 * index)
+        if start_gpus is not None:  # explicit start GPUs instead of round-robin
+            app = replace(app, ratio=DataRatio.single(4, start_gpus[index]).shares)
+        apps.append(app)
     return Scenario(name, 4, tuple(apps), description, "round-robin")
 
 
 # Solo-run lengths are in modelled seconds; the launcher's --time-scale stretches them in wall time.
 DEMO_SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
-    "demo-a": _demo("demo-a", 3.2, 4, "scenario (a) scaled down for the demo: 6 apps on 4 GPUs"),
-    "e2e-a": _demo("e2e-a", 2.4, 3, "scenario (a) scaled down further for the end-to-end test"),
+    "demo-a": _demo("demo-a", 2.6, 4, "scenario (a) scaled down for the demo: 6 apps on 4 GPUs"),
+    "e2e-a": _demo("e2e-a", 2.4, 3, "scenario (a) scaled down further"),
+    "e2e-skewed": _demo("e2e-skewed", 2.0, 3, "scenario (a)'s six apps started uncoordinated: 3 on GPU 0, "
+                        "2 on GPU 1, 1 on GPU 2, GPU 3 idle", start_gpus=(0, 0, 0, 1, 1, 2)),
 })

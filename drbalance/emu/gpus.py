@@ -4,7 +4,9 @@ An emulated GPU is a lock file, a small shared-memory segment and a semaphore co
 jobs. A replica *occupies* it for a device time: it takes an exclusive ``flock`` on the lock
 file (waiting while another process holds it), sleeps, and releases it. The time is served in
 slices (``DEFAULT_QUANTUM``): when another job waits, the holder steps aside after each slice,
-so co-located jobs take turns as on a time-sliced GPU. ``flock`` is released by the kernel when its holder dies, even by ``kill -9``,
+so co-located jobs take turns as on a time-sliced GPU; while shared, a slice serves
+``CO_LOCATION_CAPACITY`` times its length of device work (kernels of co-located jobs overlap),
+as in the simulator's model. ``flock`` is released by the kernel when its holder dies, even by ``kill -9``,
 so a dead job never wedges an emulated GPU. The holder (and only the holder, so there is one
 writer) accounts busy seconds in the segment; ``EmulatedSource`` turns them into the percentage
 of each sample period during which the GPU was busy, as NVML's ``utilization.gpu`` reports.
@@ -27,6 +29,7 @@ from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.records import RecordEmpty, Segment
+from drbalance.models import CO_LOCATION_CAPACITY
 
 ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn
@@ -51,12 +54,14 @@ class Account:
 class EmulatedGpu:
     """One emulated GPU of a namespace (created on first use, shared by all its processes)."""
 
-    def __init__(self, names: IpcNames, index: int, clock: Clock | None = None) -> None:
+    def __init__(self, names: IpcNames, index: int, clock: Clock | None = None,
+                 co_location_capacity: float = CO_LOCATION_CAPACITY) -> None:
         if index < 0:
             raise ValueError(f"emulated GPU index must be >= 0; got {index}")
         self.names = names
         self.index = index
         self.clock = clock or SystemClock()
+        self.co_location_capacity = co_location_capacity
         lock_path = names.emulated_lock(index)
         objects.ensure_private_dir(lock_path.parent.parent)
         objects.ensure_private_dir(lock_path.parent)
@@ -92,7 +97,7 @@ class EmulatedGpu:
         time-sliced GPU does) instead of one waiting for another's whole chunk.
         """
         remaining, waited = max(0.0, seconds), 0.0
-        while True:
+        while remaining > 1e-9:
             asked = self.clock.monotonic()
             self._waiting.release()  # count ourselves as waiting
             try:
@@ -107,20 +112,22 @@ class EmulatedGpu:
                 count = previous.acquisitions + 1 if previous is not None else 1
                 self.area.write(ACCOUNT.pack(total, start, os.getpid(), 0, count))
                 try:
-                    while remaining > 0:
-                        piece = min(quantum, remaining)
+                    while remaining > 1e-9:
+                        shared = self._others_waiting()
+                        gain = self.co_location_capacity if shared else 1.0
+                        piece = min(quantum, remaining / gain)
                         time.sleep(piece)
-                        remaining -= piece
-                        if remaining > 0 and self._others_waiting():
+                        remaining -= piece * gain  # while shared, kernels overlap: more work per second
+                        if remaining > 1e-9 and shared:
                             break
                 finally:
                     end = self.clock.monotonic()
                     self.area.write(ACCOUNT.pack(total + (end - start), 0.0, 0, 0, count))
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            if remaining <= 0:
-                return waited
-            time.sleep(YIELD_SECONDS)  # give the waiting job its turn
+            if remaining > 1e-9:
+                time.sleep(YIELD_SECONDS)  # give the waiting job its turn
+        return waited
 
     def _others_waiting(self) -> bool:
         try:

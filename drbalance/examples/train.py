@@ -68,7 +68,8 @@ def choose_devices(spec: str) -> tuple[str, int | None]:
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
-        spec = f"emulated:{os.environ['DRBALANCE_EMULATED_GPUS']}" if os.environ.get("DRBALANCE_EMULATED_GPUS") else "cpu"
+        emulated = os.environ.get("DRBALANCE_EMULATED_GPUS")
+        spec = f"emulated:{emulated}" if emulated else "cpu"
     kind, _, count = spec.partition(":")
     if kind == "cuda":
         if not torch.cuda.is_available():
@@ -93,7 +94,8 @@ def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[Data
     else:
         if not os.path.isdir(args.data):
             raise SystemExit(f"train.py: --data {args.data!r} is neither 'fake' nor a directory")
-        resize = transforms.Compose([transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size), tensor])
+        size = args.image_size
+        resize = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), tensor])
         dataset = torchvision.datasets.ImageFolder(args.data, transform=resize)
         classes = len(dataset.classes)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0)

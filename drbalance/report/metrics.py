@@ -73,20 +73,26 @@ def load_run(path: str | Path) -> RunData:
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
     records = {log.name[: -len(".sd.jsonl")]: list(read_json_lines(log)) for log in logs}
-    first = min((r[0]["t"] for r in records.values() if r), default=0.0)
+    manager = list(read_json_lines(root / "manager.jsonl")) if (root / "manager.jsonl").exists() else []
+    return run_from_records(info.get("label") or root.name, records, manager, info, root)
+
+
+def run_from_records(label: str, app_records: dict[str, list[dict]], manager_records: list[dict],
+                     info: dict | None = None, path: Path | None = None) -> RunData:
+    """A run from SD-log records per app and manager-log records (files or the simulator's memory)."""
+    info = info or {}
+    first = min((r[0]["t"] for r in app_records.values() if r), default=0.0)
     start = float(info.get("started", first))
-    apps = {name: _series(name, recs, start) for name, recs in records.items() if recs}
+    apps = {name: _series(name, recs, start) for name, recs in app_records.items() if recs}
     util_times, util_means = [], []
-    if (root / "manager.jsonl").exists():
-        for record in read_json_lines(root / "manager.jsonl"):
-            if record.get("event") != "util":
-                continue
-            known = [u for u in record.get("util", []) if isinstance(u, (int, float))]
-            if known:
-                util_times.append(record["t"] - start)
-                util_means.append(fmean(known))
-    label = info.get("label") or root.name
-    return RunData(label, root, start, apps, util_times, util_means, info)
+    for record in manager_records:
+        if record.get("event") != "util":
+            continue
+        known = [u for u in record.get("util", []) if isinstance(u, (int, float))]
+        if known:
+            util_times.append(record["t"] - start)
+            util_means.append(fmean(known))
+    return RunData(label, path or Path("."), start, apps, util_times, util_means, info)
 
 
 def _series(name: str, records: list[dict], start: float) -> AppSeries:

@@ -1,0 +1,117 @@
+"""Model vs measurement for everything ../shared/data covers; fits the co-location capacity.
+
+    python -m drbalance.sim.calibration [--gavel PATH/gavel_throughputs.json] [--markdown]
+
+Compares: (1) DataParallel on 2 and 4 TITAN RTX GPUs (12 images per GPU) against the model's
+1-GPU time plus its per-replica overhead; (2) Pollux's ResNet-50 batch-20 / batch-200 time ratio
+against the linear device-time model; (3) the speed each of two identical jobs keeps when they
+share one GPU, simulated, against Gavel's measured median (recomputed from the JSON when given).
+The co-location capacity is fitted to (3) by bisection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+from pathlib import Path
+
+from drbalance.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_PROFILES, model_profile
+from drbalance.scenarios import AppSpec, Scenario
+from drbalance.sim.engine import SimConfig, simulate
+from drbalance.sim.model import ContentionModel
+
+TITAN_RTX_MS = {  # ryujaehun/pytorch-gpu-benchmark, TITAN RTX, 12 images per GPU: 1, 2, 4 GPUs
+    "densenet121": (103.4, 182.5, 276.6),
+    "resnet50": (64.9, 103.3, 138.6),
+    "resnext50_32x4d": (94.0, 123.1, 154.8),
+    "shufflenet_v2_x1_0": (39.6, 82.5, 126.4),
+    "mnasnet1_0": (38.5, 77.3, 114.2),
+}
+POLLUX_RESNET50 = (20, 0.147, 200, 0.924)  # batch, seconds, batch, seconds (g4dn, one GPU)
+
+
+def gavel_median_pair_speed(path: Path) -> tuple[float, int]:
+    """Median share of solo throughput that each of two co-located single-GPU jobs keeps (v100)."""
+    data = json.loads(path.read_text())["v100"]
+    shares = []
+    for outer, row in data.items():
+        if ast.literal_eval(outer)[1] != 1:
+            continue
+        solo_outer = row.get("null")
+        for inner, pair in row.items():
+            if inner == "null" or not isinstance(pair, list) or ast.literal_eval(inner)[1] != 1:
+                continue
+            solo_inner = data.get(inner, {}).get("null")
+            if not solo_outer or not solo_inner or pair == [0.0, 0.0]:
+                continue
+            shares.append(pair[0] / solo_outer)
+    return statistics.median(shares), len(shares)
+
+
+def simulated_pair_speed(model: str, capacity: float, batch: int = 32, iterations: int = 400) -> float:
+    """Speed each of two identical jobs keeps on one shared GPU, as a share of its solo speed."""
+    apps = tuple(AppSpec(f"j{i}", model, batch, 1, iterations, (10,)) for i in range(2))
+    scenario = Scenario("pair", 1, apps)
+    result = simulate(scenario, SimConfig(policy="observe", record=False, contention=ContentionModel(capacity)))
+    return 1.0 / max(result.final_sd.values())
+
+
+def fit_capacity(target: float, model: str = "resnet50") -> float:
+    low, high = 1.0, 2.0
+    if simulated_pair_speed(model, low) >= target:
+        return low
+    for _ in range(30):
+        middle = (low + high) / 2
+        if simulated_pair_speed(model, middle) < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def rows(gavel: Path | None) -> list[tuple[str, str, str, str]]:
+    table = []
+    for model, (_t1, t2, t4) in TITAN_RTX_MS.items():
+        profile = MODEL_PROFILES[model]
+        device12 = profile.device_seconds(12) * 1000
+        for gpus, measured in ((2, t2), (4, t4)):
+            modelled = device12 + profile.overhead_seconds(gpus) * 1000
+            table.append((f"{model}, {gpus} GPUs x 12 img (ms)", f"{measured:.1f}", f"{modelled:.1f}",
+                          f"{100 * (modelled - measured) / measured:+.1f}%"))
+    b1, s1, b2, s2 = POLLUX_RESNET50
+    resnet = model_profile("resnet50")
+    modelled_ratio = resnet.device_seconds(b2) / resnet.device_seconds(b1)
+    table.append(("resnet50 t(200)/t(20) (Pollux)", f"{s2 / s1:.2f}", f"{modelled_ratio:.2f}",
+                  f"{100 * (modelled_ratio - s2 / s1) / (s2 / s1):+.1f}%"))
+    measured_pair = CO_LOCATED_SPEED
+    label = "co-located pair speed (Gavel README median)"
+    if gavel is not None and gavel.exists():
+        measured_pair, count = gavel_median_pair_speed(gavel)
+        label = f"co-located pair speed (Gavel v100, median of {count})"
+    capacity = ContentionModel().co_location_capacity
+    for model in ("resnet50", "densenet121", "alexnet"):
+        speed = simulated_pair_speed(model, capacity)
+        table.append((f"{label}: {model}", f"{measured_pair:.3f}", f"{speed:.3f}",
+                      f"{100 * (speed - measured_pair) / measured_pair:+.1f}%"))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gavel", type=Path, default=None, help="gavel_throughputs.json, to recompute its median")
+    parser.add_argument("--fit", action="store_true", help="also fit the co-location capacity to the pair speed")
+    args = parser.parse_args(argv)
+    print(f"fixed share of the 12-image time (from Pollux): {FIXED_FRACTION_AT_12:.3f}")
+    print("| quantity | measured | model | error |\n|---|---|---|---|")
+    for row in rows(args.gavel):
+        print("| " + " | ".join(row) + " |")
+    if args.fit:
+        target = gavel_median_pair_speed(args.gavel)[0] if args.gavel else CO_LOCATED_SPEED
+        print(f"\nfitted co-location capacity for a pair speed of {target:.3f}: {fit_capacity(target):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""``drbalance simulate SCENARIO``: simulate under a policy (or every baseline), print the report table.
+
+    drbalance simulate a --policy paper                 # one run
+    drbalance simulate a --compare                      # paper, observe, DataParallel, themis + the bound
+    drbalance simulate a --policy paper --out runs/sim  # also write logs that 'drbalance report' plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from drbalance.jsonlog import JsonLinesWriter
+from drbalance.policy import POLICIES
+from drbalance.report.command import format_table
+from drbalance.report.metrics import RunData, run_from_records, summarise
+from drbalance.scenarios import PLACEMENTS, Scenario, load_scenario
+from drbalance.sim.bound import lower_bound
+from drbalance.sim.engine import SimConfig, SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    config: SimConfig
+
+
+def baselines(base: SimConfig) -> list[Variant]:
+    """The comparison set: the paper's policy and what a user could pick instead."""
+    from dataclasses import replace
+
+    return [
+        Variant("paper", replace(base, policy="paper", placement=None, scheduler=None)),
+        Variant("observe (1 GPU/app, round-robin)", replace(base, policy="observe", placement="round-robin",
+                                                            scheduler=None)),
+        Variant("DataParallel (even over all GPUs)", replace(base, policy="observe", placement="spread",
+                                                             scheduler=None)),
+        Variant("themis (time-slicing, rho)", replace(base, scheduler="themis", placement=None)),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
+    parser.add_argument("--policy", default="paper", choices=list(POLICIES), help="DR policy (default paper)")
+    parser.add_argument("--scheduler", choices=["themis"], default=None,
+                        help="time-slice whole GPUs by finish-time fairness instead of a DR policy")
+    parser.add_argument("--placement", choices=PLACEMENTS, default=None,
+                        help="initial DRs: round-robin (1 GPU per app) or spread (plain DataParallel)")
+    parser.add_argument("--compare", action="store_true", help="run paper and every baseline, plus the bound")
+    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
+    parser.add_argument("--sd-threshold", type=float, default=0.1, help="SD_th (default 0.1)")
+    parser.add_argument("--util-threshold", type=float, default=20.0, help="Util_th in percent points (default 20)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def to_run(result: SimResult, label: str, scenario: Scenario) -> RunData:
+    info = {"label": label, "started": 0.0, "scenario": scenario.name, "simulated": True, "gpus": scenario.gpus}
+    return run_from_records(label, result.app_records, result.manager_records, info)
+
+
+def write_run_dir(result: SimResult, label: str, scenario: Scenario, out: Path) -> Path:
+    """Logs in the launcher's run-directory layout, so 'drbalance report' reads them."""
+    (out / "apps").mkdir(parents=True, exist_ok=True)
+    for name, records in result.app_records.items():
+        writer = JsonLinesWriter(out / "apps" / f"{name}.sd.jsonl", flush_every=4096)
+        for record in records:
+            writer.write(record)
+        writer.close()
+    writer = JsonLinesWriter(out / "manager.jsonl", flush_every=4096)
+    for record in result.manager_records:
+        writer.write(record)
+    writer.close()
+    info = {"label": label, "started": 0.0, "scenario": scenario.name, "simulated": True, "gpus": scenario.gpus,
+            "final_sd": result.final_sd, "makespan": result.makespan, "events": result.events}
+    (out / "run.json").write_text(json.dumps(info, indent=2))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario)
+    base = SimConfig(policy=args.policy, placement=args.placement, scheduler=args.scheduler,
+                     decide_every=args.decide_every, sd_threshold=args.sd_threshold,
+                     util_threshold=args.util_threshold)
+    variants = baselines(base) if args.compare else [Variant(args.scheduler or args.policy, base)]
+    summaries, report = [], {}
+    for variant in variants:
+        started = time.perf_counter()
+        result = simulate(scenario, variant.config)
+        spent = time.perf_counter() - started
+        run_data = to_run(result, variant.label, scenario)
+        summaries.append(summarise(run_data, step=max(1.0, result.makespan / 2000)))
+        report[variant.label] = {"final_sd": result.final_sd, "makespan": result.makespan, "seconds": spent,
+                                 "events": result.events}
+        if args.out:
+            safe = variant.label.split(" ")[0]
+            write_run_dir(result, variant.label, scenario, args.out / safe)
+    bound = lower_bound(scenario)
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "bound_max_sd": bound, "runs": report}, indent=2))
+        return 0
+    print(f"scenario {scenario.name}: {scenario.description}")
+    print(format_table(summaries))
+    print("max SD: " + ", ".join(f"{s.label.split(' ')[0]} {max(v for v in s.final_sd.values()):.3f}"
+                                  for s in summaries) + f"; lower bound for any DR policy {bound:.3f}")
+    print("simulated in " + ", ".join(f"{label.split(' ')[0]} {r['seconds']:.2f} s" for label, r in report.items()))
+    if args.out:
+        print(f"logs: {args.out}/<run>/ (plot with: drbalance report {args.out}/*)")
+    return 0

@@ -1,0 +1,112 @@
+"""Emulated GPUs: exclusive slots across processes, kill -9 safety, NVML-like utilisation, the backend."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from drbalance.client import BalancedDataParallel
+from drbalance.client.emulated import EmulatedBackend
+from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, remove_emulated_gpus
+from drbalance.manager.utilization import open_source
+from drbalance.models import ModelProfile
+from tests.conftest import python_process
+
+
+@pytest.fixture
+def emu(ipc_env):
+    yield ipc_env
+    remove_emulated_gpus(ipc_env, 4)
+
+
+def test_a_free_gpu_serves_the_device_time_and_reports_it_busy(emu):
+    gpu = EmulatedGpu(emu, 0)
+    source = EmulatedSource(emu, [0, 1])
+    source.sample()
+    started = time.monotonic()
+    assert gpu.occupy(0.3) < 0.05  # no wait on a free GPU
+    elapsed = time.monotonic() - started
+    time.sleep(0.3)
+    busy, idle = source.sample()
+    assert 0.29 <= elapsed < 0.45
+    assert busy == pytest.approx(100 * 0.3 / (time.monotonic() - started), abs=8) and idle == 0.0
+    assert gpu.read().acquisitions >= 1 and gpu.read().busy_since == 0.0
+    gpu.close()
+    source.close()
+
+
+def test_jobs_in_two_processes_take_turns_and_different_gpus_run_concurrently(emu):
+    holder = python_process("tests.helpers.emu_holder", "0", "0.6")
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        mine = EmulatedGpu(emu, 0)
+        other = EmulatedGpu(emu, 1)
+        started = time.monotonic()
+        assert other.occupy(0.2) < 0.05  # another GPU: no waiting
+        waited = mine.occupy(0.3)  # GPU 0 is shared: we take turns with the other process
+        elapsed = time.monotonic() - started
+        holder.communicate(timeout=30)
+    finally:
+        holder.kill()
+    # shared, the two jobs need 0.6 + 0.3 s of work at a co-location capacity of 1.216
+    assert waited > 0.05 and elapsed > 0.45
+    mine.close()
+    other.close()
+
+
+def test_a_killed_holder_does_not_wedge_the_gpu(emu):
+    holder = python_process("tests.helpers.emu_holder", "2", "30")
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    finally:
+        holder.kill()
+    gpu = EmulatedGpu(emu, 2)
+    assert gpu.busy_seconds(time.monotonic()) < 5  # a dead holder's open occupation is not counted on
+    started = time.monotonic()
+    assert gpu.occupy(0.1) < 0.5  # the kernel released the dead holder's lock
+    assert time.monotonic() - started < 0.6
+    gpu.close()
+
+
+def test_the_manager_source_reads_emulated_gpus_like_nvml(emu, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "3")
+    source = open_source("emulated")
+    assert source.gpu_count() == 3 and source.sample() == (None, None, None)  # no period yet
+    threading.Thread(target=EmulatedGpu(emu, 1).occupy, args=(0.25,)).start()
+    time.sleep(0.5)
+    reading = source.sample()
+    assert reading[0] == 0.0 and 35 <= reading[1] <= 65 and reading[2] == 0.0
+    with pytest.raises(ValueError, match="emulated GPU count must be 1..32"):
+        open_source("emulated:0")
+    source.close()
+
+
+def test_the_emulated_backend_splits_like_the_cpu_path_and_times_replicas(emu):
+    profile = ModelProfile("test", fixed=0.01, per_sample=0.005, dp_overhead=0.02, host_ratio=0.0)
+    backend = EmulatedBackend(4, profile, time_scale=1.0, sample_scale=1.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    wrapped = BalancedDataParallel(model, ratio=[2, 0, 5, 3], backend=backend)
+    started = time.monotonic()
+    nn.functional.cross_entropy(wrapped(x), y).backward()
+    elapsed = time.monotonic() - started
+    for grad, exp in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(grad, exp)
+    timings = wrapped.last_replica_timings()
+    assert [(t.slot, t.device, t.samples) for t in timings] == [(0, "emu:0", 2), (2, "emu:2", 5), (3, "emu:3", 3)]
+    assert all(t.seconds >= 0.01 + 0.005 * t.samples - 1e-3 for t in timings)
+    # host phase: 2 extra replicas x 0.02 s; device phase: chunks in parallel, the longest 0.035 s
+    assert 0.07 <= elapsed < 0.3
+    with pytest.raises(ValueError, match=r"device_ids \[7\] are not among the 4 emulated GPUs"):
+        BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 7], backend=backend)
+    backend.close()
