@@ -1,0 +1,69 @@
+"""Simulator speed: wall time to simulate whole scenarios to completion.
+
+1. The paper's scenario (a) (6 apps, 4 GPUs, ~30 min of each app's solo time) under the paper
+   policy and under observe, with logs recorded as 'drbalance simulate' records them. Target < 2 s.
+2. 64 apps (the six models, mixed) on 16 GPUs, arriving over 10 minutes, paper policy, decisions
+   every 50 iterations. Target < 30 s.
+
+Usage: python -m benchmarks.bench_simulator [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+from benchmarks.timing import summary, write_result
+from drbalance.scenarios import SCENARIOS, Scenario, sized_app
+from drbalance.sim import SimConfig, simulate
+
+MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
+
+
+def big_scenario(apps: int = 64, gpus: int = 16, seed: int = 11) -> Scenario:
+    rng = random.Random(seed)
+    specs = []
+    for index in range(apps):
+        model = MODELS[index % len(MODELS)]
+        batch = 128 if model == "alexnet" else 32
+        specs.append(sized_app(f"app{index}", model, batch, rng.uniform(600, 1800), 10, arrival=rng.uniform(0, 600)))
+    return Scenario(f"{apps}x{gpus}", gpus, tuple(specs), f"{apps} apps on {gpus} GPUs")
+
+
+def timed(scenario: Scenario, config: SimConfig, repeats: int) -> dict:
+    seconds, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = simulate(scenario, config)
+        seconds.append(time.perf_counter() - started)
+    return {"seconds": summary(seconds), "events": result.events, "max_sd": result.max_sd,
+            "makespan_simulated_s": result.makespan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per case (default 5)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    args = parser.parse_args(argv)
+    payload = {
+        "args": vars(args),
+        "scenario_a_paper": timed(SCENARIOS["a"], SimConfig(policy="paper"), args.repeats),
+        "scenario_a_observe": timed(SCENARIOS["a"], SimConfig(policy="observe"), args.repeats),
+        "apps64_gpus16_paper": timed(big_scenario(), SimConfig(policy="paper", decide_every=50, record=False),
+                                     max(1, args.repeats // 2)),
+    }
+    for key, target in (("scenario_a_paper", 2.0), ("scenario_a_observe", 2.0), ("apps64_gpus16_paper", 30.0)):
+        case = payload[key]
+        print(f"{key}: median {case['seconds']['median']:.2f} s (max {case['seconds']['p99']:.2f} s), "
+              f"{case['events']} events, target < {target:.0f} s")
+    if not args.no_write:
+        path = write_result("simulator", "python -m benchmarks.bench_simulator " + " ".join(argv or sys.argv[1:]),
+                            payload)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
