@@ -18,12 +18,11 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.timing import summary, write_result
+from benchmarks.timing import add_no_write, save, scratch_namespace, summary
 from drbalance import DataRatio
 from drbalance.ipc.layout import AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.link import PosixManagerLink
@@ -122,12 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=3000, help="timed decisions (default 3000)")
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="idle interval measured (default 20)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    add_no_write(parser)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="drbalance-bench-") as folder:
-        scratch = Path(folder)
-        os.environ["DRBALANCE_NAMESPACE"] = f"benchm{os.getpid()}"
-        os.environ["DRBALANCE_RUNTIME_DIR"] = str(scratch / "run")
+    with scratch_namespace("benchm") as scratch:
         payload = {
             "args": vars(args),
             "policy_decision": bench_policy(args.decisions),
@@ -142,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               f"median {stats['median'] * 1e3:.3f} ms, p99 {stats['p99'] * 1e3:.3f} ms")
     print(f"idle manager: {idle['percent_of_a_core']:.3f}% of a core over {idle['wall_seconds']:.0f} s "
           f"(target < 1%)")
-    if not args.no_write:
-        path = write_result("manager", "python -m benchmarks.bench_manager " + " ".join(argv or sys.argv[1:]),
-                            payload)
-        print(f"wrote {path}")
+    save("manager", "benchmarks.bench_manager", argv, payload, args.no_write)
     return 0
 
 

@@ -12,13 +12,12 @@ Medians over interleaved repeats, printed as ratios; results in benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torchvision
 from torch import nn
 
-from benchmarks.timing import interleaved_medians, summary, write_result
+from benchmarks.timing import add_no_write, interleaved_medians, save, summary
 from drbalance import DataRatio
 from drbalance.client import BalancedDataParallel
 
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
     parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument("--repeats", type=int, default=30, help="timed repeats per candidate (default 30)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    add_no_write(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args)}
@@ -109,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         payload["gpu"] = "not measured: CUDA is not available on this machine"
         print("GPU: not measured (CUDA is not available on this machine)")
-    if not args.no_write:
-        name = f"parallel_overhead_{args.model}" + ("_gpu" if torch.cuda.is_available() else "_cpu")
-        path = write_result(name, "python -m benchmarks.bench_parallel " + " ".join(argv or sys.argv[1:]), payload)
-        print(f"wrote {path}")
+    name = f"parallel_overhead_{args.model}" + ("_gpu" if torch.cuda.is_available() else "_cpu")
+    save(name, "benchmarks.bench_parallel", argv, payload, args.no_write)
     return 0
 
 

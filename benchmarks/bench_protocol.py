@@ -16,11 +16,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.timing import summary, write_result
+from benchmarks.timing import add_no_write, save, scratch_namespace, summary
 from drbalance import DataRatio
 from drbalance.ipc.layout import NoticeKind
 from drbalance.ipc.names import IpcNames
@@ -97,12 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reports", type=int, default=20000, help="timed SD reports (default 20000)")
     parser.add_argument("--exchanges", type=int, default=2000, help="timed exchanges (default 2000)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    add_no_write(parser)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="drbalance-bench-") as folder:
-        scratch = Path(folder)
-        os.environ["DRBALANCE_NAMESPACE"] = f"bench{os.getpid()}"
-        os.environ["DRBALANCE_RUNTIME_DIR"] = str(scratch / "run")
+    with scratch_namespace("bench") as scratch:
         payload = {"args": vars(args), "report": bench_report(args.reports, scratch),
                    "exchange": bench_exchange(args.exchanges, scratch)}
     report = payload["report"]["report_seconds"]
@@ -112,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{payload['report']['tracker_update_seconds']['median'] * 1e6:.2f} us")
     print(f"epoch-end exchange with a real manager: median {exchange['median'] * 1e3:.3f} ms, "
           f"p99 {exchange['p99'] * 1e3:.3f} ms (target <= 5 ms p99)")
-    if not args.no_write:
-        path = write_result("protocol", "python -m benchmarks.bench_protocol " + " ".join(argv or sys.argv[1:]),
-                            payload)
-        print(f"wrote {path}")
+    save("protocol", "benchmarks.bench_protocol", argv, payload, args.no_write)
     return 0
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 
-from benchmarks.timing import summary, write_result
+from benchmarks.timing import add_no_write, save, summary
 from drbalance.scenarios import SCENARIOS, Scenario, sized_app
 from drbalance.sim import SimConfig, simulate
 
@@ -45,7 +44,7 @@ def timed(scenario: Scenario, config: SimConfig, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs per case (default 5)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    add_no_write(parser)
     args = parser.parse_args(argv)
     payload = {
         "args": vars(args),
@@ -58,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         case = payload[key]
         print(f"{key}: median {case['seconds']['median']:.2f} s (max {case['seconds']['p99']:.2f} s), "
               f"{case['events']} events, target < {target:.0f} s")
-    if not args.no_write:
-        path = write_result("simulator", "python -m benchmarks.bench_simulator " + " ".join(argv or sys.argv[1:]),
-                            payload)
-        print(f"wrote {path}")
+    save("simulator", "benchmarks.bench_simulator", argv, payload, args.no_write)
     return 0
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +71,24 @@ def write_result(name: str, command: str, payload: dict[str, Any], directory: Pa
     record = {"command": command, "environment": environment(), "date": time.strftime("%Y-%m-%d"), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def add_no_write(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+
+
+def save(name: str, module: str, argv: list[str] | None, payload: dict[str, Any], no_write: bool) -> None:
+    """Record ``payload`` as benchmarks/results/NAME.json with the command that produced it."""
+    if no_write:
+        return
+    path = write_result(name, f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]), payload)
+    print(f"wrote {path}")
+
+
+@contextmanager
+def scratch_namespace(prefix: str) -> Iterator[Path]:
+    """A private drbalance namespace and runtime dir for one benchmark, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="drbalance-bench-") as folder:
+        os.environ["DRBALANCE_NAMESPACE"] = f"{prefix}{os.getpid()}"
+        os.environ["DRBALANCE_RUNTIME_DIR"] = str(Path(folder) / "run")
+        yield Path(folder)
