@@ -345,6 +345,9 @@ class Manager:
                 if not isinstance(error, RecordEmpty):
                     logger.debug("drbalance-manager: not adopting %r yet: %s", name, error)
                 continue
+            if entry.status.state == AppState.FINISHED:  # said goodbye, removing its own objects now
+                self.table.remove(name, unlink=False)
+                continue
             self.log("app_added", app=name, pid=entry.status.pid, via="adopted", dr=entry.status.ratio.to_list(),
                      iterations_total=entry.status.iterations_total, solo_time=entry.status.solo_time)
 
