@@ -35,10 +35,10 @@ class ManagerLink(Protocol):
         """Write the app's status into its record (cheap: every few iterations)."""
 
     def manager(self) -> ManagerBeat | None:
-        """The live manager's heartbeat, or None when no live manager is there."""
+        """The live manager's heartbeat, or None when no live manager is there. Call before ``notify``."""
 
     def notify(self, notice: Notice, timeout: float) -> bool:
-        """Send a notice to the manager; False if it could not be delivered within ``timeout``."""
+        """Send a notice to the manager last seen by ``manager()``; False if not delivered in ``timeout``."""
 
     def await_command(self, generation: int, timeout: float) -> AppCommand | None:
         """Wait up to ``timeout`` seconds for the manager's answer to notice ``generation``."""
@@ -100,32 +100,34 @@ class PosixManagerLink:
         try:
             heartbeat = ManagerRecord.open(self.names)
         except (posix_ipc.ExistentialError, RecordError):
+            self._close_inbox()
             return None
         try:
             beat = heartbeat.read()
         except RecordError:
+            self._close_inbox()
             return None
         finally:
             heartbeat.close()
-        fresh = self.clock.monotonic() - beat.beat_mono < self.stale_after
-        return beat if fresh and objects.pid_alive(beat.pid) else None
+        if self.clock.monotonic() - beat.beat_mono >= self.stale_after or not objects.pid_alive(beat.pid):
+            self._close_inbox()
+            return None
+        self._open_inbox(beat.pid)
+        return beat
 
-    def _inbox_for(self, manager_pid: int) -> posix_ipc.MessageQueue | None:
+    def _open_inbox(self, manager_pid: int) -> None:
+        """Keep the inbox of the manager with this pid open (a new manager means a new queue)."""
         if self._inbox is not None and self._inbox_pid == manager_pid:
-            return self._inbox
+            return
         self._close_inbox()
         try:
             self._inbox = posix_ipc.MessageQueue(self.names.inbox())
+            self._inbox_pid = manager_pid
         except posix_ipc.ExistentialError:
-            return None
-        self._inbox_pid = manager_pid
-        return self._inbox
+            pass
 
     def notify(self, notice: Notice, timeout: float) -> bool:
-        beat = self.manager()
-        if beat is None:
-            return False
-        inbox = self._inbox_for(beat.pid)
+        inbox = self._inbox
         if inbox is None:
             return False
         deadline = time.monotonic() + timeout

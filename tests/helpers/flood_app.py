@@ -30,6 +30,7 @@ def main() -> None:
     for seq in range(1, count + 1):
         link.publish(status.__class__(**{**status.__dict__, "notice_seq": seq, "updated_mono": time.monotonic()}))
         started = time.monotonic()
+        link.manager()  # the protocol: look for the live manager, then notify it
         if link.notify(Notice(NoticeKind.BOUNDARY, os.getpid(), seq, name, time.time()), DEFAULT_SEND_TIMEOUT):
             sent += 1
             command = link.await_command(seq, DEFAULT_EXCHANGE_TIMEOUT * 4)
@@ -41,6 +42,7 @@ def main() -> None:
         else:
             problems.append(f"seq {seq}: not delivered ({'no manager' if link.manager() is None else 'inbox full'}"
                             f" for {time.monotonic() - started:.2f} s)")
+    link.manager()
     link.notify(Notice(NoticeKind.FINISH, os.getpid(), count + 1, name, time.time()), DEFAULT_SEND_TIMEOUT)
     link.close()
     print(json.dumps({"app": name, "sent": sent, "answered": answered, "generations": generations,
