@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from drbalance.models import model_profile
+from drbalance.models import SHORT_NAMES, model_profile
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 PLACEMENTS = ("round-robin", "spread")
+SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,8 @@ def _paper(name: str, gpus: int, models: list[str], description: str, paper: dic
     apps = []
     for model in models:
         counts[model] = counts.get(model, 0) + 1
-        short = {"densenet121": "dense", "resnet50": "res", "alexnet": "alex", "resnext50_32x4d": "resnext",
-                 "shufflenet_v2_x1_0": "shuffle", "mnasnet1_0": "mnas"}[model]
-        apps.append(sized_app(f"{short}{counts[model]}", model, PAPER_BATCH, PAPER_SOLO_SECONDS, PAPER_EPOCHS))
+        apps.append(sized_app(f"{SHORT_NAME[model]}{counts[model]}", model, PAPER_BATCH, PAPER_SOLO_SECONDS,
+                              PAPER_EPOCHS))
     return Scenario(name, gpus, tuple(apps), description, "round-robin", DEFAULT_TOTAL, MappingProxyType(paper))
 
 
@@ -186,8 +186,8 @@ def _demo(name: str, solo_seconds: float, epochs: int, description: str,
     apps = []
     for index, model in enumerate(models):
         counts[model] = counts.get(model, 0) + 1
-        short = {"densenet121": "dense", "resnet50": "res", "alexnet": "alex"}[model]
-        app = sized_app(f"{short}{counts[model]}", model, DEMO_BATCH[model], solo_seconds, epochs, arrival=0.1 * index)
+        app = sized_app(f"{SHORT_NAME[model]}{counts[model]}", model, DEMO_BATCH[model], solo_seconds, epochs,
+                        arrival=0.1 * index)
         if start_gpus is not None:  # explicit start GPUs instead of round-robin
             app = replace(app, ratio=DataRatio.single(4, start_gpus[index]).shares)
         apps.append(app)

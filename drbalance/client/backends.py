@@ -177,6 +177,18 @@ class CpuBackend(DeviceBackend):
         chunk_kwargs: Sequence[dict[str, Any]],
     ) -> tuple[list[Any], list[Callable[[], ReplicaTiming]]]:
         """Run the module on each chunk in turn, timing each with the wall clock."""
+        outputs, spans = self.forward_chunks(module, device_ids, plan, chunk_inputs, chunk_kwargs)
+        return outputs, self.timings(device_ids, plan, spans)
+
+    def forward_chunks(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int],
+        plan: ChunkPlan,
+        chunk_inputs: Sequence[Any],
+        chunk_kwargs: Sequence[dict[str, Any]],
+    ) -> tuple[list[Any], list[float]]:
+        """Each chunk's forward, one after another: (outputs, wall seconds of each)."""
         outputs, spans = [], []
         clock = time.perf_counter
         for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
@@ -186,7 +198,7 @@ class CpuBackend(DeviceBackend):
             except Exception as error:
                 reraise_in_replica(error, self.where(device_ids, plan, position))
             spans.append(clock() - started)
-        return outputs, self.timings(device_ids, plan, spans)
+        return outputs, spans
 
     def timings(
         self, device_ids: Sequence[int], plan: ChunkPlan, seconds: Sequence[float]

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from drbalance.client.backends import ChunkPlan, CpuBackend, reraise_in_replica
+from drbalance.client.backends import ChunkPlan, CpuBackend
 from drbalance.emu.gpus import EmulatedGpu
 from drbalance.ipc.names import IpcNames
 from drbalance.models import ModelProfile
@@ -64,14 +64,7 @@ class EmulatedBackend(CpuBackend):
 
     def apply(self, module: nn.Module, device_ids: Sequence[int], plan: ChunkPlan,
               chunk_inputs: Sequence[Any], chunk_kwargs: Sequence[dict[str, Any]]):
-        outputs, cpu_seconds = [], []
-        for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
-            started = time.perf_counter()
-            try:
-                outputs.append(module(*args, **kw))
-            except Exception as error:
-                reraise_in_replica(error, self.where(device_ids, plan, position))
-            cpu_seconds.append(time.perf_counter() - started)
+        outputs, cpu_seconds = self.forward_chunks(module, device_ids, plan, chunk_inputs, chunk_kwargs)
         self._host_phase(plan, sum(cpu_seconds))
         device = [self.time_scale * self.profile.device_seconds(size * self.sample_scale) for size in plan.sizes]
         futures = [self._pool.submit(self.gpus[device_ids[slot]].occupy, seconds)

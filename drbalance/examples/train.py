@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from drbalance import env
 from drbalance.client import BalancedDataParallel, Session
 from drbalance.ratio import DataRatio
 
@@ -68,7 +69,7 @@ def choose_devices(spec: str) -> tuple[str, int | None]:
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
-        emulated = os.environ.get("DRBALANCE_EMULATED_GPUS")
+        emulated = env.emulated_gpus()
         spec = f"emulated:{emulated}" if emulated else "cpu"
     kind, _, count = spec.partition(":")
     if kind == "cuda":

@@ -27,6 +27,15 @@ def check_app_name(name: str) -> str:
     return name
 
 
+def _listed(marker: str) -> list[str]:
+    """What follows ``marker`` in the names of /dev/shm entries that start with it."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(entry[len(marker):] for entry in entries if entry.startswith(marker))
+
+
 @dataclass(frozen=True)
 class IpcNames:
     """The names of one namespace's objects for one user."""
@@ -72,21 +81,11 @@ class IpcNames:
 
     def listed_apps(self) -> list[str]:
         """Names of the apps whose records exist now (Linux lists shared memory in /dev/shm)."""
-        marker = self.prefix[1:] + "app."
-        try:
-            entries = os.listdir(SHM_DIR)
-        except OSError:
-            return []
-        return sorted(entry[len(marker):] for entry in entries if entry.startswith(marker))
+        return _listed(self.prefix[1:] + "app.")
 
     def listed_signals(self) -> list[str]:
         """Names of the apps whose signal semaphores exist now (``/dev/shm/sem.<name>``)."""
-        marker = "sem." + self.prefix[1:] + "sig."
-        try:
-            entries = os.listdir(SHM_DIR)
-        except OSError:
-            return []
-        return sorted(entry[len(marker):] for entry in entries if entry.startswith(marker))
+        return _listed("sem." + self.prefix[1:] + "sig.")
 
     def runtime_dir(self) -> Path:
         """This namespace's folder for the manager's lock and status files."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance.jsonlog import JsonLinesWriter
@@ -30,8 +30,6 @@ class Variant:
 
 def baselines(base: SimConfig) -> list[Variant]:
     """The comparison set: the paper's policy and what a user could pick instead."""
-    from dataclasses import replace
-
     return [
         Variant("paper", replace(base, policy="paper", placement=None, scheduler=None)),
         Variant("observe (1 GPU/app, round-robin)", replace(base, policy="observe", placement="round-robin",

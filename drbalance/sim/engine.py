@@ -73,7 +73,7 @@ class _Gpu:
 
 class _App:
     __slots__ = ("spec", "profile", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
-                 "alive", "arrived", "running", "suspend", "records", "gpu", "iterations_per_epoch")
+                 "alive", "arrived", "running", "suspend", "records", "gpu")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
@@ -92,7 +92,6 @@ class _App:
         self.suspend = False
         self.records: list[dict[str, Any]] = []
         self.gpu: int | None = None
-        self.iterations_per_epoch = spec.iterations_per_epoch
 
 
 @dataclass
@@ -251,7 +250,7 @@ class Simulation:
                 self.push(self.now, TICK)
             return
         decide_every = self.config.decide_every
-        if done % app.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0):
+        if done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0):
             app.reported_sd = tracker.slowdown(self.now)
             self._record(app, "boundary")
             if self.config.scheduler is None:
