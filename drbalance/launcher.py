@@ -26,7 +26,7 @@ from pathlib import Path
 
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
-from drbalance.policy import POLICIES
+from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.scenarios import Scenario, load_scenario
 
 
@@ -50,7 +50,7 @@ class LaunchOptions:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
-    parser.add_argument("--policy", default="paper", choices=list(POLICIES),
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                         help="the manager's policy ('observe' = no balancing)")
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],

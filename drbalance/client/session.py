@@ -129,6 +129,8 @@ class Session:
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
+        self._cadence: float | None = None  # seconds between boundaries the manager asked for
+        self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
         self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
         self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
@@ -210,7 +212,8 @@ class Session:
             self._finish(now)
             return
         done = self.tracker.done
-        if done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0):
+        if (done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0)
+                or (self._boundary_due is not None and now >= self._boundary_due)):
             self._boundary(now)
         elif done % self.report_every == 0:
             self._report(now)
@@ -295,6 +298,7 @@ class Session:
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
+        self._boundary_due = None if self._cadence is None else now + self._cadence
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
@@ -338,6 +342,8 @@ class Session:
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self._awaiting = None
         self.applied_generation = command.generation
+        self._cadence = command.next_boundary
+        self._boundary_due = None if self._cadence is None else now + self._cadence
         current = self.model.ratio
         if len(command.ratio) != len(current):
             logger.warning("drbalance: manager sent %r a DR of %d GPUs, the model has %d; ignored",
@@ -354,6 +360,7 @@ class Session:
             self._write_log("detached", now, manager_pid=self._attached_pid)
         self._attached_pid = 0
         self._awaiting = None
+        self._cadence = self._boundary_due = None
         if not self._warned_absent and self.profile_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",

@@ -29,7 +29,7 @@ from drbalance.ipc.records import RecordEmpty, remove_stale_app
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.table import AppEntry, AppTable
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
-from drbalance.policy import AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
+from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -44,7 +44,7 @@ class ManagerSettings:
     """The daemon's options (seconds for periods; percent points for ``util_threshold``)."""
 
     namespace: str | None = None
-    policy: str = "paper"
+    policy: str = DEFAULT_POLICY
     sd_threshold: float = 0.1
     util_threshold: float = 20.0
     dr_total: int = DEFAULT_TOTAL
@@ -250,22 +250,25 @@ class Manager:
         snapshot = Snapshot(self.table.views(self.config.dr_total), self.window.values(), self.config)
         old = entry.effective_ratio()
         started = time.perf_counter()
+        next_boundary = None
         try:
             decision = self.policy.decide(entry.name, trigger, snapshot)
             ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
+            next_boundary = decision.next_boundary
             self._check_ratio(ratio, old, snapshot.app(entry.name))
         except Exception as error:  # a policy bug must never crash the daemon or reach the app
             logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
             ratio, branch, details = old, "policy-error", {"error": repr(error)}
         spent = time.perf_counter() - started
-        entry.channel.answer(AppCommand(os.getpid(), generation, ratio, branch, self.clock.wall()))
+        entry.channel.answer(AppCommand(os.getpid(), generation, ratio, branch, self.clock.wall(), next_boundary))
         entry.assigned, entry.assigned_mono = ratio, self.clock.monotonic()
         self.decisions += 1
         self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
                  old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
-                 util=list(snapshot.utilization), details=details, decide_us=spent * 1e6)
+                 util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
+                 decide_us=spent * 1e6)
         return ratio
 
     def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
