@@ -114,7 +114,7 @@ class RatioSchedule:
             return start
 
     def ratio_for(self, index: int) -> DataRatio:
-        """The DR that splits global batch ``index`` (as the schedule stands now)."""
+        """The DR that will split global batch ``index`` (one not produced yet: past entries are dropped)."""
         with self._lock:
             chosen = self._entries[0][1]
             for start, ratio in self._entries:
@@ -220,10 +220,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
-        self.bounds = global_batch_bounds(self.length, self.batch_size, self.world_size, self.drop_last)
         if self.batch_size < self.world_size:
             raise ValueError(f"batch_size {self.batch_size} is smaller than the {self.world_size} ranks: every rank "
                              f"needs at least {MIN_SAMPLES_PER_RANK} sample per global batch")
+        self.bounds = global_batch_bounds(self.length, self.batch_size, self.world_size, self.drop_last)
         self.last: tuple[int, DataRatio, tuple[int, ...]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
