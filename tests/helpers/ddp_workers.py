@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -115,7 +114,47 @@ def plain_ddp(rank: int, world: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run(function, world: int, out: str) -> None:
-    """Entry point for ``torch.multiprocessing.spawn``: ``function`` is the name of one of the above."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    globals()[function](0, world, out)
+def agreement(rank: int, world: int, out: str) -> None:
+    """agree_ratio when the ranks' loaders ran ahead by different amounts; mismatched ratios; no_sync."""
+    init(rank, world, out)
+    found: dict = {}
+    try:
+        BalancedDistributedDataParallel(small_net(), ratio=[7, 1, 1, 1] if rank == 2 else [1, 1, 1, 7])
+    except ValueError as error:
+        found["mismatch"] = str(error)
+    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4])
+    found["uuids"] = list(model.device_uuids())
+    found["labels"] = list(model.device_labels)
+    sampler = BalancedBatchSampler(400, 20, model=model)
+    batches = iter(sampler)
+    for _ in range(2 + rank):  # rank r has produced 2 + r batches (deeper prefetch on higher ranks)
+        next(batches)
+    ratio, start = model.agree_ratio(DataRatio([4, 3, 2, 1]) if rank == 0 else DataRatio([1, 1, 1, 7]))
+    found["agreed"] = [ratio.to_list(), start]
+    used = {}
+    while sampler.last[0] < start + 1:
+        next(batches)
+        used[sampler.last[0]] = sampler.last[1].to_list()
+    found["used"] = sorted(used.items())
+    found["kept"] = list(model.agree_ratio(None))[1]  # nothing proposed: no change
+    # gradient accumulation: two micro-batches per rank under no_sync, then a synchronising one
+    x, y = dataset(40)
+    sizes = [2, 4, 6, 8]
+    start_at = sum(sizes[:rank])
+    mine = list(range(start_at, start_at + sizes[rank]))
+    halves = [mine[: len(mine) // 2], mine[len(mine) // 2:]]
+    model.zero_grad()
+    with model.no_sync():
+        functional.cross_entropy(model(x[halves[0]]), y[halves[0]], reduction="sum").div(len(mine)).backward()
+    functional.cross_entropy(model(x[halves[1]]), y[halves[1]], reduction="sum").div(len(mine)).backward()
+    reference = small_net()
+    whole = list(range(sum(sizes)))
+    functional.cross_entropy(reference(x[whole]), y[whole]).backward()
+    found["accumulated_counts"] = list(model.last_chunk_sizes)
+    found["accumulated_error"] = max_difference(grads(model.module), grads(reference))
+    # loss_reduction="sum": each rank's loss is a sum over its samples
+    summed = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4], loss_reduction="sum")
+    functional.cross_entropy(summed(x[mine]), y[mine], reduction="sum").backward()
+    found["sum_error"] = max_difference(grads(summed.module), grads(reference))
+    write(out, "agreement", rank, found)
+    dist.destroy_process_group()
