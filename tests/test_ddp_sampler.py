@@ -17,6 +17,8 @@ from drbalance.client.sampler import (
     RatioSchedule,
     check_rank_ratio,
     epoch_batches,
+    even_ratio,
+    job_ratio,
     rank_sizes,
 )
 from drbalance.ratio import DataRatio
@@ -134,6 +136,18 @@ def test_rank_sizes_follow_the_split_and_never_starve_a_rank():
         rank_sizes(DataRatio([3, 3, 4]), 2)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 200))
+def test_a_job_keeps_its_ratio_in_a_total_of_at_least_ten_with_the_same_splits(shares, batch):
+    ratio = DataRatio(shares, sum(shares))
+    kept = job_ratio(ratio)
+    assert kept.total >= 10 and kept.total % ratio.total == 0
+    assert kept.split(batch) == ratio.split(batch)
+    if batch >= len(shares):
+        assert rank_sizes(kept, batch) == rank_sizes(ratio, batch)
+    assert even_ratio(3) == DataRatio([4, 4, 4], 12) and even_ratio(2) == DataRatio([5, 5])
+
+
 def test_bad_ratios_and_sizes_are_rejected_with_the_rule():
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] less than 1 unit"):
         check_rank_ratio([10, 0], 2)
@@ -152,7 +166,7 @@ def test_bad_ratios_and_sizes_are_rejected_with_the_rule():
     sampler = BalancedBatchSampler(100, 10, rank=0, world_size=2)
     with pytest.raises(ValueError, match="less than 1 unit"):
         sampler.set_ratio([10, 0])
-    assert sampler.ratio == DataRatio([1, 1], 2)  # unchanged after a rejected DR
+    assert sampler.ratio == DataRatio([5, 5])  # unchanged after a rejected DR (the even default, in tenths)
 
 
 def test_the_schedule_never_resplits_a_produced_batch():

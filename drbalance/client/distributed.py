@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio
+from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.client.timing import ReplicaTiming
 from drbalance.ratio import DataRatio
@@ -143,8 +143,9 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
 
     - ``ratio``: a :class:`~drbalance.DataRatio` or list of integer shares, one per rank of the
       job (the process group's ranks, in rank order), each at least ``MIN_SHARE`` (1) unit.
-      Default: ``[1] * world_size`` with total ``world_size`` (an even split). Every rank must be
-      given the same DR; the constructor checks it.
+      Default: equal shares (an even split, as plain DDP). A total below 10 is raised to a
+      multiple of itself (``[1, 1]/2`` is kept as ``[5, 5]/10``: same proportions, same splits).
+      Every rank must be given the same DR; the constructor checks it.
     - ``loss_reduction``: ``"mean"`` (default) if each rank's loss is the mean over its own
       samples (PyTorch's default), ``"sum"`` if it is a sum over them. Either way every rank ends
       with the gradient of the *mean* loss over the global batch.
@@ -174,9 +175,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         super().__init__(module, *args, **kwargs)
         group = self.process_group
         world_size, rank = group.size(), group.rank()
-        initial = check_rank_ratio(
-            DataRatio.even(world_size, world_size) if ratio is None else ratio, world_size, where="ratio"
-        )
+        initial = check_rank_ratio(even_ratio(world_size) if ratio is None else ratio, world_size, where="ratio")
         control = _control_group(group)
         label, uuid = _local_device(self)
         self._balance = _BalanceState(rank, world_size, control, group, loss_reduction)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence, Sized
 import torch
 from torch.utils.data import Sampler
 
-from drbalance.ratio import DataRatio, as_ratio
+from drbalance.ratio import DEFAULT_TOTAL, DataRatio, as_ratio
 
 MIN_SAMPLES_PER_RANK = 1
 """Every rank trains on at least this many samples in every step (see :func:`rank_sizes`)."""
@@ -36,11 +36,13 @@ MIN_SHARE = 1
 def check_rank_ratio(ratio: DataRatio | Sequence[int], world_size: int, where: str = "DR") -> DataRatio:
     """``ratio`` as a DataRatio over ``world_size`` ranks, each with at least ``MIN_SHARE`` units.
 
+    The total is raised to at least 10 as :func:`job_ratio` does (same proportions, same splits).
+
     Raises ``ValueError`` naming the rule: one share per rank, no rank below the minimum (a rank
     of a DDP job cannot be left out of a step: it would have nothing to contribute to the
     gradient all-reduce that every rank must join).
     """
-    value = as_ratio(ratio)
+    value = job_ratio(as_ratio(ratio))
     if len(value) != world_size:
         raise ValueError(
             f"{where} {value} has {len(value)} entries but the job has {world_size} rank(s); give one share per rank"
@@ -53,6 +55,23 @@ def check_rank_ratio(ratio: DataRatio | Sequence[int], world_size: int, where: s
             f"{MIN_SAMPLES_PER_RANK} sample each step)"
         )
     return value
+
+
+def job_ratio(ratio: DataRatio) -> DataRatio:
+    """``ratio`` with its total raised to a multiple of itself that is at least ``DEFAULT_TOTAL`` (10).
+
+    The proportions, and so every split, stay exactly the same (``[1, 1]/2`` becomes ``[5, 5]/10``,
+    ``[1, 2]/3`` becomes ``[4, 8]/12``). A DDP job keeps its DR in such a total so that its minimum
+    share of one unit is at most a tenth of the batch, and converts to exactly one unit of the
+    manager's default total.
+    """
+    factor = -(-DEFAULT_TOTAL // ratio.total)  # ceil
+    return ratio if factor <= 1 else DataRatio([share * factor for share in ratio.shares], ratio.total * factor)
+
+
+def even_ratio(world_size: int) -> DataRatio:
+    """Equal shares for every rank (in a total of at least 10): the split of plain DDP."""
+    return job_ratio(DataRatio([1] * world_size, world_size))
 
 
 def rank_sizes(ratio: DataRatio, batch: int) -> tuple[int, ...]:
@@ -214,7 +233,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             self.rank, self.world_size = int(model.rank), int(model.world_size)  # type: ignore[attr-defined]
         else:
             self.rank, self.world_size = _rank_and_size(rank, world_size)
-            initial = DataRatio.even(self.world_size, self.world_size) if ratio is None else ratio
+            initial = even_ratio(self.world_size) if ratio is None else ratio
             self.schedule = RatioSchedule(check_rank_ratio(initial, self.world_size))
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -288,5 +307,5 @@ def epoch_batches(length: int, batch_size: int, ranks: int, drop_last: bool = Fa
 
 __all__ = [
     "MIN_SAMPLES_PER_RANK", "MIN_SHARE", "BalancedBatchSampler", "RatioSchedule", "check_rank_ratio",
-    "epoch_batches", "global_batch_bounds", "rank_sizes",
+    "epoch_batches", "even_ratio", "global_batch_bounds", "job_ratio", "rank_sizes",
 ]

@@ -137,6 +137,8 @@ class Session:
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
+        if self.job is not None:
+            self.min_share = self.job.model.min_share  # one unit: at least one sample per rank and step
         self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
         self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
         self.notice_seq = 0
