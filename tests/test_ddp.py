@@ -71,6 +71,8 @@ def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
         used = {index: ratio for index, ratio in found["used"]}
         assert used[5] == used[6] == [4, 3, 2, 1] and all(used[i] == [1, 2, 3, 4] for i in used if i < 5)
         assert found["kept"] is None
+        # propose_ratio: rank 0's DR rides on the next step's counts; rank 3 had produced up to batch 9
+        assert found["proposed"] == [[[2, 2, 3, 3], 10]] and found["after_proposal"] == [2, 2, 3, 3]
         assert found["uuids"] == [""] * 4 and found["labels"] == ["cpu"] * 4  # CPU ranks have no GPU UUID
         assert found["accumulated_counts"] == [2, 4, 6, 8]  # no_sync micro-batches counted together
         assert found["accumulated_error"] < 1e-6 and found["sum_error"] < 1e-6
@@ -130,9 +132,10 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     assert used == [(s["batch"], s["ratio"], s["sizes"]) for s in steps[1]]  # the same DR for every batch
     for s in steps[0] + steps[1]:
         assert s["counts"] == s["sizes"] and s["local"] == s["sizes"][s["rank"]]
-    # decisions at the boundaries after steps 2, 6 and 8 apply from the very next global batch; the
-    # daemon refused the policy's [0, 10] at step 4 (the job's minimum share is 1) and kept [2, 8]
-    assert [ratio for _, ratio, _ in used] == [[5, 5]] * 2 + [[2, 8]] * 4 + [[7, 3]] * 2 + [[6, 4]] * 4
+    # decisions at the boundaries after steps 2, 6 and 8 travel with the next step's sample counts and
+    # apply from the next global batch not yet produced then (steps 4, 8, 10); the daemon refused the
+    # policy's [0, 10] at step 4 (the job's minimum share is 1), so [2, 8] stayed
+    assert [ratio for _, ratio, _ in used] == [[5, 5]] * 3 + [[2, 8]] * 4 + [[7, 3]] * 2 + [[6, 4]] * 3
     events = list(read_json_lines(settings.log_path))
     added = [e for e in events if e["event"] == "app_added"]
     assert [(e["app"], e["pid"]) for e in added] == [("ddpjob", steps[0][0]["pid"])]  # one app: rank 0's record
@@ -140,7 +143,7 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     assert decided[:4] == [("script", [2, 8]), ("policy-error", [2, 8]), ("script", [7, 3]), ("script", [6, 4])]
     sd_log = list(read_json_lines(Path(os.environ["DRBALANCE_LOG_DIR"]) / "ddpjob.sd.jsonl"))
     applied = [e for e in sd_log if e["event"] == "applied"]
-    assert [(e["from_batch"], e["dr"]) for e in applied] == [(2, [2, 8]), (6, [7, 3]), (8, [6, 4])]
+    assert [(e["from_batch"], e["applied_dr"]) for e in applied] == [(3, [2, 8]), (7, [7, 3]), (9, [6, 4])]
     # what the manager saw: one app, every rank at least 1 unit, the global batch, per-rank chunk times
     late = policy.views[-1]
     assert late.min_share == 1 and late.batch == 10

@@ -17,8 +17,10 @@ first bucket. With equal counts the factor is exactly the ``1 / world_size`` tha
 reducer multiplies by, so equal shares give bit-for-bit the gradients of plain DDP.
 
 The DR itself lives in a :class:`~drbalance.client.sampler.RatioSchedule` shared with the sampler.
-``set_ratio`` changes it locally (call it on every rank alike); ``agree_ratio`` is the collective
-that makes rank 0's choice (e.g. the manager's answer) everyone's, from the same global batch on.
+``set_ratio`` changes it locally (call it on every rank alike). Rank 0's ``propose_ratio`` (what
+the manager link uses) rides on the next step's count exchange and becomes every rank's DR from
+the same global batch on, at no extra communication; ``agree_ratio`` does the same at once, as a
+collective of its own.
 """
 
 from __future__ import annotations
@@ -48,21 +50,68 @@ class RatioSyncError(RuntimeError):
     """A collective of the job's control group failed (typically: another rank died)."""
 
 
+class _StepExchange:
+    """The one small all-reduce every synchronising step adds: float64, ``4 * world + 2`` entries.
+
+    Each rank fills its own slots, so a sum gives everyone every rank's values:
+    ``counts`` (samples of this step), ``times`` (compute seconds of the previous step),
+    ``next_batch`` (the rank's sampler's next global batch index), then rank 0's DR proposal
+    (``flag``, ``total``, ``shares``; zeros from every other rank). Integers are exact in float64.
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.size = 4 * world + 2
+
+    def message(self, rank: int, samples: int, seconds: float, next_batch: int,
+                proposal: DataRatio | None) -> torch.Tensor:
+        world = self.world
+        vector = torch.zeros(self.size, dtype=torch.float64)
+        vector[rank] = samples
+        vector[world + rank] = seconds
+        vector[2 * world + rank] = next_batch
+        if proposal is not None:
+            vector[3 * world] = 1.0
+            vector[3 * world + 1] = proposal.total
+            vector[3 * world + 2:] = torch.tensor(proposal.shares, dtype=torch.float64)
+        return vector
+
+    def read(self, vector: torch.Tensor) -> tuple[tuple[int, ...], tuple[float, ...], int, DataRatio | None]:
+        """(counts, previous times, largest next batch, proposal or None) from the summed vector."""
+        world = self.world
+        values = vector.tolist()
+        counts = tuple(int(round(v)) for v in values[:world])
+        times = tuple(values[world:2 * world])
+        next_batch = int(round(max(values[2 * world:3 * world])))
+        proposal = None
+        if values[3 * world] >= 0.5:
+            shares = [int(round(v)) for v in values[3 * world + 2:]]
+            proposal = DataRatio(shares, int(round(values[3 * world + 1])))
+        return counts, times, next_batch, proposal
+
+
 class _BalanceState:
     """Per-step state of the weighting hook (a plain object: module attribute access is slow)."""
 
-    __slots__ = ("rank", "world_size", "control", "gradients", "reduction", "pending", "counts_tensor", "work",
-                 "counts", "previous_counts", "times", "forward_started", "compute_seconds", "lock", "warned")
+    __slots__ = ("rank", "world_size", "control", "gradients", "reduction", "schedule", "exchange", "pending",
+                 "vector", "work", "carried", "proposal", "agreed", "counts", "previous_counts", "times",
+                 "forward_started", "compute_seconds", "lock", "warned")
 
-    def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str) -> None:
+    def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str,
+                 schedule: RatioSchedule) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.control = control  # gloo group of the job's ranks: counts, DR agreement
+        self.control = control  # gloo group of the job's ranks: the step exchange, DR agreement
         self.gradients = gradients  # DDP's own process group: the gradient all-reduce
         self.reduction = reduction
+        self.schedule = schedule
+        self.exchange = _StepExchange(world_size)
         self.pending = 0  # samples of forwards since the last synchronising one
-        self.counts_tensor: torch.Tensor | None = None
+        self.vector: torch.Tensor | None = None
         self.work: Any = None
+        self.carried: DataRatio | None = None  # the proposal the exchange in flight carries
+        self.proposal: DataRatio | None = None  # rank 0: a DR for the next exchange to carry
+        self.agreed: list[tuple[DataRatio, int]] = []  # (DR, first global batch) agreed, not yet collected
         self.counts: tuple[int, ...] | None = None  # every rank's samples in the current step
         self.previous_counts: tuple[int, ...] | None = None
         self.times: tuple[float, ...] | None = None  # every rank's compute seconds in the previous step
@@ -71,24 +120,42 @@ class _BalanceState:
         self.lock = threading.Lock()
         self.warned = False
 
-    def step_counts(self) -> tuple[int, ...] | None:
-        """Every rank's sample count for the step being reduced (waits for the count all-reduce once)."""
+    def start(self, samples: int) -> None:
+        """Start this step's exchange (at a synchronising forward); finish one that no backward consumed."""
         with self.lock:
-            if self.work is not None:
-                work, self.work = self.work, None
-                try:
-                    work.wait()
-                except RuntimeError as error:
-                    raise RatioSyncError(
-                        f"drbalance: rank {self.rank} could not exchange per-rank sample counts with the other ranks "
-                        f"({error}); another rank of the job probably died"
-                    ) from error
-                values = self.counts_tensor.tolist()
-                world = self.world_size
-                self.previous_counts = self.counts
-                self.counts = tuple(int(round(v)) for v in values[:world])
-                self.times = tuple(values[world:]) if self.previous_counts is not None else None
+            self._finish()
+            carried = self.proposal if self.rank == 0 else None
+            self.vector = self.exchange.message(self.rank, samples, self.compute_seconds,
+                                                self.schedule.next_batch, carried)
+            self.carried = carried
+            self.work = dist.all_reduce(self.vector, group=self.control, async_op=True)
+
+    def step_counts(self) -> tuple[int, ...] | None:
+        """Every rank's sample count for the step being reduced (waits for the exchange, once per step)."""
+        with self.lock:
+            self._finish()
             return self.counts
+
+    def _finish(self) -> None:
+        if self.work is None:
+            return
+        work, self.work = self.work, None
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise RatioSyncError(
+                f"drbalance: rank {self.rank} could not exchange per-rank sample counts with the other ranks "
+                f"({error}); another rank of the job probably died"
+            ) from error
+        counts, times, next_batch, proposal = self.exchange.read(self.vector)
+        self.previous_counts, self.counts = self.counts, counts
+        self.times = times if self.previous_counts is not None else None
+        if self.carried is not None and self.proposal is self.carried:
+            self.proposal = None  # delivered
+        if proposal is not None:
+            # Every rank reads the same sum, so every rank makes the same entry: the DR splits
+            # global batches from the furthest any rank's sampler had got at this forward.
+            self.agreed.append((proposal, self.schedule.set(proposal, next_batch)))
 
 
 def _weighted_allreduce_hook(state: _BalanceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -178,8 +245,8 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         initial = check_rank_ratio(even_ratio(world_size) if ratio is None else ratio, world_size, where="ratio")
         control = _control_group(group)
         label, uuid = _local_device(self)
-        self._balance = _BalanceState(rank, world_size, control, group, loss_reduction)
         self.ratio_schedule = RatioSchedule(initial)
+        self._balance = _BalanceState(rank, world_size, control, group, loss_reduction, self.ratio_schedule)
         peers = self._introduce(initial, device_label or label, uuid if device_uuid is None else device_uuid)
         self.device_labels: tuple[str, ...] = tuple(peer[0] for peer in peers)
         self._device_uuids: tuple[str, ...] = tuple(peer[1] for peer in peers)
@@ -238,6 +305,25 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         ``ValueError`` for a DR with the wrong number of shares or a rank below ``min_share``.
         """
         return self.ratio_schedule.set(check_rank_ratio(ratio, self.world_size), from_batch)
+
+    def propose_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
+        """Rank 0: have every rank use ``ratio`` soon, at no extra communication (other ranks: ignored).
+
+        The proposal rides on the next synchronising step's sample-count exchange; while that
+        step's gradients are reduced, every rank makes ``ratio`` its DR from the furthest global
+        batch any rank's sampler had produced at that forward. :meth:`take_agreed` lists the
+        changes made. ``ValueError`` for a DR this job cannot use.
+        """
+        checked = check_rank_ratio(ratio, self.world_size)
+        if self.rank == 0:
+            self._balance.proposal = None if checked == self.ratio else checked
+
+    def take_agreed(self) -> list[tuple[DataRatio, int]]:
+        """The (DR, first global batch) changes agreed through step exchanges since the last call."""
+        state = self._balance
+        with state.lock:
+            agreed, state.agreed = state.agreed, []
+        return agreed
 
     def agree_ratio(self, proposal: DataRatio | None) -> tuple[DataRatio, int | None]:
         """Collective: every rank takes rank 0's ``proposal`` (None = keep) from the same global batch on.
@@ -298,20 +384,9 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
                 state.forward_started = time.perf_counter()
             state.pending += batch_size_of(inputs, kwargs, self.dim) or 0
             if self.require_backward_grad_sync:
-                self._start_count_exchange(state)
+                samples, state.pending = state.pending, 0
+                state.start(samples)
         return super().forward(*inputs, **kwargs)
-
-    def _start_count_exchange(self, state: _BalanceState) -> None:
-        world = state.world_size
-        vector = torch.zeros(2 * world, dtype=torch.float64)
-        vector[state.rank] = state.pending
-        vector[world + state.rank] = state.compute_seconds
-        state.pending = 0
-        with state.lock:
-            if state.work is not None:  # a synchronising forward without a backward: drop its counts
-                state.work.wait()
-            state.counts_tensor = vector
-            state.work = dist.all_reduce(vector, group=state.control, async_op=True)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}/{self.world_size}, ratio={self.ratio}"
@@ -321,15 +396,15 @@ class JobSync:
     """The DDP side of the manager link: what a ``Session`` steers when its model is a DDP job.
 
     Only rank 0 (the *leader*) talks to the manager. Its session hands the manager's DR to
-    :meth:`set_ratio`, which only records it as a proposal; at every synchronisation point (the
-    session's report and decision steps, which every rank reaches at the same iteration) every
-    rank calls :meth:`synchronize`, a collective that makes the proposal every rank's DR from the
-    same global batch on. A rank never trains a batch with a DR the others do not use for it.
+    :meth:`set_ratio`, which proposes it to the job (``propose_ratio``): the next training step's
+    sample-count exchange carries it to every rank, and every rank makes it its DR from the same
+    global batch on. No extra collective, no rank waits for rank 0's talk with the manager, and a
+    rank never trains a batch with a DR the others do not use for it. :meth:`synchronize` reports
+    the changes made since it was last called.
     """
 
     def __init__(self, model: BalancedDistributedDataParallel) -> None:
         self.model = model
-        self.proposal: DataRatio | None = None
 
     @classmethod
     def of(cls, model: object) -> JobSync | None:
@@ -343,17 +418,17 @@ class JobSync:
 
     @property
     def ratio(self) -> DataRatio:
-        """The proposed DR if there is one, else the DR in force."""
-        return self.proposal if self.proposal is not None else self.model.ratio
+        """The proposed DR if one is on its way, else the DR in force."""
+        proposal = self.model._balance.proposal
+        return proposal if proposal is not None else self.model.ratio
 
     def set_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
-        """Propose ``ratio`` for the next synchronisation (``ValueError`` if the job cannot use it)."""
-        self.proposal = check_rank_ratio(ratio, self.model.world_size)
+        """Propose ``ratio`` to the job (``ValueError`` if the job cannot use it)."""
+        self.model.propose_ratio(ratio)
 
-    def synchronize(self) -> tuple[DataRatio, int | None]:
-        """Collective: rank 0's proposal becomes every rank's DR. (DR in force, first global batch or None)."""
-        proposal, self.proposal = self.proposal, None
-        return self.model.agree_ratio(proposal)
+    def synchronize(self) -> list[tuple[DataRatio, int]]:
+        """The (DR, first global batch) changes every rank has made since the last call (no communication)."""
+        return self.model.take_agreed()
 
 
 def _control_group(group: Any) -> Any:

@@ -16,8 +16,9 @@ one, training goes on with its own DR (one warning); it re-attaches when a manag
 
 A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates the Session on
 every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
-the record and SD log; at every report and decision step all ranks agree on rank 0's DR through
-the job's own process group (``drbalance.client.distributed.JobSync``), see docs/ddp.md.
+the record and SD log; the manager's DR reaches the other ranks through the job's own process
+group, with the next step's sample counts (``drbalance.client.distributed.JobSync``), and every
+rank uses it from the same global batch on. See docs/ddp.md.
 """
 
 from __future__ import annotations
@@ -374,12 +375,11 @@ class Session:
                             old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late)
 
     def _synchronize(self, now: float) -> None:
-        """DDP jobs: every rank takes rank 0's DR from the same global batch on (a collective; no-op otherwise)."""
+        """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""
         if self.job is None:
             return
-        ratio, start = self.job.synchronize()
-        if start is not None:
-            self._write_log("applied", now, from_batch=start)
+        for ratio, start in self.job.synchronize():
+            self._write_log("applied", now, applied_dr=ratio.to_list(), from_batch=start)
 
     def _lost_manager(self, now: float, reason: str = "none is running") -> None:
         if self._attached_pid:

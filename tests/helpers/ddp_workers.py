@@ -137,8 +137,15 @@ def agreement(rank: int, world: int, out: str) -> None:
         used[sampler.last[0]] = sampler.last[1].to_list()
     found["used"] = sorted(used.items())
     found["kept"] = list(model.agree_ratio(None))[1]  # nothing proposed: no change
-    # gradient accumulation: two micro-batches per rank under no_sync, then a synchronising one
+    # propose_ratio on every rank (only rank 0's counts); it travels with the next step's sample counts
+    model.propose_ratio([2, 2, 3, 3] if rank == 0 else [1, 1, 1, 7])
+    for _ in range(rank):  # every rank had produced up to batch 6; now rank r up to 6 + r
+        next(batches)
     x, y = dataset(40)
+    functional.cross_entropy(model(x[:3]), y[:3]).backward()
+    found["proposed"] = [[r.to_list(), start] for r, start in model.take_agreed()]
+    found["after_proposal"] = model.ratio.to_list()
+    # gradient accumulation: two micro-batches per rank under no_sync, then a synchronising one
     sizes = [2, 4, 6, 8]
     start_at = sum(sizes[:rank])
     mine = list(range(start_at, start_at + sizes[rank]))
