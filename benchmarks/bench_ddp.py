@@ -8,10 +8,11 @@ the model and the same local batches:
 - ``balanced``: ``BalancedDistributedDataParallel`` with equal shares on the same slices
   (the sample-count exchange and the weighting hook; bit-identical gradients).
 - ``balanced_session``: the same, fed by ``BalancedBatchSampler`` and with a ``Session`` on every
-  rank (no manager: the DR agreement collective still runs every ``report_every`` steps).
+  rank (no manager; a manager's DR would ride on the same per-step exchange).
 
 One step = zero_grad, forward, cross-entropy, backward, optimizer step. Target: <= 2% median
-overhead. Medians and ratios are rank 0's; results in benchmarks/results/ddp_overhead_*.json.
+overhead. Also: the sampler and ``Session.step()`` alone (no model), per step. Medians and
+ratios are rank 0's; results in benchmarks/results/ddp_overhead_*.json.
 
 Usage: python -m benchmarks.bench_ddp [--model resnet18] [--batch 32] [--ranks 2] [--repeats 30]
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -84,12 +86,27 @@ def rank_main(rank: int, args: argparse.Namespace, folder: str, cuda: bool) -> N
         "balanced": lambda: step("balanced", balanced, x[mine], y[mine]),
         "balanced_session": with_session,
     }, repeats=args.repeats, warmup=args.warmup)
+    samples["sampler_session_alone"] = [sampler_and_session_seconds(sampler, session)]
     session.close()
     Path(folder, f"rank{rank}.json").write_text(json.dumps(samples))
     dist.destroy_process_group()
 
 
+def sampler_and_session_seconds(sampler, session, steps: int = 2000) -> float:
+    """Seconds per step of taking this rank's next batch and ``session.step()``, without a model."""
+    batches = iter(sampler)
+    started = time.perf_counter()
+    for _ in range(steps):
+        if next(batches, None) is None:
+            batches = iter(sampler)
+            next(batches)
+        session.step()
+    return (time.perf_counter() - started) / steps
+
+
 def ratios(samples: dict[str, list[float]]) -> dict:
+    samples = dict(samples)
+    alone = samples.pop("sampler_session_alone", None)
     stats = {name: summary(values) for name, values in samples.items()}
     base = stats["plain"]["median"]
     candidates = ("balanced", "balanced_session")
@@ -97,6 +114,7 @@ def ratios(samples: dict[str, list[float]]) -> dict:
         "seconds": stats,
         "median_ratio": {name: stats[name]["median"] / base for name in candidates},
         "overhead_percent": {name: 100 * (stats[name]["median"] / base - 1) for name in candidates},
+        "sampler_session_alone_us": None if alone is None else alone[0] * 1e6,
     }
 
 
@@ -126,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("balanced", "balanced_session"):
         print(f"  {name} / plain = {result['median_ratio'][name]:.4f} "
               f"(overhead {result['overhead_percent'][name]:+.2f}%, target <= 2%)")
+    print(f"  sampler + Session.step() alone: {result['sampler_session_alone_us']:.1f} us per step")
     suffix = "gpu" if cuda else "cpu"
     save(f"ddp_overhead_{args.model}_{suffix}", "benchmarks.bench_ddp", argv, payload, args.no_write)
     return 0
