@@ -408,8 +408,9 @@ class JobSync:
 
     @classmethod
     def of(cls, model: object) -> JobSync | None:
-        """A JobSync for a ``BalancedDistributedDataParallel``, None for anything else."""
-        return cls(model) if isinstance(model, BalancedDistributedDataParallel) else None
+        """A JobSync for a ``BalancedDistributedDataParallel`` (also under ``torch.compile``), else None."""
+        target = getattr(model, "_orig_mod", model)  # torch.compile's wrapper keeps the module here
+        return cls(target) if isinstance(target, BalancedDistributedDataParallel) else None
 
     @property
     def leader(self) -> bool:
