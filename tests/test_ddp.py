@@ -66,6 +66,7 @@ def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
     for rank, found in enumerate(ranks):
         assert "rank 2 was given ratio [7, 1, 1, 1]/10" in found["mismatch"] or rank == 2
         assert "give every rank" in found["mismatch"]
+        assert found["starved"].startswith("rank 3 of the job: ratio [10, 0, 0, 0]/10 gives rank(s) [1, 2, 3] less")
         # rank r had produced 2 + r batches: the agreed DR starts after the furthest one, batch 5
         assert found["agreed"] == [[4, 3, 2, 1], 5]
         used = {index: ratio for index, ratio in found["used"]}

@@ -242,28 +242,35 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         super().__init__(module, *args, **kwargs)
         group = self.process_group
         world_size, rank = group.size(), group.rank()
-        initial = check_rank_ratio(even_ratio(world_size) if ratio is None else ratio, world_size, where="ratio")
+        try:  # checked here, but raised only after the exchange below, on every rank alike
+            initial, problem = check_rank_ratio(even_ratio(world_size) if ratio is None else ratio, world_size,
+                                                where="ratio"), ""
+        except ValueError as error:
+            initial, problem = even_ratio(world_size), str(error)
         control = _control_group(group)
         label, uuid = _local_device(self)
         self.ratio_schedule = RatioSchedule(initial)
         self._balance = _BalanceState(rank, world_size, control, group, loss_reduction, self.ratio_schedule)
-        peers = self._introduce(initial, device_label or label, uuid if device_uuid is None else device_uuid)
+        peers = self._introduce(initial, problem, device_label or label, uuid if device_uuid is None else device_uuid)
         self.device_labels: tuple[str, ...] = tuple(peer[0] for peer in peers)
         self._device_uuids: tuple[str, ...] = tuple(peer[1] for peer in peers)
         self.register_comm_hook(self._balance, _weighted_allreduce_hook)
 
-    def _introduce(self, ratio: DataRatio, label: str, uuid: str) -> list[tuple[str, str, tuple[int, ...], int]]:
-        """Exchange every rank's device and initial DR; raise on every rank if the DRs differ."""
+    def _introduce(self, ratio: DataRatio, problem: str, label: str, uuid: str) -> list[tuple[Any, ...]]:
+        """Exchange every rank's device and initial DR; raise on every rank if a DR is bad or they differ."""
         state = self._balance
         peers: list[Any] = [None] * state.world_size
-        mine = (label, uuid, ratio.shares, ratio.total)
+        mine = (label, uuid, ratio.shares, ratio.total, problem)
         try:
             dist.all_gather_object(peers, mine, group=state.control)
         except RuntimeError as error:
             raise RatioSyncError(
                 f"drbalance: rank {state.rank} could not reach the job's other ranks: {error}"
             ) from error
-        for rank, (_, _, shares, total) in enumerate(peers):
+        for rank, (_, _, _, _, trouble) in enumerate(peers):
+            if trouble:
+                raise ValueError(f"rank {rank} of the job: {trouble}")
+        for rank, (_, _, shares, total, _) in enumerate(peers):
             if (tuple(shares), total) != (ratio.shares, ratio.total):
                 raise ValueError(
                     f"rank {rank} was given ratio {list(shares)}/{total} but rank {state.rank} {ratio}; give every "

@@ -122,6 +122,10 @@ def agreement(rank: int, world: int, out: str) -> None:
         BalancedDistributedDataParallel(small_net(), ratio=[7, 1, 1, 1] if rank == 2 else [1, 1, 1, 7])
     except ValueError as error:
         found["mismatch"] = str(error)
+    try:  # a DR that starves a rank, given to rank 3 only: every rank raises, none waits for the others
+        BalancedDistributedDataParallel(small_net(), ratio=[10, 0, 0, 0] if rank == 3 else [1, 1, 1, 7])
+    except ValueError as error:
+        found["starved"] = str(error)
     model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4])
     found["uuids"] = list(model.device_uuids())
     found["labels"] = list(model.device_labels)
