@@ -8,8 +8,8 @@ import pytest
 
 from drbalance.jsonlog import read_json_lines
 from drbalance.launcher import LaunchOptions, app_command, launch
-from drbalance.scenarios import AppSpec, Scenario, scenario_from_json
-from tests.conftest import leftovers, python_process
+from drbalance.scenarios import AppSpec, Scenario, load_scenario, scenario_from_json
+from tests.conftest import ROOT, leftovers, python_process
 
 MIXED = {
     "name": "mixed", "gpus": 2, "placement": "round-robin",
@@ -50,6 +50,13 @@ def test_the_launcher_starts_a_ddp_app_with_one_rank_per_gpu_of_its_initial_rati
     assert json.loads(scenario.to_json())["apps"][0]["ddp"] is True
     with pytest.raises(ValueError, match="ddp must be true or false"):
         AppSpec("d", "resnet50", 32, 1, 4, ddp="yes")
+
+
+def test_the_shipped_ddp_scenario_loads_with_one_ddp_job_on_every_gpu(tmp_path):
+    scenario = load_scenario(str(ROOT / "examples" / "scenarios" / "ddp-beside-dp.json"))
+    (ddp,) = [index for index, app in enumerate(scenario.apps) if app.ddp]
+    command = app_command(LaunchOptions(scenario, "paper", tmp_path, "emulated"), ddp, "emulated:4")
+    assert command[command.index("--nproc_per_node") + 1] == "4" and command[command.index("--gpus") + 1] == "0,1,2,3"
 
 
 @pytest.mark.timeout(120)
