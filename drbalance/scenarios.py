@@ -32,7 +32,11 @@ SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 ->
 
 @dataclass(frozen=True)
 class AppSpec:
-    """One training job. ``batch`` is samples per iteration; ``arrival`` seconds after the start."""
+    """One training job. ``batch`` is samples per iteration; ``arrival`` seconds after the start.
+
+    ``ddp``: a DistributedDataParallel job under torchrun, one rank on each GPU where its initial
+    DR is non-zero (the DR then moves only among those GPUs); default: one DataParallel process.
+    """
 
     name: str
     model: str
@@ -41,9 +45,12 @@ class AppSpec:
     iterations_per_epoch: int
     ratio: tuple[int, ...] | None = None
     arrival: float = 0.0
+    ddp: bool = False
 
     def __post_init__(self) -> None:
         model_profile(self.model)  # raises for an unknown model
+        if not isinstance(self.ddp, bool):
+            raise ValueError(f"app {self.name!r}: ddp must be true or false; got {self.ddp!r}")
         for what in ("batch", "epochs", "iterations_per_epoch"):
             value = getattr(self, what)
             if not isinstance(value, int) or value < 1:
