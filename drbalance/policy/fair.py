@@ -37,7 +37,8 @@ class FairConfig:
     """Anti-thrash rules and search breadth. Gains are in SD units (predicted SD at finish)."""
 
     min_gain: float = 0.02
-    mean_slack: float = 0.25  # a fairer configuration may raise the mean SD by this share of its gain
+    noise: float = 0.03  # predicted SD differences below this count as ties when they go against a change
+    mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
     idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
     protect_windows: int = 1
     max_moves_per_epoch: int = 4
@@ -73,6 +74,8 @@ class _Move:
     after: DataRatio
     iteration: int
     predicted: float  # iteration time predicted for ``after`` (seconds)
+    quiet: int = 0  # the app's next decisions during which it stays put
+    checked: bool = False  # measured for a whole window and judged
 
 
 @dataclass
@@ -130,8 +133,10 @@ class FairPolicy:
             found = search.gain({app: owed})
             if found is not None:
                 return self._move(me, ratio, owed, "joint", search, track, found.gain, partner=owed_from)
-        if track.last_move is not None and me.iteration < track.last_move.iteration + self._protection(track):
-            return _decision(app, me.ratio, "protected", until=track.last_move.iteration + self._protection(track))
+        move = track.last_move
+        if move is not None and move.quiet > 0:
+            move.quiet -= 1
+            return _decision(app, me.ratio, "protected", decisions_left=move.quiet)
         if track.moves.get(me.epoch, 0) >= self.config.max_moves_per_epoch:
             return _decision(app, me.ratio, "move-cap", epoch=me.epoch)
         best = search.best(ratio, track)
@@ -157,7 +162,7 @@ class FairPolicy:
             if track.owed is not None:
                 locked.update(_gained(view.ratio, track.owed))
             move = track.last_move
-            if move is not None and view.iteration < move.iteration + self._protection(track):
+            if move is not None and not move.checked:
                 locked.update(_gained(move.before, move.after))
         return locked
 
@@ -165,10 +170,11 @@ class FairPolicy:
         """How much a change pays, from the predicted times of the apps it affects; None if not enough.
 
         Leximax over their predicted SDs at finish (the other apps do not change): the largest are
-        compared first; at the first that differs by at least min_gain, the lower side wins and
-        the difference is the gain. If none differs, a fall of the mean by at least min_gain is
-        the gain. A gain is refused if the mean SD of all apps would rise by more than
-        ``mean_slack`` times it. Ranked by gain, then by the fall of the mean SD.
+        compared first; at the first that is lower by at least min_gain the change wins and the
+        difference is the gain, unless an earlier one is higher by ``noise`` or more (differences
+        below that are within the predictor's error, and count as ties). If none differs, a fall
+        of the mean by at least min_gain is the gain. A gain is refused if the mean SD of all apps
+        would rise by more than ``mean_slack`` times it. Ranked by gain, then by the fall of the mean.
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
@@ -178,7 +184,7 @@ class FairPolicy:
             if old - now >= needed:
                 return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= config.mean_slack * (old - now) \
                     else None
-            if now - old >= needed:
+            if now - old >= config.noise:
                 return None
         return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
 
@@ -199,29 +205,26 @@ class FairPolicy:
             track.window = me.iteration - track.last_decision
         track.last_decision = me.iteration
 
-    def _protection(self, track: _Track) -> int:
-        return self.config.protect_windows * max(1, track.window)
-
-    def protected(self, name: str, view: AppView) -> bool:
-        """Whether the app moved less than ``protect_windows`` decision windows ago."""
+    def protected(self, name: str) -> bool:
+        """Whether the app is in the protected period after a move (``protect_windows`` of its
+        decisions, the first of which judges the move)."""
         track = self.tracks.get(name)
-        if track is None or track.last_move is None:
-            return False
-        return view.iteration < track.last_move.iteration + self._protection(track)
+        move = None if track is None else track.last_move
+        return move is not None and (move.quiet > 0 or not move.checked)
 
     def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
               gain: float, **details: Any) -> Decision:
         predicted = search.predicted_time(me.name, {me.name: new})
-        track.last_move = _Move(ratio, new, me.iteration, predicted)
+        track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows)
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
         return _decision(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse."""
         move = track.last_move
-        if move is None or ratio != move.after or me.iteration < move.iteration + max(1, track.window):
+        if move is None or move.checked or ratio != move.after or me.iteration <= move.iteration:
             return None
-        track.last_move = None
+        move.checked = True
         measured = me.iteration_time
         details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
         if violations(me, move.before, search.config):
@@ -231,6 +234,8 @@ class FairPolicy:
             return None
         track.banned[move.after.shares] = me.iteration + self.config.ban_windows * max(1, track.window)
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
+        track.last_move = _Move(move.after, move.before, me.iteration, 0.0, quiet=self.config.protect_windows,
+                                checked=True)
         return _decision(me.name, move.before, "revert", gain=found.gain, **details)
 
 
@@ -302,10 +307,14 @@ class _Search:
         return best[1], best[0].gain
 
     def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
-        idle = set(range(self.config.gpu_count))
+        """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
+        before: set[int] = set()
         for ratio in self.ratios.values():
-            idle.difference_update(ratio.used)
-        return any(gpu in idle for name, ratio in changes.items() for gpu in _gained(self.ratios[name], ratio))
+            before.update(ratio.used)
+        after: set[int] = set()
+        for ratio in {**self.ratios, **changes}.values():
+            after.update(ratio.used)
+        return len(after) > len(before)
 
     def _use_idle_gpu(self, candidates: list[dict[str, DataRatio]]) -> tuple[dict[str, DataRatio], float] | None:
         """A GPU nobody uses is worth taking even without a predicted gain, as long as no app's
@@ -368,7 +377,7 @@ class _Search:
         movable = []
         for name in self.ratios:
             view = self.views[name]
-            busy = name != self.me.name and (self.policy.protected(name, view) or
+            busy = name != self.me.name and (self.policy.protected(name) or
                                              (self.policy.tracks.get(name) or _Track()).owed is not None)
             if view.slowdown is not None and not busy and view.min_share == 0:
                 movable.append((-(view.slowdown or 0.0), name))
@@ -433,7 +442,7 @@ class _Search:
                 for gpu in ratio.used:
                     load[gpu] += ratio[gpu] / ratio.total
         average = sum(load) / gpus
-        quiet = [g for g in range(gpus) if g not in self.locked and load[g] <= average - 0.5]
+        quiet = [g for g in range(gpus) if g not in self.locked and (load[g] == 0 or load[g] <= average - 0.5)]
         return sorted(quiet, key=lambda g: (load[g], g))[: self.policy.config.destinations]
 
     def _partners(self) -> list[str]:
@@ -441,7 +450,7 @@ class _Search:
         candidates = []
         for name in self.ratios:
             track = self.policy.tracks.get(name)
-            busy = track is not None and (track.owed is not None or self.policy.protected(name, self.views[name]))
+            busy = track is not None and (track.owed is not None or self.policy.protected(name))
             if name != self.me.name and not busy:
                 candidates.append((self.views[name].slowdown or 0.0, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]

@@ -110,6 +110,7 @@ class Predictor:
         self.config = config or PredictorConfig()
         self.apps: dict[str, AppModel] = {}
         self.speed = [1.0] * gpu_count
+        self._speed_measured = [False] * gpu_count
         self.kappa: dict[tuple[str, str], float] = {}
         # running sums for pairs never seen together: per app, kappa suffered and caused (sum, count)
         self._suffered: dict[str, list[float]] = {}
@@ -209,7 +210,9 @@ class Predictor:
             unstretched = work * self.size_factor(placement[gpu], model.batch)
             if not others:
                 if len(used) == 1:  # alone with the whole batch: this GPU's speed
-                    self.speed[gpu] = _blend(self.speed[gpu], unstretched / seconds, config.smoothing)
+                    known = self.speed[gpu] if self._speed_measured[gpu] else None
+                    self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
+                    self._speed_measured[gpu] = True
                 continue
             stretch = seconds * self.speed[gpu] / unstretched - 1.0
             predicted = sum(self.pair_kappa(view.name, name) * duty for name, duty in others.items())
