@@ -21,6 +21,7 @@ from drbalance.ipc.layout import (
     Notice,
     NoticeKind,
     RecordError,
+    SlotStatus,
 )
 from drbalance.ipc.names import SHM_DIR, IpcNames
 from drbalance.ipc.records import AppNameInUse, AppRecord, RecordBusy, RecordEmpty
@@ -33,6 +34,11 @@ def sample_status(**changes) -> AppStatus:
         pid=os.getpid(), app="rec", state=AppState.RUNNING, ratio=DataRatio([1, 2, 7, 0]), epoch=1, epochs=3,
         iteration=12, iterations_total=30, iterations_per_epoch=10, notice_seq=4, slowdown=1.37,
         iteration_time=0.25, solo_time=7.5, start_wall=1.7e9, updated_wall=1.7e9 + 3, updated_mono=123.0,
+        start_ticks=987654, batch=32, min_share=0,
+        slots=(SlotStatus("GPU-6f1c2a4e-0000-4000-8000-000000000001", 0.012, 3.0, 2.5e6, None),
+               SlotStatus("GPU-6f1c2a4e-0000-4000-8000-000000000002", 0.021, 6.4, 2.5e6, 7),
+               SlotStatus("", 0.08, 22.4),
+               SlotStatus()),
     )
     return dataclasses.replace(base, **changes)
 
@@ -67,9 +73,12 @@ def corrupt(status_bytes: bytes, fmt: str, offset: int, value) -> bytes:
     return bytes(data)
 
 
-# Offsets inside the AppStatus payload (see AppStatus.STRUCT).
+# Offsets inside the AppStatus payload (see AppStatus.HEAD).
 PID, NAME, STATE, FLAGS, COUNT, TOTAL, SHARES = 0, 4, 52, 53, 54, 56, 60
-FLOATS = AppStatus.STRUCT.size - 6 * 8  # sd, iter_time, solo, start, updated, mono
+TAIL = 8 + 4 + 2 + 2  # start ticks, batch, min share, slot count
+FLOATS = AppStatus.HEAD.size - TAIL - 6 * 8  # sd, iter_time, solo, start, updated, mono
+MIN_SHARE = AppStatus.HEAD.size - 4
+SLOT0 = AppStatus.HEAD.size  # uuid (64 bytes), chunk seconds, chunk samples, bytes per sample, max samples
 
 
 @pytest.mark.parametrize(
@@ -89,6 +98,12 @@ FLOATS = AppStatus.STRUCT.size - 6 * 8  # sd, iter_time, solo, start, updated, m
         ("<d", FLOATS + 40, float("inf"), "monotonic time is inf"),
         ("<4s", NAME, b"../x", "app name '../x' is not valid"),
         ("<2s", NAME, b"\xff\xfe", "not ASCII"),
+        ("<H", MIN_SHARE, 11, "minimum share 11 exceeds the DR total 10"),
+        ("<H", MIN_SHARE + 2, 3, "3 slot entries for a DR of 4 GPUs"),
+        ("<d", SLOT0 + 64, float("nan"), "slot 0: chunk seconds is nan"),
+        ("<d", SLOT0 + 72, -2.0, "slot 0: chunk samples is -2.0"),
+        ("<d", SLOT0 + 80, float("inf"), "slot 0: memory per sample is inf"),
+        ("<3s", SLOT0, b"\xffab", "slot 0: GPU UUID is not ASCII"),
     ],
 )
 def test_malformed_status_bytes_are_rejected_with_a_clear_error(fmt, offset, value, message):
@@ -102,7 +117,7 @@ def test_malformed_notices_are_rejected_with_a_clear_error():
     cases = {
         good[:-1]: "75 bytes, expected 76",
         b"XXXX" + good[4:]: "bad magic",
-        good[:4] + struct.pack("<H", LAYOUT_VERSION + 1) + good[6:]: "version 2",
+        good[:4] + struct.pack("<H", LAYOUT_VERSION + 1) + good[6:]: f"version {LAYOUT_VERSION + 1}",
         good[:6] + b"\x09" + good[7:]: "unknown kind 9",
         good[:8] + struct.pack("<i", -5) + good[12:]: "pid -5",
         good[:-8] + struct.pack("<d", float("nan")): "send time is nan",

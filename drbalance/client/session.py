@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from drbalance import env
 from drbalance.clock import Clock, SystemClock
-from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind
+from drbalance.ipc import objects
+from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind, SlotStatus
 from drbalance.ipc.link import (
     DEFAULT_EXCHANGE_TIMEOUT,
     DEFAULT_SEND_TIMEOUT,
@@ -46,7 +47,7 @@ from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiles import Measurement, resolve_solo_time
 from drbalance.ratio import DataRatio
-from drbalance.slowdown import IterationPlan, SlowdownTracker
+from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
 logger = logging.getLogger("drbalance.client")
 
@@ -159,6 +160,12 @@ class Session:
                                        done=start_epoch * self.plan.iterations_per_epoch)
         self.start_wall = self.clock.wall()
         self.pid = os.getpid()
+        self.start_ticks = objects.process_start_ticks(self.pid) or 0
+        self.slot_window = SlotWindow(len(model.ratio))
+        self.device_uuids = _device_uuids(model)
+        self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
+        self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
+        self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
         self.notice_seq = 0
         self.applied_generation = 0
         self._awaiting: int | None = None
@@ -292,9 +299,31 @@ class Session:
             notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
+            start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
+            slots=self._slot_statuses(),
         )
 
+    def _last_batch(self) -> int:
+        sizes = getattr(self.model, "last_chunk_sizes", None)
+        return int(sum(sizes)) if sizes else 0
+
+    def _slot_statuses(self) -> tuple[SlotStatus, ...]:
+        means = self.slot_window.means()
+        if len(means) != len(self.model.ratio):
+            return ()
+        return tuple(
+            SlotStatus(uuid, mean[0] if mean else None, mean[1] if mean else 0.0, memory, largest)
+            for uuid, mean, memory, largest in zip(self.device_uuids, means, self.memory_per_sample, self.max_samples)
+        )
+
+    def _sample_replicas(self) -> None:
+        """Add the last forward's per-replica timings to the window (on CUDA this waits for it)."""
+        timings = getattr(self.model, "last_replica_timings", None)
+        if timings is not None:
+            self.slot_window.add(timings())
+
     def _report(self, now: float) -> None:
+        self._sample_replicas()
         self.link.publish(self._status(now))
         self._write_log("report", now)
         if self._awaiting is not None:
@@ -307,9 +336,11 @@ class Session:
                 self._exchange(NoticeKind.REGISTER, now)
 
     def _boundary(self, now: float) -> None:
+        self._sample_replicas()
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
+        self.slot_window.new_window()
 
     def _finish(self, now: float) -> None:
         """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""
@@ -422,3 +453,13 @@ class Session:
         if signal.getsignal(signal.SIGTERM) is mine:
             signal.signal(signal.SIGTERM, previous)
         self._previous_sigterm = None
+
+
+def _device_uuids(model: RatioTarget) -> tuple[str, ...]:
+    """The GPU UUID of each DR slot, when the model can tell ("" where unknown)."""
+    count = len(model.ratio)
+    method = getattr(model, "device_uuids", None)
+    uuids = tuple(method()) if callable(method) else ()
+    if len(uuids) != count:
+        return ("",) * count
+    return tuple(str(uuid) for uuid in uuids)

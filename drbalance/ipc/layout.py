@@ -12,18 +12,18 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from drbalance.ipc.names import APP_NAME_PATTERN
 from drbalance.ratio import DataRatio
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_GPUS = 32
-SEGMENT_SIZE = 4096
+SEGMENT_SIZE = 8192
 SEGMENT_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, status offset, command offset
 SEGMENT_MAGIC = b"DRBR"
 STATUS_OFFSET = 64
-COMMAND_OFFSET = 1024
+COMMAND_OFFSET = 4096
 AREA_HEADER = struct.Struct("<II")  # seqlock counter, CRC32 of the payload
 
 
@@ -82,11 +82,73 @@ def _shares(ratio: DataRatio) -> list[int]:
 
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
+UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
+SLOT_FIELDS = struct.Struct(f"<{UUID_BYTES}sdddq")  # uuid, chunk s, chunk samples, bytes/sample, max samples
+UNKNOWN = -1.0  # stored for a per-slot measurement that is not known
+
+
+@dataclass(frozen=True)
+class SlotStatus:
+    """What an app measured on one slot of its DR (one entry of ``device_ids``).
+
+    ``uuid``: the GPU UUID of the slot's device ("" = unknown). ``chunk_seconds``: mean seconds of
+    the slot's replica per iteration in the current window (None = not measured). ``chunk_samples``:
+    mean samples per chunk over those measurements. ``memory_per_sample``: bytes of peak device
+    memory per sample (None = unknown). ``max_samples``: the largest chunk, in samples, known to fit
+    on the slot after an out-of-memory error (None = no known limit).
+    """
+
+    uuid: str = ""
+    chunk_seconds: float | None = None
+    chunk_samples: float = 0.0
+    memory_per_sample: float | None = None
+    max_samples: int | None = None
+
+    def encode(self) -> bytes:
+        raw = self.uuid.encode("ascii")
+        if len(raw) >= UUID_BYTES:
+            raise ValueError(f"GPU UUID {self.uuid!r} is longer than {UUID_BYTES - 1} characters")
+        return SLOT_FIELDS.pack(
+            raw, _or_unknown(self.chunk_seconds), float(self.chunk_samples), _or_unknown(self.memory_per_sample),
+            -1 if self.max_samples is None else int(self.max_samples),
+        )
+
+    @classmethod
+    def decode(cls, payload: bytes, where: str) -> SlotStatus:
+        raw, seconds, samples, memory, max_samples = SLOT_FIELDS.unpack(payload)
+        try:
+            uuid = raw.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise RecordError(f"{where}: GPU UUID is not ASCII ({raw!r})") from None
+        if uuid and not uuid.isprintable():
+            raise RecordError(f"{where}: GPU UUID {uuid!r} has unprintable characters")
+        _finite(samples, "chunk samples", where, 0.0)
+        return cls(uuid, _known(seconds, "chunk seconds", where), samples,
+                   _known(memory, "memory per sample", where), None if max_samples < 0 else max_samples)
+
+
+def _or_unknown(value: float | None) -> float:
+    return UNKNOWN if value is None else float(value)
+
+
+def _known(value: float, what: str, where: str) -> float | None:
+    """A stored measurement: UNKNOWN means None; anything else must be finite and >= 0."""
+    if value == UNKNOWN:
+        return None
+    return _finite(value, what, where, 0.0)
 
 
 @dataclass(frozen=True)
 class AppStatus:
-    """What an app publishes: progress, SD, DR. Times in seconds; SD is a ratio (1 = as alone)."""
+    """What an app publishes: progress, SD, DR, and per-slot measurements.
+
+    Times in seconds; SD is a ratio (1 = as alone). ``start_ticks``: the process's start time
+    (field 22 of /proc/<pid>/stat, clock ticks since boot; 0 = unknown), which tells the app from
+    a later process that reuses its pid. ``batch``: samples in the last global mini-batch (0 =
+    unknown). ``min_share``: the smallest share, in units of the DR total, that every slot must
+    keep (0 = a slot may be emptied, as DataParallel allows; DDP ranks need >= 1). ``slots``: one
+    ``SlotStatus`` per DR entry, or empty when nothing is known.
+    """
 
     pid: int
     app: str
@@ -104,29 +166,44 @@ class AppStatus:
     start_wall: float
     updated_wall: float
     updated_mono: float
+    start_ticks: int = 0
+    batch: int = 0
+    min_share: int = 0
+    slots: tuple[SlotStatus, ...] = field(default=())
 
-    STRUCT = struct.Struct(f"<i48sBBBBHH{MAX_GPUS}HIIQQQQdddddd")
+    HEAD = struct.Struct(f"<i48sBBBBHH{MAX_GPUS}HIIQQQQddddddQIHH")
+    STRUCT_SIZE = HEAD.size + MAX_GPUS * SLOT_FIELDS.size
+
+    def __post_init__(self) -> None:
+        if self.slots and len(self.slots) != len(self.ratio):
+            raise ValueError(f"{len(self.slots)} slot entries for a DR of {len(self.ratio)} GPUs")
 
     def encode(self) -> bytes:
         flags = (FLAG_SD_KNOWN if self.slowdown is not None else 0) | (
             FLAG_ITER_TIME_KNOWN if self.iteration_time is not None else 0
         )
-        return self.STRUCT.pack(
+        head = self.HEAD.pack(
             self.pid, self.app.encode("ascii"), int(self.state), flags, len(self.ratio), 0,
             self.ratio.total, 0, *_shares(self.ratio),
             self.epoch, self.epochs, self.iteration, self.iterations_total, self.iterations_per_epoch,
             self.notice_seq, self.slowdown if self.slowdown is not None else 0.0,
             self.iteration_time if self.iteration_time is not None else 0.0,
             self.solo_time, self.start_wall, self.updated_wall, self.updated_mono,
+            self.start_ticks, self.batch, self.min_share, len(self.slots),
         )
+        slots = b"".join(slot.encode() for slot in self.slots)
+        return head + slots + bytes(self.STRUCT_SIZE - len(head) - len(slots))
 
     @classmethod
     def decode(cls, payload: bytes, where: str) -> AppStatus:
-        fields = cls.STRUCT.unpack(payload)
+        if len(payload) != cls.STRUCT_SIZE:
+            raise RecordError(f"{where}: status of {len(payload)} bytes, expected {cls.STRUCT_SIZE}")
+        fields = cls.HEAD.unpack_from(payload)
         pid, raw_name, state, flags, count, _, total, _ = fields[:8]
         shares = fields[8:8 + MAX_GPUS]
         (epoch, epochs, iteration, iterations_total, per_epoch, notice_seq,
-         slowdown, iteration_time, solo_time, start_wall, updated_wall, updated_mono) = fields[8 + MAX_GPUS:]
+         slowdown, iteration_time, solo_time, start_wall, updated_wall, updated_mono,
+         start_ticks, batch, min_share, slot_count) = fields[8 + MAX_GPUS:]
         if pid <= 0:
             raise RecordError(f"{where}: pid {pid} is not a process id")
         try:
@@ -149,8 +226,18 @@ class AppStatus:
         times = (("start time", start_wall), ("update time", updated_wall), ("monotonic time", updated_mono))
         for what, value in times:
             _finite(value, what, where)
+        if min_share > ratio.total:
+            raise RecordError(f"{where}: minimum share {min_share} exceeds the DR total {ratio.total}")
+        if slot_count not in (0, count):
+            raise RecordError(f"{where}: {slot_count} slot entries for a DR of {count} GPUs")
+        slots = tuple(
+            SlotStatus.decode(payload[start:start + SLOT_FIELDS.size], f"{where}, slot {index}")
+            for index, start in enumerate(range(cls.HEAD.size, cls.HEAD.size + slot_count * SLOT_FIELDS.size,
+                                                SLOT_FIELDS.size))
+        )
         return cls(pid, _name(raw_name, where), app_state, ratio, epoch, epochs, iteration, iterations_total,
-                   per_epoch, notice_seq, sd, it, solo_time, start_wall, updated_wall, updated_mono)
+                   per_epoch, notice_seq, sd, it, solo_time, start_wall, updated_wall, updated_mono,
+                   start_ticks, batch, min_share, slots)
 
 
 @dataclass(frozen=True)

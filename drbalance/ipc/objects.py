@@ -123,6 +123,21 @@ def pid_alive(pid: int) -> bool:
     return state not in {"Z", "X"}
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started: field 22 of /proc/<pid>/stat, in clock ticks since boot.
+
+    Together with the pid it names one process: a later process that reuses the pid has another
+    start time. None when it cannot be read (no such process, no /proc).
+    """
+    if pid <= 0:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])  # fields after the command name start at field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (and parents) with mode 0700 if missing; refuse one owned by another user."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)

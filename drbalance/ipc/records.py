@@ -156,7 +156,7 @@ class AppRecord:
         self.names = names
         self.app = app
         self.segment = segment
-        self.status_area = segment.area(STATUS_OFFSET, AppStatus.STRUCT.size, "status")
+        self.status_area = segment.area(STATUS_OFFSET, AppStatus.STRUCT_SIZE, "status")
         self.command_area = segment.area(COMMAND_OFFSET, AppCommand.STRUCT.size, "command")
         self._status_counter = -1
         self._status: AppStatus | None = None

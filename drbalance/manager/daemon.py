@@ -29,7 +29,7 @@ from drbalance.ipc.records import RecordEmpty, remove_stale_app
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.table import AppEntry, AppTable
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
-from drbalance.policy import Policy, PolicyConfig, Snapshot, make_policy
+from drbalance.policy import AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -247,13 +247,13 @@ class Manager:
 
     def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
         """Steps 4-6 for one app; returns the DR sent."""
-        snapshot = Snapshot(self.table.views(), self.window.values(), self.config)
+        snapshot = Snapshot(self.table.views(self.config.dr_total), self.window.values(), self.config)
         old = entry.effective_ratio()
         started = time.perf_counter()
         try:
             decision = self.policy.decide(entry.name, trigger, snapshot)
             ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
-            self._check_ratio(ratio, old)
+            self._check_ratio(ratio, old, snapshot.app(entry.name))
         except Exception as error:  # a policy bug must never crash the daemon or reach the app
             logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
             ratio, branch, details = old, "policy-error", {"error": repr(error)}
@@ -268,10 +268,18 @@ class Manager:
                  util=list(snapshot.utilization), details=details, decide_us=spent * 1e6)
         return ratio
 
-    def _check_ratio(self, ratio: DataRatio, old: DataRatio) -> None:
-        """A new DR must fit the server and the configured total; keeping the old one is always fine."""
-        if ratio != old and (len(ratio) != self.gpu_count or ratio.total != self.config.dr_total):
+    def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
+        """A new DR must fit the server, the configured total and the app's constraints.
+
+        Keeping the old one is always fine.
+        """
+        if ratio == old:
+            return
+        if len(ratio) != self.gpu_count or ratio.total != self.config.dr_total:
             raise ValueError(f"policy returned {ratio} for {self.gpu_count} GPUs of total {self.config.dr_total}")
+        problems = violations(view, ratio, self.config)
+        if problems:
+            raise ValueError(f"policy returned {ratio}, which breaks the app's constraints: {'; '.join(problems)}")
 
     def _admit(self, name: str, now: float, pid: int | None, via: str) -> AppEntry | None:
         try:

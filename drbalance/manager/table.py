@@ -32,12 +32,22 @@ class AppEntry:
             return self.assigned
         return self.status.ratio
 
-    def view(self) -> AppView:
+    def view(self, dr_total: int | None = None) -> AppView:
+        """The app as a policy sees it, per server GPU (slot g of the app = GPU g of the server).
+
+        ``dr_total`` is the manager's DR granularity, in which the minimum share is expressed.
+        """
         status = self.status
+        slots = status.slots
+        total = dr_total or status.ratio.total
         return AppView(
             name=self.name, ratio=self.effective_ratio(), slowdown=status.slowdown, pid=status.pid,
             epoch=status.epoch, iteration=status.iteration, iterations_total=status.iterations_total,
             iteration_time=status.iteration_time, solo_time=status.solo_time,
+            min_share=math.ceil(status.min_share * total / status.ratio.total),
+            chunk_seconds=tuple(slot.chunk_seconds for slot in slots) if slots else None,
+            chunk_samples=tuple(slot.chunk_samples for slot in slots) if slots else None,
+            batch=status.batch or None,
         )
 
 
@@ -90,5 +100,5 @@ class AppTable:
     def live(self) -> list[AppEntry]:
         return [e for e in self.entries.values() if e.status.state != AppState.FINISHED]
 
-    def views(self) -> tuple[AppView, ...]:
-        return tuple(entry.view() for entry in self.live())
+    def views(self, dr_total: int | None = None) -> tuple[AppView, ...]:
+        return tuple(entry.view(dr_total) for entry in self.live())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from drbalance.policy.base import AppView, Decision, ObservePolicy, Policy, PolicyConfig, Snapshot
+from drbalance.policy.base import AppView, Decision, ObservePolicy, Policy, PolicyConfig, Snapshot, violations
 from drbalance.policy.paper import PaperPolicy
 
 POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
@@ -27,4 +27,4 @@ def make_policy(name: str) -> Policy:
     return factory()
 
 
-__all__ = ["POLICIES", "AppView", "Decision", "Policy", "PolicyConfig", "Snapshot", "make_policy"]
+__all__ = ["POLICIES", "AppView", "Decision", "Policy", "PolicyConfig", "Snapshot", "make_policy", "violations"]

@@ -45,7 +45,16 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class AppView:
-    """One live app as a policy sees it. Times in seconds; ``slowdown`` None = not known yet."""
+    """One live app as a policy sees it. Times in seconds; ``slowdown`` None = not known yet.
+
+    Everything per GPU is in the server's GPU order (the manager maps each app's devices to it).
+    Constraints on any DR the app may be given: ``allowed`` (the GPUs the app can use; None = all),
+    ``min_share`` (every allowed GPU keeps at least this share, in units of the configured DR
+    total; 0 = a GPU may be emptied), ``max_share`` (per GPU, the largest share that fits its
+    memory; None = no cap). Measurements: ``chunk_seconds`` (per GPU, mean seconds of the app's
+    replica per iteration, None where not measured), ``chunk_samples`` (mean samples of those
+    chunks), ``batch`` (samples per global mini-batch; None = unknown).
+    """
 
     name: str
     ratio: DataRatio
@@ -56,10 +65,35 @@ class AppView:
     iterations_total: int = 1
     iteration_time: float | None = None
     solo_time: float = 1.0
+    allowed: tuple[int, ...] | None = None
+    min_share: int = 0
+    max_share: tuple[int | None, ...] | None = None
+    chunk_seconds: tuple[float | None, ...] | None = None
+    chunk_samples: tuple[float, ...] | None = None
+    batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.slowdown is not None and not (math.isfinite(self.slowdown) and self.slowdown >= 0):
             raise ValueError(f"app {self.name!r}: slowdown must be finite and >= 0 or None; got {self.slowdown!r}")
+        for what in ("max_share", "chunk_seconds", "chunk_samples"):
+            value = getattr(self, what)
+            if value is not None and len(value) != len(self.ratio):
+                raise ValueError(f"app {self.name!r}: {what} has {len(value)} entries for {len(self.ratio)} GPUs")
+        if self.allowed is not None and (not self.allowed or any(not 0 <= g < len(self.ratio) for g in self.allowed)):
+            raise ValueError(f"app {self.name!r}: allowed GPUs {self.allowed} are not within 0..{len(self.ratio) - 1}")
+        if self.min_share < 0:
+            raise ValueError(f"app {self.name!r}: min_share must be >= 0; got {self.min_share}")
+
+    def usable(self, gpu: int) -> bool:
+        """Whether the app may hold a share on ``gpu``."""
+        return self.allowed is None or gpu in self.allowed
+
+    def cap(self, gpu: int, total: int) -> int:
+        """The largest share the app may hold on ``gpu`` (in units of ``total``)."""
+        if not self.usable(gpu):
+            return 0
+        limit = None if self.max_share is None else self.max_share[gpu]
+        return total if limit is None else max(0, min(total, limit))
 
 
 @dataclass(frozen=True)
@@ -111,6 +145,24 @@ class Policy(Protocol):
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
         """Decide ``app``'s DR. ``trigger`` is ``register`` (new app) or ``boundary``."""
         ...
+
+
+def violations(view: AppView, ratio: DataRatio, config: PolicyConfig) -> list[str]:
+    """Why ``ratio`` may not be given to the app (empty: it respects every constraint).
+
+    Checked by the daemon on every decision, and by the policies before they propose a DR.
+    """
+    problems = []
+    if len(ratio) != config.gpu_count:
+        return [f"{len(ratio)} shares for a server of {config.gpu_count} GPUs"]
+    for gpu, share in enumerate(ratio.shares):
+        if share and not view.usable(gpu):
+            problems.append(f"share {share} on GPU {gpu}, which the app cannot use (it can use {list(view.allowed)})")
+        elif share > view.cap(gpu, ratio.total):
+            problems.append(f"share {share} on GPU {gpu} exceeds its memory cap {view.cap(gpu, ratio.total)}")
+        elif view.usable(gpu) and share < view.min_share:
+            problems.append(f"share {share} on GPU {gpu} is below the app's minimum {view.min_share}")
+    return problems
 
 
 def current_ratio(view: AppView, config: PolicyConfig) -> DataRatio | None:

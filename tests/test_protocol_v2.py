@@ -1,0 +1,122 @@
+"""Protocol v2: what a record carries beyond SD and DR, and the constraints every decision respects."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from drbalance import DataRatio
+from drbalance.client import BalancedDataParallel, Session
+from drbalance.client.timing import ReplicaTiming
+from drbalance.ipc import objects
+from drbalance.ipc.records import AppRecord
+from drbalance.manager.table import AppTable
+from drbalance.policy import AppView, PolicyConfig, violations
+from drbalance.slowdown import SlotWindow
+
+
+def test_process_start_ticks_tells_processes_apart():
+    mine = objects.process_start_ticks(os.getpid())
+    assert mine is not None and mine > 0
+    assert objects.process_start_ticks(os.getpid()) == mine  # stable for one process
+    assert objects.process_start_ticks(1) != mine  # init started long before this test
+    assert objects.process_start_ticks(-3) is None
+    assert objects.process_start_ticks(2 ** 22 + 12345) is None  # beyond pid_max: no such process
+
+
+def test_slot_window_averages_per_slot_and_keeps_the_last_window_until_replaced():
+    window = SlotWindow(3)
+    assert window.means() == [None, None, None]
+    window.add([ReplicaTiming(0, "cpu", 4, 0.2), ReplicaTiming(2, "cpu", 12, 0.6)])
+    window.add([ReplicaTiming(0, "cpu", 6, 0.4), ReplicaTiming(7, "cpu", 5, 1.0), ReplicaTiming(1, "cpu", 0, 0.1)])
+    assert window.means()[0] == pytest.approx((0.3, 5.0))
+    assert window.means()[1] is None  # an empty chunk is no measurement; slot 7 does not exist
+    window.new_window()
+    assert window.means()[2] == pytest.approx((0.6, 12.0))  # the last window's mean stands
+    window.add([ReplicaTiming(2, "cpu", 10, 0.3)])
+    assert window.means()[2] == pytest.approx((0.3, 10.0))
+
+
+def test_a_session_publishes_start_time_batch_and_per_slot_timings(ipc_env):
+    model = BalancedDataParallel(nn.Linear(8, 2), device_ids=[0, 1, 2, 3], ratio=[5, 3, 2, 0])
+    session = Session(model, app="v2", epochs=2, iterations_per_epoch=20, solo_time=1.0, sd_log=False)
+    try:
+        record = AppRecord.open(ipc_env, "v2")
+        for _ in range(10):
+            model(torch.randn(20, 8)).sum().backward()
+            session.step()
+        status = record.read_status()
+        assert status.start_ticks == objects.process_start_ticks(os.getpid())
+        assert status.batch == 20
+        assert [slot.chunk_samples for slot in status.slots] == [10.0, 6.0, 4.0, 0.0]
+        assert all(slot.chunk_seconds is not None and slot.chunk_seconds >= 0 for slot in status.slots[:3])
+        assert status.slots[3].chunk_seconds is None  # no replica there
+        table = AppTable(ipc_env)
+        view = table.admit("v2", 0.0).view(dr_total=20)
+        assert view.batch == 20 and view.chunk_samples == (10.0, 6.0, 4.0, 0.0)
+        table.remove("v2", unlink=False)
+        record.close()
+    finally:
+        session.close()
+
+
+def view(**fields):
+    return AppView("a", fields.pop("ratio", DataRatio([5, 5, 0, 0])), 1.2, **fields)
+
+
+def test_violations_name_every_broken_constraint():
+    config = PolicyConfig(4)
+    assert violations(view(), DataRatio([0, 0, 3, 7]), config) == []
+    ddp = view(allowed=(0, 1), min_share=1)
+    assert violations(ddp, DataRatio([9, 1, 0, 0]), config) == []
+    assert "cannot use" in violations(ddp, DataRatio([5, 4, 1, 0]), config)[0]
+    assert "below the app's minimum 1" in violations(ddp, DataRatio([10, 0, 0, 0]), config)[0]
+    capped = view(max_share=(None, 4, None, 0))
+    assert violations(capped, DataRatio([6, 4, 0, 0]), config) == []
+    assert "exceeds its memory cap 4" in violations(capped, DataRatio([5, 5, 0, 0]), config)[0]
+    assert "memory cap 0" in violations(capped, DataRatio([9, 0, 0, 1]), config)[0]
+    assert "for a server of 4 GPUs" in violations(view(), DataRatio([10]), config)[0]
+
+
+def test_a_view_rejects_measurements_of_the_wrong_length():
+    with pytest.raises(ValueError, match="chunk_seconds has 2 entries for 4 GPUs"):
+        view(chunk_seconds=(0.1, 0.2))
+    with pytest.raises(ValueError, match="allowed GPUs"):
+        view(allowed=(0, 4))
+
+
+class GreedyPolicy:
+    """A policy that ignores constraints: everything on the last GPU."""
+
+    name = "greedy"
+
+    def decide(self, app, trigger, snapshot):
+        from drbalance.policy import Decision
+
+        return Decision(app, DataRatio.single(snapshot.config.gpu_count, snapshot.config.gpu_count - 1), "greedy")
+
+
+def test_the_daemon_never_sends_a_dr_that_breaks_the_apps_constraints(ipc_env, tmp_path):
+    from drbalance.ipc.layout import Notice, NoticeKind
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    model = BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[5, 5, 0, 0])
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script), policy=GreedyPolicy())
+    manager.start()
+    session = Session(model, app="ddp", epochs=1, iterations_per_epoch=50, solo_time=1.0, sd_log=False,
+                      exchange_timeout=0.0)
+    try:
+        session.min_share = 2  # as a DDP job publishes: every GPU keeps at least 2 of 10
+        session.link.publish(session._status(session.clock.monotonic()))
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 7, "ddp", 0.0))
+        command = session.link.poll_command(7)
+        assert command is not None and command.branch == "policy-error"
+        assert command.ratio == DataRatio([5, 5, 0, 0])  # kept, not the greedy [0, 0, 0, 10]
+    finally:
+        session.close()
+        manager.stop()
