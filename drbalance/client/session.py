@@ -322,8 +322,26 @@ class Session:
         if timings is not None:
             self.slot_window.add(timings())
 
+    def _sample_memory(self, now: float) -> None:
+        """Per slot: peak memory per sample (the last measured value stands), the out-of-memory
+        limits, and a log line for every out-of-memory error the model survived."""
+        measure = getattr(self.model, "memory_per_sample", None)
+        if callable(measure):
+            for slot, value in enumerate(measure()):
+                if value is not None and slot < len(self.memory_per_sample):
+                    self.memory_per_sample[slot] = float(value)
+        limits = getattr(self.model, "max_samples", None)
+        if limits is not None and len(limits) == len(self.max_samples):
+            self.max_samples = list(limits)
+        take = getattr(self.model, "take_reverts", None)
+        for revert in take() if callable(take) else ():
+            self._write_log("oom_revert", now, failed_dr=revert.failed_ratio.to_list(), new_dr=revert.ratio.to_list(),
+                            slot=revert.slot, phase=revert.phase, failed_sizes=list(revert.failed_sizes),
+                            max_samples=list(revert.max_samples), error=revert.message[:300])
+
     def _report(self, now: float) -> None:
         self._sample_replicas()
+        self._sample_memory(now)
         self.link.publish(self._status(now))
         self._write_log("report", now)
         if self._awaiting is not None:
@@ -337,6 +355,7 @@ class Session:
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
+        self._sample_memory(now)
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()

@@ -41,6 +41,7 @@ from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.records import RecordEmpty, Segment
+from drbalance.manager.nvml import MemoryInfo
 from drbalance.models import CO_LOCATION_CAPACITY
 
 ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
@@ -69,15 +70,6 @@ class EmulatedOutOfMemory(RuntimeError):
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
-
-
-@dataclass(frozen=True)
-class MemoryInfo:
-    """Device memory in bytes, as ``nvmlDeviceGetMemoryInfo`` reports it."""
-
-    total: int
-    used: int
-    free: int
 
 
 def parse_memory_size(text: str) -> int:
