@@ -63,13 +63,18 @@ class EmulatedOutOfMemory(RuntimeError):
     def __init__(self, index: int, requested: int, total: int, free: int) -> None:
         self.index, self.requested, self.total, self.free = index, requested, total, free
         super().__init__(
-            f"Emulated GPU out of memory. Tried to allocate {_gib(requested)}. GPU {index} has a total capacity of "
-            f"{_gib(total)} of which {_gib(max(0, free))} is free (emulated by drbalance: no real GPU memory is used)"
+            f"Emulated GPU out of memory. Tried to allocate {_size(requested)}. GPU {index} has a total capacity of "
+            f"{_size(total)} of which {_size(max(0, free))} is free (emulated by drbalance: no real GPU memory is used)"
         )
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def _size(nbytes: float) -> str:
+    """Bytes as CUDA's messages write them (GiB, MiB), or plain bytes below a MiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.2f} MiB"
+    return f"{int(nbytes)} bytes"
 
 
 def parse_memory_size(text: str) -> int:
