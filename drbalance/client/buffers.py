@@ -40,12 +40,16 @@ def tracked_buffers(module: nn.Module) -> list[torch.Tensor]:
 class BufferMerge:
     """Snapshot the buffers before a multi-chunk forward, collect each chunk's change, merge."""
 
-    __slots__ = ("targets", "floats", "others", "start_floats", "start_others", "delta", "first_others")
+    __slots__ = ("targets", "floats", "others", "float_data", "other_data", "start_floats", "start_others",
+                 "delta", "first_others")
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         self.targets = list(buffers)
         self.floats = [b for b in self.targets if b.is_floating_point()]
         self.others = [b for b in self.targets if not b.is_floating_point()]
+        # aliases that write without bumping autograd's version counters (see the module docstring)
+        self.float_data = [b.data for b in self.floats]
+        self.other_data = [b.data for b in self.others]
         with torch.no_grad():
             self.start_floats = [b.detach().clone() for b in self.floats]
             self.start_others = [b.detach().clone() for b in self.others]
@@ -89,7 +93,7 @@ class BufferMerge:
 
     def _write(self, floats: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
-            if self.floats:
-                torch._foreach_copy_([b.data for b in self.floats], list(floats))
-            for target, value in zip(self.others, others):
-                target.data.copy_(value)
+            if self.float_data:
+                torch._foreach_copy_(self.float_data, list(floats))
+            if self.other_data:
+                torch._foreach_copy_(self.other_data, list(others))

@@ -173,14 +173,13 @@ class EmulatedBackend(CpuBackend):
 
     def _reserve(self, gpu: int, nbytes: float) -> None:
         needed = int(nbytes)
-        self._peak[gpu] = max(self._peak.get(gpu, 0), needed)
-        if needed <= self._reserved.get(gpu, 0):
-            return
-        try:
-            self.gpus[gpu].reserve(self._token, needed)
-        except EmulatedOutOfMemory as error:
-            raise EmulatedOutOfMemoryError(str(error), gpu) from None
-        self._reserved[gpu] = needed
+        if needed > self._reserved.get(gpu, 0):
+            try:
+                self.gpus[gpu].reserve(self._token, needed)
+            except EmulatedOutOfMemory as error:
+                raise EmulatedOutOfMemoryError(str(error), gpu) from None
+            self._reserved[gpu] = needed
+        self._peak[gpu] = max(self._peak.get(gpu, 0), needed)  # what max_memory_allocated would show
 
     def apply(self, module: nn.Module, device_ids: Sequence[int], plan: ChunkPlan,
               chunk_inputs: Sequence[Any], chunk_kwargs: Sequence[dict[str, Any]]):

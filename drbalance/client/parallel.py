@@ -352,13 +352,13 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
             result = closure()
         except Exception as error:
             failure = self._revertible(error, state.ratio) if snapshot is not None else None
-            if failure is None:
+            failed = state.unproven if state.unproven is not None else (state.ratio, state.plan)
+            if failure is None or failed[1] is None or failed[1].whole:
                 raise
         else:
             if state.unproven is not None:
                 self._prove()
             return result
-        failed = state.unproven if state.unproven is not None else (state.ratio, state.plan)
         state.unproven = None
         snapshot.restore()
         self._revert(failed[0], failed[1], failure[0], "step", failure[1])
