@@ -226,7 +226,7 @@ def test_two_jobs_on_one_emulated_gpu_compete_for_its_memory(emu):
     model.backend.close()
 
 
-def test_the_wrapper_with_emulated_gpus_pickles_and_reopens_them(emu):
+def test_item5_the_wrapper_with_emulated_gpus_pickles_copies_and_averages(emu):
     import copy
     import pickle
 
@@ -248,3 +248,16 @@ def test_an_emulated_oom_is_an_instance_of_torchs_error():
     error = EmulatedOutOfMemoryError("x", device_index=3)
     assert isinstance(error, torch.cuda.OutOfMemoryError) and isinstance(error, RuntimeError)
     assert error.device_index == 3
+
+
+def test_a_gpu_the_new_dr_no_longer_uses_gets_its_memory_back(emu):
+    model = wrapped(network(), [5, 5])
+    x, _ = data(0, batch=10)
+    model(x).sum().backward()
+    gpu1 = EmulatedGpu(emu, 1, memory_bytes=MEMORY)
+    assert gpu1.memory_info().used == 1000 + 5 * 100  # the replica's backward peak stays reserved (cached)
+    model.set_ratio([10, 0])
+    model(x).sum().backward()
+    assert gpu1.memory_info().used == 0  # no replica there any more: released, as empty_cache would
+    gpu1.close()
+    model.backend.close()

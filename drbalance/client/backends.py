@@ -140,8 +140,9 @@ class DeviceBackend(ABC):
         """The device id an out-of-memory error names (None = not told)."""
         return None
 
-    def release_memory(self) -> None:  # noqa: B027 (optional hook)
-        """Return cached device memory after an out-of-memory error (CUDA: ``empty_cache``)."""
+    def release_memory(self, devices: Sequence[int] | None = None) -> None:  # noqa: B027 (optional hook)
+        """Return cached device memory (CUDA: ``empty_cache``) of ``devices`` (None = all): after an
+        out-of-memory error, and on devices a new DR no longer uses (so other jobs can have it)."""
 
     def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
         """The GPU UUID of each DR slot's device ("" = unknown), as NVML names it (``GPU-...``)."""
@@ -360,8 +361,13 @@ class CudaBackend(DeviceBackend):
         match = CUDA_OOM_DEVICE.search(str(error))
         return int(match.group(1)) if match else None
 
-    def release_memory(self):
-        torch.cuda.empty_cache()
+    def release_memory(self, devices=None):
+        if devices is None:
+            torch.cuda.empty_cache()
+            return
+        for device in devices:
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
 
     def device_uuids(self, device_ids):
         uuids = []

@@ -134,11 +134,11 @@ class EmulatedBackend(CpuBackend):
     def _oom_device(self, error: BaseException) -> int | None:
         return getattr(error, "device_index", None)
 
-    def release_memory(self) -> None:
-        """Give back every reservation (``torch.cuda.empty_cache`` on a real GPU)."""
-        for index in list(self._reserved):
+    def release_memory(self, devices: Sequence[int] | None = None) -> None:
+        """Give back the reservations on ``devices`` (None = all): ``torch.cuda.empty_cache``."""
+        for index in list(self._reserved) if devices is None else [d for d in devices if d in self._reserved]:
             self.gpus[index].reserve(self._token, 0)
-        self._reserved.clear()
+            del self._reserved[index]
 
     # --- the forward -----------------------------------------------------------------------------
     def call_chunk(self, module: nn.Module, args: Any, kwargs: dict[str, Any], plan: ChunkPlan, position: int) -> Any:

@@ -275,7 +275,10 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         state = self._state
         pending = state.pending
         if pending is not None:
-            state.ratio, state.pending = pending, None
+            old, state.ratio, state.pending = state.ratio, pending, None
+            emptied = [self.device_ids[slot] for slot in old.used if pending[slot] == 0]
+            if emptied:  # no replica there any more: give its cached memory back for other jobs
+                self.backend.release_memory(emptied)
         return state.ratio
 
     def plan(self, ratio: DataRatio, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> ChunkPlan:
