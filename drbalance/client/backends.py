@@ -132,7 +132,7 @@ class DeviceBackend(ABC):
         """An ``OutOfMemory`` if ``error`` (or what it was raised from) is a device out-of-memory
         error, naming the DR slot when it can be told; None for any other error."""
         for item in error_chain(error):
-            if isinstance(item, torch.OutOfMemoryError):
+            if isinstance(item, torch.cuda.OutOfMemoryError):
                 return OutOfMemory(_slot_of(error, device_ids, self._oom_device(item)), item)
         return None
 

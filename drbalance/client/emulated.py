@@ -13,8 +13,8 @@ batches). See docs/emulation.md.
 
 Memory: after each chunk's forward the replica reserves its modelled forward peak on its
 emulated GPU, and when the backward reaches that chunk, its backward peak. A reservation that
-does not fit raises :class:`EmulatedOutOfMemoryError`, a ``torch.OutOfMemoryError`` (what
-``torch.cuda.OutOfMemoryError`` names), as a real GPU would. Reservations are kept, as PyTorch's
+does not fit raises :class:`EmulatedOutOfMemoryError`, a ``torch.cuda.OutOfMemoryError`` (the same
+class as ``torch.OutOfMemoryError``), as a real GPU would. Reservations are kept, as PyTorch's
 caching allocator keeps memory, until :meth:`EmulatedBackend.release_memory` (``empty_cache``).
 
 Without a profile (``DRBALANCE_EMULATED_GPUS`` with ``BalancedDataParallel(model)``), the model's
@@ -38,7 +38,7 @@ from drbalance.ipc.names import IpcNames
 from drbalance.models import ModelProfile, estimate_profile
 
 
-class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
+class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
     """An emulated GPU ran out of memory: caught by ``except torch.cuda.OutOfMemoryError``.
 
     ``device_index`` is the emulated GPU's index (None when the message was re-wrapped).
