@@ -12,6 +12,13 @@ from drbalance.client import BalancedDataParallel, CpuBackend
 RATIOS = [[10, 0, 0, 0], [1, 2, 7, 0], [3, 3, 3, 1], [0, 0, 0, 10], [0, 5, 0, 5]]
 
 
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    """These tests are about the CPU path: a DRBALANCE_EMULATED_GPUS in the caller's environment
+    would put every default-constructed wrapper on emulated GPUs."""
+    monkeypatch.delenv("DRBALANCE_EMULATED_GPUS", raising=False)
+
+
 def small_cnn(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(

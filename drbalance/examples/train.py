@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import env
-from drbalance.client import BalancedDataParallel, Session
+from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ratio import DataRatio
 
@@ -121,7 +121,7 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
         backend = EmulatedBackend(emulated_gpus.count, model_profile(args.model), args.time_scale, args.sample_scale,
                                   memory_bytes=emulated_gpus.memory_bytes)
         return BalancedDataParallel(network, ratio=ratio, backend=backend)
-    return BalancedDataParallel(network, ratio=ratio)
+    return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
 
 
 def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
