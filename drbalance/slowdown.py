@@ -133,7 +133,8 @@ class SlowdownTracker:
 # At every report a session samples the model's last forward (``last_replica_timings()``): how long
 # each replica took and how many samples it had. ``SlotWindow`` averages those over the current
 # decision window, as ``SlowdownTracker`` averages iteration times: a new window starts at each
-# decision boundary, and until it has a sample the previous window's means stand.
+# decision boundary, and until it has a sample the previous window's means stand (as a whole:
+# the result always describes the chunks of one window, so of one DR).
 
 
 class Timing(Protocol):
@@ -163,14 +164,17 @@ class SlotWindow:
 
     def new_window(self) -> None:
         """Start a new window (at a decision boundary); the last means stand until replaced."""
-        for slot, (seconds, samples, count) in enumerate(self._current):
-            if count:
-                self._previous[slot] = (seconds / count, samples / count)
+        if any(count for _, _, count in self._current):
+            self._previous = self.means()
         self._current = [[0.0, 0.0, 0] for _ in range(self.slots)]
 
     def means(self) -> list[tuple[float, float] | None]:
-        """Per slot: (mean seconds, mean samples) of its chunks in this window, else the last one's."""
-        result: list[tuple[float, float] | None] = []
-        for slot, (seconds, samples, count) in enumerate(self._current):
-            result.append((seconds / count, samples / count) if count else self._previous[slot])
-        return result
+        """Per slot: (mean seconds, mean samples) of its chunks in this window (None: no chunk there).
+
+        Until the window has a sample on any slot, the last window's means stand as a whole, so
+        the result always describes one window: one DR's chunks.
+        """
+        if any(count for _, _, count in self._current):
+            return [(seconds / count, samples / count) if count else None
+                    for seconds, samples, count in self._current]
+        return list(self._previous)

@@ -34,8 +34,10 @@ def test_slot_window_averages_per_slot_and_keeps_the_last_window_until_replaced(
     assert window.means()[1] is None  # an empty chunk is no measurement; slot 7 does not exist
     window.new_window()
     assert window.means()[2] == pytest.approx((0.6, 12.0))  # the last window's mean stands
+    assert window.means()[0] == pytest.approx((0.3, 5.0))
     window.add([ReplicaTiming(2, "cpu", 10, 0.3)])
     assert window.means()[2] == pytest.approx((0.3, 10.0))
+    assert window.means()[0] is None  # the new window (a new DR) has no chunk on slot 0
 
 
 def test_a_session_publishes_start_time_batch_and_per_slot_timings(ipc_env):

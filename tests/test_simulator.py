@@ -107,7 +107,7 @@ def test_simulate_command_prints_the_table_and_writes_logs_report_reads(tmp_path
     out = capsys.readouterr().out
     assert "SD_max^diff final" in out and "lower bound for any DR policy" in out and "themis" in out
     runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
-    assert [p.name for p in runs] == ["DataParallel", "observe", "paper", "themis"]
+    assert [p.name for p in runs] == ["DataParallel", "f-sched", "fair", "observe", "paper", "themis"]
     summary = summarise(load_run(tmp_path / "paper"))
     assert summary.makespan is not None and len(summary.final_sd) == 6
     assert drbalance(["report", *map(str, runs), "--out", str(tmp_path / "report")]) == 0

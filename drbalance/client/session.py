@@ -18,6 +18,12 @@ record. At each decision boundary (the end of every epoch, and every ``decide_ev
 if set) it also sends a notice to the manager and waits at most ``exchange_timeout`` seconds for
 a new DR, which the model uses from its next forward. Without a manager, or with a slow or dead
 one, training goes on with its own DR (one warning); it re-attaches when a manager appears.
+
+A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates the Session on
+every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
+the record and SD log; the manager's DR reaches the other ranks through the job's own process
+group, with the next step's sample counts (``drbalance.client.distributed.JobSync``), and every
+rank uses it from the same global batch on. See docs/ddp.md.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from drbalance import env
+from drbalance.client.distributed import JobSync
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind, SlotStatus
@@ -151,6 +158,7 @@ class Session:
         self.clock = clock or SystemClock()
         self.profile_output = env.profile_output()
         self.own_ratio = model.ratio
+        self.job = JobSync.of(model)  # None unless a DDP job: then only its rank 0 talks to the manager
         if self.profile_output is not None:
             self._start_profile_mode()
             solo = 1.0  # unknown yet: this run measures it
@@ -163,7 +171,11 @@ class Session:
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
+        self._cadence: float | None = None  # seconds between boundaries the manager asked for
+        self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
+        if self.job is not None:
+            self.min_share = self.job.model.min_share  # one unit: at least one sample per rank and step
         self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
         self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
         self.notice_seq = 0
@@ -176,8 +188,9 @@ class Session:
         self._closed = False
         self._state = AppState.STARTING
         self.names = IpcNames.current(namespace)
-        self.link = link if link is not None else self._default_link()
-        self.log = self._open_log(sd_log)
+        follower = self.job is not None and not self.job.leader
+        self.link = link if link is not None else DetachedLink() if follower else self._default_link()
+        self.log = self._open_log(False if follower else sd_log)
         self._previous_sigterm: Any = None
         if handle_sigterm:
             self._install_sigterm_handler()
@@ -187,6 +200,7 @@ class Session:
                         start_epoch=start_epoch, namespace=self.names.namespace,
                         profile=self.profile_output is not None)
         self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
+        self._synchronize(self.clock.monotonic())
 
     # --- set-up -------------------------------------------------------------------------------
     def _default_link(self) -> ManagerLink:
@@ -207,6 +221,9 @@ class Session:
 
     def _start_profile_mode(self) -> None:
         ratio = self.model.ratio
+        if self.job is not None and self.job.model.world_size > 1:
+            raise ValueError("drbalance profile measures one process on one GPU; profile a DistributedDataParallel "
+                             "job's model with a single rank (torchrun --nproc_per_node 1 ...)")
         self.model.set_ratio(DataRatio.single(len(ratio), 0, ratio.total))
         self.profile_iterations = env.profile_iterations()
         self.profile_warmup = env.profile_warmup()
@@ -252,10 +269,14 @@ class Session:
             self._finish(now)
             return
         done = self.tracker.done
-        if done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0):
+        if (done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0)
+                or (self._boundary_due is not None and now >= self._boundary_due)):
             self._boundary(now)
         elif done % self.report_every == 0:
             self._report(now)
+        else:
+            return
+        self._synchronize(now)
 
     @property
     def slowdown(self) -> float | None:
@@ -356,6 +377,7 @@ class Session:
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
         self._sample_memory(now)
+        self._boundary_due = None if self._cadence is None else now + self._cadence
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
@@ -415,22 +437,39 @@ class Session:
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self._awaiting = None
         self.applied_generation = command.generation
-        current = self.model.ratio
+        self._cadence = command.next_boundary
+        self._boundary_due = None if self._cadence is None else now + self._cadence
+        target: RatioTarget = self.job if self.job is not None else self.model
+        current = target.ratio
         if len(command.ratio) != len(current):
             logger.warning("drbalance: manager sent %r a DR of %d GPUs, the model has %d; ignored",
                            self.app, len(command.ratio), len(current))
             self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list())
             return
         if command.ratio != current:
-            self.model.set_ratio(command.ratio)
+            try:
+                target.set_ratio(command.ratio)
+            except ValueError as error:  # e.g. a DDP rank left below its minimum share
+                logger.warning("drbalance: %r ignored the manager's DR %s: %s", self.app, command.ratio, error)
+                self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list(),
+                                error=str(error))
+                return
             self._write_log("update", now, generation=command.generation, branch=command.branch,
                             old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late)
+
+    def _synchronize(self, now: float) -> None:
+        """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""
+        if self.job is None:
+            return
+        for ratio, start in self.job.synchronize():
+            self._write_log("applied", now, applied_dr=ratio.to_list(), from_batch=start)
 
     def _lost_manager(self, now: float, reason: str = "none is running") -> None:
         if self._attached_pid:
             self._write_log("detached", now, manager_pid=self._attached_pid)
         self._attached_pid = 0
         self._awaiting = None
+        self._cadence = self._boundary_due = None
         if not self._warned_absent and self.profile_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",

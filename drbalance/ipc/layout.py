@@ -242,20 +242,26 @@ class AppStatus:
 
 @dataclass(frozen=True)
 class AppCommand:
-    """What the manager tells an app: use ``ratio``; ``generation`` is the notice it answers."""
+    """What the manager tells an app: use ``ratio``; ``generation`` is the notice it answers.
+
+    ``next_boundary``: seconds after which the app should send its next boundary notice even if
+    no epoch has ended (None: only at its own boundaries).
+    """
 
     manager_pid: int
     generation: int
     ratio: DataRatio
     branch: str  # the policy branch that decided (for logs), at most 16 ASCII characters
     written_wall: float
+    next_boundary: float | None = None
 
-    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sd")
+    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sdd")
 
     def encode(self) -> bytes:
         return self.STRUCT.pack(
             self.manager_pid, self.generation, len(self.ratio), 0, self.ratio.total, *_shares(self.ratio),
             self.branch.encode("ascii", "replace")[:16], self.written_wall,
+            self.next_boundary if self.next_boundary is not None else 0.0,
         )
 
     @classmethod
@@ -263,7 +269,7 @@ class AppCommand:
         fields = cls.STRUCT.unpack(payload)
         manager_pid, generation, count, _, total = fields[:5]
         shares = fields[5:5 + MAX_GPUS]
-        raw_branch, written_wall = fields[5 + MAX_GPUS:]
+        raw_branch, written_wall, next_boundary = fields[5 + MAX_GPUS:]
         if manager_pid <= 0:
             raise RecordError(f"{where}: manager pid {manager_pid} is not a process id")
         ratio = _ratio(count, total, shares, where)
@@ -271,7 +277,9 @@ class AppCommand:
             branch = raw_branch.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise RecordError(f"{where}: branch name is not ASCII") from None
-        return cls(manager_pid, generation, ratio, branch, _finite(written_wall, "write time", where))
+        _finite(next_boundary, "next boundary", where, 0.0)
+        return cls(manager_pid, generation, ratio, branch, _finite(written_wall, "write time", where),
+                   next_boundary if next_boundary > 0 else None)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from drbalance.ipc.records import RecordEmpty, remove_stale_app
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
-from drbalance.policy import AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
+from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -44,7 +44,7 @@ class ManagerSettings:
     """The daemon's options (seconds for periods; percent points for ``util_threshold``)."""
 
     namespace: str | None = None
-    policy: str = "paper"
+    policy: str = DEFAULT_POLICY
     sd_threshold: float = 0.1
     util_threshold: float = 20.0
     dr_total: int = DEFAULT_TOTAL
@@ -256,6 +256,7 @@ class Manager:
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         app_old = entry.effective_ratio()
         started = time.perf_counter()
+        next_boundary = None
         try:
             view = entry.view(self.config.dr_total, self.server)
         except Unmapped as error:
@@ -266,6 +267,7 @@ class Manager:
             try:
                 decision = self.policy.decide(entry.name, trigger, snapshot)
                 ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
+                next_boundary = decision.next_boundary
                 self._check_ratio(ratio, old, view)
                 sent = entry.to_app_ratio(ratio, self.server)
             except Exception as error:  # a policy bug must never crash the daemon or reach the app
@@ -277,14 +279,15 @@ class Manager:
         spent = time.perf_counter() - started
         if sent != ratio:
             details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall()))
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
         self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
                  old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
-                 util=list(snapshot.utilization), details=details, decide_us=spent * 1e6)
+                 util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
+                 decide_us=spent * 1e6)
         return sent
 
     def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
