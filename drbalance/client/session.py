@@ -1,12 +1,17 @@
 """The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
 
     model = BalancedDataParallel(net, device_ids=[0, 1, 2, 3])
-    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=500, solo_time="resnet50")
-    for epoch in range(90):
+    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader, solo_time="resnet50",
+                      start_epoch=start_epoch)   # the plan from len(loader); resume at a later epoch
+    for epoch in range(start_epoch, 90):
         for images, labels in loader:
             ...; optimizer.step()
             session.step()            # once per iteration, after the optimizer step
     session.close()                   # or use the session as a context manager
+
+A session that runs past its plan never stops training: it extends the plan by one epoch at a
+time and warns once. At the planned end it tells the manager it is done (so its GPUs are free
+for others) and stays usable until closed.
 
 Every ``report_every`` iterations the session writes its SD, DR and progress into its shared
 record. At each decision boundary (the end of every epoch, and every ``decide_every`` iterations
@@ -28,6 +33,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sized
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -69,6 +75,25 @@ class ProfileComplete(SystemExit):
         super().__init__(0)
 
 
+def iterations_from(value: int | Sized) -> int:
+    """Iterations per epoch from an integer or from anything with a length (a DataLoader)."""
+    if isinstance(value, bool):
+        raise ValueError(f"iterations_per_epoch must be a positive integer or a loader; got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        length = len(value)  # a DataLoader's length is its batches per epoch
+    except TypeError:
+        raise ValueError(
+            f"iterations_per_epoch must be a positive integer or a loader with a length; got "
+            f"{type(value).__name__}, which has none (e.g. a DataLoader over an IterableDataset): "
+            f"give the number of iterations per epoch"
+        ) from None
+    if length < 1:
+        raise ValueError(f"iterations_per_epoch: the loader given has {length} batches; it must have at least one")
+    return length
+
+
 def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
@@ -81,8 +106,10 @@ class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
-    ``epochs`` x ``iterations_per_epoch`` (the iteration plan), ``solo_time`` (seconds, or the
-    name of a stored profile), ``report_every`` (iterations between records, default 5),
+    ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
+    loader itself: its length is used), ``solo_time`` (seconds for the whole plan, or the name of
+    a stored profile), ``start_epoch`` (resuming from a checkpoint: epochs already done, default
+    0), ``report_every`` (iterations between records, default 5),
     ``decide_every`` (iterations between decisions; default None = at epoch ends only),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
@@ -96,9 +123,10 @@ class Session:
         model: RatioTarget,
         app: str,
         epochs: int,
-        iterations_per_epoch: int,
+        iterations_per_epoch: int | Sized,
         solo_time: float | str,
         *,
+        start_epoch: int = 0,
         report_every: int = 5,
         decide_every: int | None = None,
         namespace: str | None = None,
@@ -113,7 +141,12 @@ class Session:
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
         self.model = model
         self.app = check_app_name(app)
-        self.plan = IterationPlan(epochs, iterations_per_epoch)
+        self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
+        if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
+            raise ValueError(f"start_epoch must be an integer in 0..{epochs - 1} (epochs already done); "
+                             f"got {start_epoch!r}")
+        self.start_epoch = start_epoch
+        self._extended = False
         self.report_every = _positive_int(report_every, "report_every")
         self.decide_every = _positive_int(decide_every, "decide_every", allow_none=True)
         if not exchange_timeout >= 0 or not send_timeout >= 0:
@@ -131,7 +164,8 @@ class Session:
             solo = 1.0  # unknown yet: this run measures it
         else:
             solo = resolve_solo_time(solo_time)
-        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic())
+        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic(),
+                                       done=start_epoch * self.plan.iterations_per_epoch)
         self.start_wall = self.clock.wall()
         self.pid = os.getpid()
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
@@ -149,6 +183,7 @@ class Session:
         self._awaiting: int | None = None
         self._attached_pid = 0
         self._warned_absent = False
+        self._warned_closed = False
         self._last_manager_look = self.clock.monotonic()
         self._closed = False
         self._state = AppState.STARTING
@@ -162,7 +197,8 @@ class Session:
         atexit.register(self.close)
         self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
                         epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
-                        namespace=self.names.namespace, profile=self.profile_output is not None)
+                        start_epoch=start_epoch, namespace=self.names.namespace,
+                        profile=self.profile_output is not None)
         self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
         self._synchronize(self.clock.monotonic())
 
@@ -215,10 +251,16 @@ class Session:
 
     # --- what the training loop calls --------------------------------------------------------
     def step(self) -> None:
-        """Call once per iteration, after the optimizer step."""
+        """Call once per iteration, after the optimizer step. Never raises for running past the plan."""
         if self._closed:
-            raise RuntimeError(f"session {self.app!r} is closed")
+            if not self._warned_closed:
+                self._warned_closed = True
+                logger.warning("drbalance: session %r is closed; step() does nothing (training goes on with DR %s)",
+                               self.app, self.model.ratio)
+            return
         now = self.clock.monotonic()
+        if self.tracker.finished:
+            self._extend(now)
         duration = self.tracker.iteration_finished(now)
         self._state = AppState.RUNNING
         if self.profile_output is not None:
@@ -301,8 +343,26 @@ class Session:
         if timings is not None:
             self.slot_window.add(timings())
 
+    def _sample_memory(self, now: float) -> None:
+        """Per slot: peak memory per sample (the last measured value stands), the out-of-memory
+        limits, and a log line for every out-of-memory error the model survived."""
+        measure = getattr(self.model, "memory_per_sample", None)
+        if callable(measure):
+            for slot, value in enumerate(measure()):
+                if value is not None and slot < len(self.memory_per_sample):
+                    self.memory_per_sample[slot] = float(value)
+        limits = getattr(self.model, "max_samples", None)
+        if limits is not None and len(limits) == len(self.max_samples):
+            self.max_samples = list(limits)
+        take = getattr(self.model, "take_reverts", None)
+        for revert in take() if callable(take) else ():
+            self._write_log("oom_revert", now, failed_dr=revert.failed_ratio.to_list(), new_dr=revert.ratio.to_list(),
+                            slot=revert.slot, phase=revert.phase, failed_sizes=list(revert.failed_sizes),
+                            max_samples=list(revert.max_samples), error=revert.message[:300])
+
     def _report(self, now: float) -> None:
         self._sample_replicas()
+        self._sample_memory(now)
         self.link.publish(self._status(now))
         self._write_log("report", now)
         if self._awaiting is not None:
@@ -316,6 +376,7 @@ class Session:
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
+        self._sample_memory(now)
         self._boundary_due = None if self._cadence is None else now + self._cadence
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
@@ -323,12 +384,28 @@ class Session:
         self.slot_window.new_window()
 
     def _finish(self, now: float) -> None:
+        """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""
         self._state = AppState.FINISHED
         self._write_log("finish", now)
         if self.profile_output is not None:
             self._write_measurement()
         self._exchange(NoticeKind.FINISH, now)
-        self.close()
+        self._awaiting = None
+
+    def _extend(self, now: float) -> None:
+        """Training goes on past the plan: one more epoch, one warning, back in the manager's table."""
+        plan = self.plan
+        self.plan = IterationPlan(plan.epochs + 1, plan.iterations_per_epoch)
+        self.tracker.extend(self.plan)
+        if not self._extended:
+            self._extended = True
+            logger.warning(
+                "drbalance: %r ran past its plan of %d epochs x %d iterations; the plan now grows by one epoch "
+                "at a time (SD estimates assume each new end). Give the real plan, e.g. "
+                "Session(..., iterations_per_epoch=loader).", self.app, plan.epochs, plan.iterations_per_epoch)
+        self._write_log("extended", now, epochs=self.plan.epochs)
+        self._state = AppState.RUNNING
+        self._exchange(NoticeKind.REGISTER, now)
 
     def _exchange(self, kind: NoticeKind, now: float, leaving: bool = False) -> None:
         """Publish, notify, and (except for FINISH) wait a bounded time for the new DR."""

@@ -27,7 +27,7 @@ from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, Noti
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.records import RecordEmpty, remove_stale_app
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.manager.table import AppEntry, AppTable
+from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
@@ -123,6 +123,7 @@ class Manager:
         self.window = UtilizationWindow(self.gpu_count, settings.window)
         self.table = AppTable(self.names)
         self.last_sample: tuple[float | None, ...] = (None,) * self.gpu_count
+        self.server = ServerGpus(self.gpu_count, _gpu_uuids(source, self.gpu_count))  # memory: see _sample
         self.stopping: str | None = None
         self.decisions = 0
         self._lock: ManagerLock | None = None
@@ -246,22 +247,40 @@ class Manager:
         self.decide(entry, trigger, notice.seq)
 
     def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
-        """Steps 4-6 for one app; returns the DR sent."""
-        snapshot = Snapshot(self.table.views(self.config.dr_total), self.window.values(), self.config)
-        old = entry.effective_ratio()
+        """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
+
+        Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
+        the command goes back in the app's own order. An app whose GPUs this manager does not
+        see keeps its DR.
+        """
+        snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
+        app_old = entry.effective_ratio()
         started = time.perf_counter()
         next_boundary = None
         try:
-            decision = self.policy.decide(entry.name, trigger, snapshot)
-            ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
-            next_boundary = decision.next_boundary
-            self._check_ratio(ratio, old, snapshot.app(entry.name))
-        except Exception as error:  # a policy bug must never crash the daemon or reach the app
-            logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
-            ratio, branch, details = old, "policy-error", {"error": repr(error)}
+            view = entry.view(self.config.dr_total, self.server)
+        except Unmapped as error:
+            view = None
+            old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
+        if view is not None:
+            old = view.ratio
+            try:
+                decision = self.policy.decide(entry.name, trigger, snapshot)
+                ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
+                next_boundary = decision.next_boundary
+                self._check_ratio(ratio, old, view)
+                sent = entry.to_app_ratio(ratio, self.server)
+            except Exception as error:  # a policy bug must never crash the daemon or reach the app
+                logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
+                ratio, branch, details = old, "policy-error", {"error": repr(error)}
+                sent = app_old
+        else:
+            sent = app_old
         spent = time.perf_counter() - started
-        entry.channel.answer(AppCommand(os.getpid(), generation, ratio, branch, self.clock.wall(), next_boundary))
-        entry.assigned, entry.assigned_mono = ratio, self.clock.monotonic()
+        if sent != ratio:
+            details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
+        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
         self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
                  old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
@@ -269,7 +288,7 @@ class Manager:
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
                  decide_us=spent * 1e6)
-        return ratio
+        return sent
 
     def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
         """A new DR must fit the server, the configured total and the app's constraints.
@@ -318,6 +337,7 @@ class Manager:
             reading = (None,) * self.gpu_count
         self.last_sample = tuple(reading)
         self.window.add(reading)
+        self.server = ServerGpus(self.gpu_count, self.server.uuids, _gpu_memory(self.source, self.gpu_count))
 
     def _log_utilization(self, now: float) -> None:
         self.log("util", util=list(self.last_sample), smoothed=list(self.window.values()))
@@ -385,3 +405,23 @@ class Manager:
     def log(self, event: str, **fields: Any) -> None:
         if self._log is not None:
             self._log.write({"t": self.clock.wall(), "event": event, **fields})
+
+
+def _gpu_uuids(source: UtilizationSource, count: int) -> tuple[str | None, ...]:
+    """The source's GPU UUIDs, or () when it cannot tell (slots then map to GPUs by index)."""
+    try:
+        uuids = tuple(source.gpu_uuids()) if hasattr(source, "gpu_uuids") else ()
+    except Exception as error:  # a flaky driver: map by index
+        logger.warning("drbalance-manager: GPU UUIDs unavailable (%s); jobs' slots map to GPUs by index", error)
+        return ()
+    return uuids if len(uuids) == count else ()
+
+
+def _gpu_memory(source: UtilizationSource, count: int) -> tuple:
+    """The source's memory readings now, or () (no memory caps) when it cannot tell."""
+    try:
+        memory = tuple(source.memory()) if hasattr(source, "memory") else ()
+    except Exception as error:  # a flaky driver must not stop the loop
+        logger.debug("drbalance-manager: GPU memory unavailable: %s", error)
+        return ()
+    return memory if len(memory) == count else ()
