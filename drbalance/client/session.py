@@ -171,6 +171,7 @@ class Session:
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
+        self._last_push_wall = 0.0  # write time of the last pushed command applied
         self._cadence: float | None = None  # seconds between boundaries the manager asked for
         self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
@@ -363,12 +364,17 @@ class Session:
     def _report(self, now: float) -> None:
         self._sample_replicas()
         self._sample_memory(now)
-        self.link.publish(self._status(now))
-        self._write_log("report", now)
         if self._awaiting is not None:
             command = self.link.poll_command(self._awaiting)
             if command is not None:
                 self._apply(command, now, late=True)
+        elif self.attached:  # a DR the manager pushed as part of a decision about several apps
+            command = self.link.poll_command(self.notice_seq)
+            if command is not None and command.pushed and command.written_wall > self._last_push_wall:
+                self._last_push_wall = command.written_wall
+                self._apply(command, now)
+        self.link.publish(self._status(now))
+        self._write_log("report", now)
         if not self.attached and now - self._last_manager_look > 5.0:
             self._last_manager_look = now
             if self.link.manager() is not None:
@@ -437,8 +443,9 @@ class Session:
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self._awaiting = None
         self.applied_generation = command.generation
-        self._cadence = command.next_boundary
-        self._boundary_due = None if self._cadence is None else now + self._cadence
+        if not command.pushed:  # a pushed DR leaves the app's decision cadence as it was
+            self._cadence = command.next_boundary
+            self._boundary_due = None if self._cadence is None else now + self._cadence
         target: RatioTarget = self.job if self.job is not None else self.model
         current = target.ratio
         if len(command.ratio) != len(current):
@@ -455,7 +462,8 @@ class Session:
                                 error=str(error))
                 return
             self._write_log("update", now, generation=command.generation, branch=command.branch,
-                            old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late)
+                            old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late,
+                            pushed=command.pushed)
 
     def _synchronize(self, now: float) -> None:
         """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""

@@ -257,6 +257,7 @@ class Manager:
         app_old = entry.effective_ratio()
         started = time.perf_counter()
         next_boundary = None
+        pushes: dict[str, DataRatio] = {}
         try:
             view = entry.view(self.config.dr_total, self.server)
         except Unmapped as error:
@@ -270,6 +271,7 @@ class Manager:
                 next_boundary = decision.next_boundary
                 self._check_ratio(ratio, old, view)
                 sent = entry.to_app_ratio(ratio, self.server)
+                pushes = dict(decision.others)
             except Exception as error:  # a policy bug must never crash the daemon or reach the app
                 logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
                 ratio, branch, details = old, "policy-error", {"error": repr(error)}
@@ -288,7 +290,27 @@ class Manager:
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
                  decide_us=spent * 1e6)
+        for other, other_ratio in pushes.items():
+            self._push(other, other_ratio, branch, snapshot)
         return sent
+
+    def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
+        """Send another app its part of a joint decision now (it applies it at its next report)."""
+        entry = self.table.get(name)
+        try:
+            if entry is None:
+                raise ValueError(f"app {name!r} is not in the table")
+            view = snapshot.app(name)
+            self._check_ratio(ratio, view.ratio, view)
+            sent = entry.to_app_ratio(ratio, self.server)
+        except (ValueError, KeyError, Unmapped) as error:
+            self.log("push", app=name, branch=branch, new_dr=ratio.to_list(), refused=str(error))
+            return
+        generation = entry.status.notice_seq
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True))
+        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
+        self.log("push", app=name, branch=branch, generation=generation, old_dr=view.ratio.to_list(),
+                 new_dr=ratio.to_list())
 
     def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
         """A new DR must fit the server, the configured total and the app's constraints.

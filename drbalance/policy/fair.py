@@ -9,11 +9,10 @@ still owes other apps); it sees only snapshots, as every policy does. At app i's
    predictor compares i's current DR with the one before the move; a move that made things worse
    by at least ``min_gain`` is undone (branch ``revert``) and that DR is not tried again for
    ``ban_windows`` windows.
-3. A move owed to i by an earlier joint decision (a swap) is made now if it still pays (``joint``).
-4. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
+3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
    used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
    (one unit, half, or all of it) moved between two GPUs (which also takes a replica away), i's
-   DR swapped with another app's (the other app's half is owed to it). The best candidate by
+   DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
    the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``.
 
@@ -80,14 +79,12 @@ class _Move:
 
 @dataclass
 class _Track:
-    """Per app: decision windows, recent moves, owed moves, DRs not to retry."""
+    """Per app: decision windows, recent moves, DRs not to retry."""
 
     last_decision: int | None = None
     window: int = 0  # iterations between the app's decisions
     last_move: _Move | None = None
     moves: dict[int, int] = field(default_factory=dict)  # epoch -> moves made in it
-    owed: DataRatio | None = None  # the app's half of another app's swap, made at its next decision
-    owed_from: str | None = None
     banned: dict[tuple[int, ...], int] = field(default_factory=dict)  # shares -> banned until this iteration
 
 
@@ -123,16 +120,10 @@ class FairPolicy:
         self._note_window(track, me)
         if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
             return _decision(app, me.ratio, "no-measurement")
-        owed, owed_from = track.owed, track.owed_from
-        track.owed = track.owed_from = None
-        search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app, owed_from))
+        search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app))
         checked = self._check_last_move(me, ratio, track, search)
         if checked is not None:
             return checked
-        if owed is not None and not violations(me, owed, config):
-            found = search.gain({app: owed})
-            if found is not None:
-                return self._move(me, ratio, owed, "joint", search, track, found.gain, partner=owed_from)
         move = track.last_move
         if move is not None and move.quiet > 0:
             move.quiet -= 1
@@ -143,24 +134,25 @@ class FairPolicy:
         if best is None:
             return _decision(app, me.ratio, "keep", locked=sorted(search.locked))
         changes, gain = best
-        for other, their in changes.items():
-            if other != app:
-                partner = self.tracks.setdefault(other, _Track())
-                partner.owed, partner.owed_from = their, app
-        branch = "move" if len(changes) == 1 else "swap" if len(changes) == 2 else "plan"
-        return self._move(me, ratio, changes[app], branch, search, track, gain,
-                          partners=[other for other in changes if other != app])
+        others = {other: their for other, their in changes.items() if other != app}
+        for other, their in others.items():  # pushed to them now: each is a move of theirs too
+            view = snapshot.app(other)
+            partner = self.tracks.setdefault(other, _Track())
+            partner.last_move = _Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
+                                      quiet=self.config.protect_windows)
+            partner.moves[view.epoch] = partner.moves.get(view.epoch, 0) + 1
+        branch = "move" if not others else "swap" if len(others) == 1 else "plan"
+        decision = self._move(me, ratio, changes[app], branch, search, track, gain, partners=sorted(others))
+        return replace(decision, others=MappingProxyType(others))
 
-    def _locked_gpus(self, snapshot: Snapshot, app: str, exempt: str | None) -> set[int]:
-        """GPUs that another app's recent move added load to, and whose effect is not measured yet
-        (or a move owed to another app will add load to). No more load goes there meanwhile."""
+    def _locked_gpus(self, snapshot: Snapshot, app: str) -> set[int]:
+        """GPUs that another app's recent move added load to, and whose effect is not measured yet.
+        No more load goes there meanwhile."""
         locked: set[int] = set()
         for view in snapshot.apps:
             track = self.tracks.get(view.name)
-            if view.name in (app, exempt) or track is None:
+            if view.name == app or track is None:
                 continue
-            if track.owed is not None:
-                locked.update(_gained(view.ratio, track.owed))
             move = track.last_move
             if move is not None and not move.checked:
                 locked.update(_gained(move.before, move.after))
@@ -173,8 +165,9 @@ class FairPolicy:
         compared first; at the first that is lower by at least min_gain the change wins and the
         difference is the gain, unless an earlier one is higher by ``noise`` or more (differences
         below that are within the predictor's error, and count as ties). If none differs, a fall
-        of the mean by at least min_gain is the gain. A gain is refused if the mean SD of all apps
-        would rise by more than ``mean_slack`` times it. Ranked by gain, then by the fall of the mean.
+        of the mean by at least min_gain is the gain. A gain is refused if the SDs of all apps
+        would rise, in sum, by more than ``mean_slack`` times it per app plus ``noise``. Ranked by
+        gain, then by the fall of the mean.
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
@@ -182,8 +175,8 @@ class FairPolicy:
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
         for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
             if old - now >= needed:
-                return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= config.mean_slack * (old - now) \
-                    else None
+                allowed = config.mean_slack * (old - now) + config.noise / search.app_count
+                return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= allowed else None
             if now - old >= config.noise:
                 return None
         return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
@@ -220,7 +213,9 @@ class FairPolicy:
         return _decision(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
-        """Undo the app's last move if, measured for a whole window, it made things worse."""
+        """Undo the app's last move if, measured for a whole window, it made things worse: going
+        back pays by the policy's judgement, or lowers the SDs of the apps it affects by
+        ``min_gain`` in sum (a move meant to be fair that turned out to cost everyone)."""
         move = track.last_move
         if move is None or move.checked or ratio != move.after or me.iteration <= move.iteration:
             return None
@@ -230,6 +225,8 @@ class FairPolicy:
         if violations(me, move.before, search.config):
             return None
         found = search.gain({me.name: move.before})
+        if found is None:
+            found = search.mean_gain({me.name: move.before})
         if found is None:
             return None
         track.banned[move.after.shares] = me.iteration + self.config.ban_windows * max(1, track.window)
@@ -242,8 +239,8 @@ class FairPolicy:
 class _Search:
     """Scores changes to the configuration by the predicted SDs at finish of the apps they affect.
 
-    The configuration starts from the snapshot's DRs with the moves owed to other apps already
-    made (they will be, at those apps' next decisions). Candidates never add load to a locked GPU.
+    The configuration is the snapshot's (with DRs pushed to apps but not yet applied). Candidates
+    never add load to a locked GPU.
     """
 
     def __init__(self, policy: FairPolicy, snapshot: Snapshot, predictor: Predictor, me: AppView,
@@ -255,10 +252,6 @@ class _Search:
         self.locked = locked
         self.views = {view.name: view for view in snapshot.apps}
         self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio) == self.config.gpu_count}
-        for name in self.ratios:
-            track = policy.tracks.get(name)
-            if name != me.name and track is not None and track.owed is not None:
-                self.ratios[name] = track.owed
         self.neighbourhood = predictor.neighbourhood(self.ratios, self.views)
         self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
         self._all_sds: dict[str, float] | None = None
@@ -283,6 +276,14 @@ class _Search:
         if self._all_sds is None:
             self._all_sds = self._sds(self.neighbourhood.solve(list(self.neighbourhood.ratios), {}))
         return self._all_sds
+
+    def mean_gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
+        """A change that lowers the predicted SDs at finish by ``min_gain`` in sum, or None."""
+        before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+        fall = sum(before.values()) - sum(after.values())
+        if fall < self.policy.config.min_gain:
+            return None
+        return Verdict(fall / self.app_count, (fall,))
 
     def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """The policy's judgement of a change, or None if it does not pay."""
@@ -377,8 +378,7 @@ class _Search:
         movable = []
         for name in self.ratios:
             view = self.views[name]
-            busy = name != self.me.name and (self.policy.protected(name) or
-                                             (self.policy.tracks.get(name) or _Track()).owed is not None)
+            busy = name != self.me.name and self.policy.protected(name)
             if view.slowdown is not None and not busy and view.min_share == 0:
                 movable.append((-(view.slowdown or 0.0), name))
         if self.me.name not in {name for _, name in movable}:
@@ -449,9 +449,7 @@ class _Search:
         """Apps worth trying to swap with: not moving already, the least slowed first."""
         candidates = []
         for name in self.ratios:
-            track = self.policy.tracks.get(name)
-            busy = track is not None and (track.owed is not None or self.policy.protected(name))
-            if name != self.me.name and not busy:
+            if name != self.me.name and not self.policy.protected(name):
                 candidates.append((self.views[name].slowdown or 0.0, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
 

@@ -136,7 +136,8 @@ class Predictor:
         return model
 
     def observe(self, views: Sequence[AppView], learn_from: Iterable[str] | None = None) -> None:
-        """Learn from the apps in ``learn_from`` (default: all) whose record shows a new window.
+        """Learn from the apps in ``learn_from`` (default: all) whose record shows a new window,
+        and from every app never learned from yet.
 
         The daemon calls a policy at an app's decision boundary, right after the app published a
         whole window's measurements: learning from that app alone uses every window once.
@@ -145,8 +146,8 @@ class Predictor:
             self.model(view)
         wanted = None if learn_from is None else set(learn_from)
         for view in views:
-            if wanted is not None and view.name not in wanted:
-                continue
+            if wanted is not None and view.name not in wanted and self.apps[view.name].measured_iteration >= 0:
+                continue  # not deciding now, and learned from before
             model = self.apps[view.name]
             placement = _measured_samples(view)
             if placement is None or view.iteration == model.measured_iteration:

@@ -98,7 +98,7 @@ class _Gpu:
 class _App:
     __slots__ = ("spec", "profile", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
                  "alive", "arrived", "running", "suspend", "records", "gpu", "workload", "host_end", "timings",
-                 "slot_window", "published", "cadence", "boundary_due")
+                 "slot_window", "published", "cadence", "boundary_due", "pushed")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
@@ -124,6 +124,7 @@ class _App:
         self.published: AppView | None = None  # what the app's record holds, as the manager would read it
         self.cadence: float | None = None  # seconds between boundaries the policy asked for
         self.boundary_due: float | None = None
+        self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied at the next report
 
 
 @dataclass
@@ -301,6 +302,7 @@ class Simulation:
         if (done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0)
                 or (app.boundary_due is not None and self.now >= app.boundary_due)):
             app.boundary_due = None if app.cadence is None else self.now + app.cadence
+            self._apply_push(app)
             app.slot_window.add(app.timings)
             self._publish(app)
             self._record(app, "boundary")
@@ -309,6 +311,7 @@ class Simulation:
             tracker.new_window()
             app.slot_window.new_window()
         elif done % self.config.report_every == 0:
+            self._apply_push(app)
             app.slot_window.add(app.timings)
             self._publish(app)
             self._record(app, "report")
@@ -331,13 +334,21 @@ class Simulation:
             chunk_samples=tuple(mean[1] if mean else 0.0 for mean in means), batch=app.spec.batch,
         )
 
+    def _apply_push(self, app: _App) -> None:
+        """The client applies a pushed DR at its report, before publishing."""
+        if app.pushed is not None:
+            old, app.ratio, app.pushed = app.ratio, app.pushed, None
+            if old != app.ratio:
+                self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch="push")
+
     def _snapshot(self) -> Snapshot:
         """Every live app as its record last showed it, with the DR the manager last gave it."""
         views = []
         for app in self.apps:
             if app.alive:
                 view = app.published
-                views.append(view if view.ratio == app.ratio else replace(view, ratio=app.ratio))
+                ratio = app.pushed or app.ratio
+                views.append(view if view.ratio == ratio else replace(view, ratio=ratio))
         return Snapshot(tuple(views), self.window.values(), self.policy_config)
 
     def _decide(self, app: _App, trigger: str) -> None:
@@ -357,7 +368,14 @@ class Simulation:
             if len(decision.ratio) != self.scenario.gpus:
                 raise ValueError(f"policy {self.policy.name!r} returned {decision.ratio} for {self.scenario.gpus} GPUs")
             old, app.ratio = app.ratio, decision.ratio
+            app.pushed = None
             self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=decision.branch)
+        by_name = {other.name: other for other in self.apps if other.alive}
+        for name, ratio in decision.others.items():  # pushed now, applied at each one's next report
+            other = by_name.get(name)
+            if other is None or len(ratio) != self.scenario.gpus:
+                raise ValueError(f"policy {self.policy.name!r} pushed {ratio} to {name!r}, which cannot take it")
+            other.pushed = ratio
 
     # --- utilisation sampling (as the manager samples NVML) ------------------------------------
     def _sample(self, _: Any) -> None:
