@@ -12,24 +12,17 @@ Usage: python -m benchmarks.bench_simulator [--repeats 5]
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 from benchmarks.timing import add_no_write, save, summary
-from drbalance.scenarios import SCENARIOS, Scenario, sized_app
+from drbalance.scenarios import SCENARIOS, Scenario
 from drbalance.sim import SimConfig, simulate
-
-MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
+from drbalance.sim.mixes import arrivals_mix
 
 
 def big_scenario(apps: int = 64, gpus: int = 16, seed: int = 11) -> Scenario:
-    rng = random.Random(seed)
-    specs = []
-    for index in range(apps):
-        model = MODELS[index % len(MODELS)]
-        batch = 128 if model == "alexnet" else 32
-        specs.append(sized_app(f"app{index}", model, batch, rng.uniform(600, 1800), 10, arrival=rng.uniform(0, 600)))
-    return Scenario(f"{apps}x{gpus}", gpus, tuple(specs), f"{apps} apps on {gpus} GPUs")
+    """The six models mixed, arriving over 10 minutes (``drbalance.sim.mixes.arrivals_mix``)."""
+    return arrivals_mix(apps, gpus, seed)
 
 
 def timed(scenario: Scenario, config: SimConfig, repeats: int) -> dict:
