@@ -16,6 +16,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from drbalance.manager.utilization import UtilizationWindow
@@ -271,7 +272,7 @@ class Simulation:
 
     def _start_iteration(self, app: _App) -> None:
         batch = app.spec.batch
-        app.sizes = app.ratio.split(batch)
+        app.sizes = _split(app.ratio.shares, app.ratio.total, batch)
         replicas = sum(1 for size in app.sizes if size)
         app.chunks_left = replicas
         app.running = True
@@ -450,6 +451,11 @@ class Simulation:
             gpu_served=[g.served for g in self.gpus], decisions=self.decisions, events=self.processed,
             app_records={a.name: a.records for a in self.apps}, manager_records=self.manager_records,
         )
+
+
+@lru_cache(maxsize=4096)
+def _split(shares: tuple[int, ...], total: int, batch: int) -> tuple[int, ...]:
+    return DataRatio(shares, total).split(batch)
 
 
 def simulate(scenario: Scenario, config: SimConfig | None = None) -> SimResult:
