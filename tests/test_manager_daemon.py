@@ -9,23 +9,14 @@ import posix_ipc
 import pytest
 
 from drbalance.cli import main as drbalance
+from drbalance.ipc import discovery
 from drbalance.ipc.layout import Notice, NoticeKind
 from drbalance.jsonlog import read_json_lines
-from tests.conftest import leftovers, python_process
+from tests.conftest import leftovers, python_process, wait_for
 
 
 def write_util(path, util):
     path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": util}]}))
-
-
-def wait_for(predicate, timeout=15.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 class ManagerProcess:
@@ -114,12 +105,11 @@ def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
         wait_for(lambda: manager.events("app_added"))
         os.kill(app.pid, signal.SIGKILL)
         app.wait()
-        killed_at = time.monotonic()
-        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [], timeout=10)
-        collected_in = time.monotonic() - killed_at
+        # how fast is measured by the fault campaign (docs/reliability.md); here: that it happens
+        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        wait_for(lambda: not ipc_env.app_claim("doomed").exists())
     finally:
         manager.stop()
-    assert collected_in < 5.0
     assert [e["reason"] for e in manager.events("app_removed")] == ["process gone"]
 
 
@@ -132,11 +122,11 @@ def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
         first.stop()
         second = ManagerProcess(tmp_path, ipc_env, (10, 20, 30, 40))
         try:
-            added = wait_for(lambda: second.events("app_added"), timeout=10)
+            added = wait_for(lambda: second.events("app_added"))
             assert added[0]["app"] == "survivor" and added[0]["via"] in {"adopted", "notice"}
-            decision = wait_for(lambda: second.events("decision"), timeout=10)[0]
+            decision = wait_for(lambda: second.events("decision"))[0]
             assert decision["app"] == "survivor"  # the survivor now talks to the new manager
-            status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"], timeout=5)
+            status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"])
             assert status[0]["name"] == "survivor"
         finally:
             second.stop()
@@ -169,7 +159,7 @@ def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
 def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
-        inbox = posix_ipc.MessageQueue(ipc_env.inbox())
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).token))
         inbox.send(b"definitely not a notice")
         inbox.send(Notice(NoticeKind.BOUNDARY, os.getpid(), 1, "ghost", time.time()).encode())  # no record
         inbox.close()

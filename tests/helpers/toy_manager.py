@@ -12,6 +12,7 @@ import os
 import time
 
 from drbalance import DataRatio
+from drbalance.ipc import discovery
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint
 from drbalance.ipc.layout import AppCommand, ManagerBeat, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames
@@ -46,7 +47,10 @@ def main() -> None:
             if notice is None:
                 continue
             received += 1
-            channel = channels.get(notice.app) or channels.setdefault(notice.app, AppChannel(names, notice.app))
+            if notice.app not in channels:
+                claim = discovery.read_claim(names, notice.app)
+                channels[notice.app] = AppChannel(names, notice.app, claim.token)
+            channel = channels[notice.app]
             status = channel.read_status()
             print(json.dumps({"kind": notice.kind.name, "seq": notice.seq, "app": notice.app,
                               "sd": status.slowdown, "iteration": status.iteration}), flush=True)
