@@ -94,7 +94,6 @@ def python_process(module: str, *args: str, env: dict | None = None, **kwargs) -
     child_env["PYTHONUNBUFFERED"] = "1"
     if env:
         child_env.update(env)
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=ROOT, env=child_env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
-    )
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env, text=True, **kwargs)

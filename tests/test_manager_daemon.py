@@ -11,45 +11,8 @@ import pytest
 from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery
 from drbalance.ipc.layout import Notice, NoticeKind
-from drbalance.jsonlog import read_json_lines
 from tests.conftest import leftovers, python_process, wait_for
-
-
-def write_util(path, util):
-    path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": util}]}))
-
-
-class ManagerProcess:
-    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM."""
-
-    def __init__(self, tmp_path, names, util=(90, 80, 20, 50), *extra):
-        self.names = names
-        self.util_file = tmp_path / "util.json"
-        write_util(self.util_file, list(util))
-        self.log_path = tmp_path / f"manager-{time.monotonic_ns()}.jsonl"
-        self.process = python_process("drbalance.manager.cli", "--source", f"scripted:{self.util_file}",
-                                      "--log", str(self.log_path), "--sample-period", "0.1", *extra)
-        wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None)
-        assert self.process.poll() is None, self.process.communicate()
-
-    def events(self, kind=None):
-        if not self.log_path.exists():
-            return []
-        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        out, err = self.process.communicate(timeout=30)
-        return self.process.returncode, err
-
-
-def toy_app(name, *args):
-    return python_process("tests.helpers.toy_app", "--app", name, *args)
-
-
-def first_line(process):
-    return json.loads(process.stdout.readline())
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
 
 def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):

@@ -98,16 +98,25 @@ def private_dir(path: str | os.PathLike[str], create: bool = True) -> Path:
     try:
         fd = os.open(absolute, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise UnsafePath(absolute, "is a symbolic link; a private folder is never reached through one") from None
-        if error.errno == errno.ENOTDIR:
-            raise UnsafePath(absolute, "is not a folder") from None
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _not_a_folder(absolute) from None
         raise
     try:
         _check_own_folder(absolute, fd)
     finally:
         os.close(fd)
     return absolute
+
+
+def _not_a_folder(path: Path) -> UnsafePath:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return UnsafePath(path, "is not a folder")
+    if stat.S_ISLNK(info.st_mode):
+        return UnsafePath(path, f"is a symbolic link owned by {user_name(info.st_uid)}; a private folder is "
+                          f"never reached through one")
+    return UnsafePath(path, "is not a folder")
 
 
 def _check_own_folder(path: Path, fd: int) -> None:
