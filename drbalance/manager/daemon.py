@@ -541,8 +541,15 @@ class Manager:
         try:
             entry = self.table.admit(app, now, expected_pid=claim.pid if claim else None, token=token,
                                      expected_ticks=claim.start_ticks if claim else 0)
-        except (RecordEmpty, RecordBusy, posix_ipc.ExistentialError):
-            return  # not written yet: it will be (or, if its writer died, its claim shows it dead)
+        except (RecordEmpty, RecordBusy) as error:
+            # not written yet: it will be (or, if its writer died, its claim shows it dead); a live
+            # app whose record stays unwritten past the grace period is worth a line
+            if claim is None or time.time() - claim.claimed > GRACE_SECONDS:
+                self._report_once(("record", app, token, type(error).__name__), "invalid", what="record", app=app,
+                                  error=f"{error} (its process runs: kept, not adopted)")
+            return
+        except posix_ipc.ExistentialError:
+            return  # its objects are being created
         except objects.ForeignObject as error:
             self._report_foreign(error.name, error.owner)
             return
