@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drbalance-manager: cannot open the utilisation source {args.source!r}: {error}", file=sys.stderr)
         return 1
     manager = Manager(settings, source)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda number, frame: manager.request_stop(signal.Signals(number).name))
     try:
