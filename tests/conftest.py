@@ -35,6 +35,20 @@ settings.register_profile("drbalance", deadline=timedelta(seconds=5), suppress_h
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "drbalance"))
 
 
+# Time limits (pytest-timeout): pyproject.toml sets the default for every test. Tests that run a
+# whole scenario (real training processes for minutes) get a longer one here unless they set
+# their own with @pytest.mark.timeout(...). On a loaded 2-core machine the end-to-end demo takes
+# about 5 minutes.
+LONG_TEST_LIMITS = {"test_end_to_end.py": 900}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        limit = LONG_TEST_LIMITS.get(item.path.name)
+        if limit is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))
+
+
 def leftovers(names: IpcNames) -> list[str]:
     """Entries in /dev/shm that belong to this namespace (segments and semaphores)."""
     stem = names.prefix[1:]
