@@ -47,7 +47,7 @@ from drbalance.ipc.layout import (
     Notice,
     NoticeKind,
 )
-from drbalance.ipc.link import PosixManagerLink
+from drbalance.ipc.link import DEFAULT_EXCHANGE_TIMEOUT, PosixManagerLink
 from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
 from drbalance.jsonlog import read_json_lines
 
@@ -121,16 +121,17 @@ def gone(names: IpcNames, app: str) -> bool:
 
 
 def leaks(names: IpcNames) -> list[str]:
-    """Everything of this namespace still in /dev/shm or the claims folder."""
-    stem = names.prefix[1:]
-    found = [e for e in os.listdir(SHM_DIR) if e.startswith(stem) or e.startswith("sem." + stem)]
+    """Everything of this user in this namespace still in /dev/shm or the claims folder."""
+    me = os.geteuid()
+    found = [o.entry for o in names.listed() if o.owner == me]
     claims = names.claims_dir()
     return found + ([f"claim:{c}" for c in os.listdir(claims)] if claims.exists() else [])
 
 
 # --- the exchanging job (run as a child: --role exchanger NAME SECONDS OUT) --------------------------
-def exchanger(name: str, seconds: float, out: str) -> None:
-    """Sends BOUNDARY notices back to back through the real link; writes its figures as JSON."""
+def exchanger(name: str, seconds: float, out: str, pause: float = 0.0) -> None:
+    """Sends BOUNDARY notices through the real link (back to back, or ``pause`` s apart); writes its
+    figures as JSON."""
     names = IpcNames.current()
     link = PosixManagerLink(names, name)
     pid, ticks = os.getpid(), objects.process_start_ticks(os.getpid()) or 0
@@ -146,7 +147,7 @@ def exchanger(name: str, seconds: float, out: str) -> None:
         started = time.perf_counter()
         if link.manager() is not None and link.notify(Notice(NoticeKind.BOUNDARY, pid, seq, name, time.time()), 0.25):
             sent += 1
-            command = link.await_command(seq, 2.0)
+            command = link.await_command(seq, DEFAULT_EXCHANGE_TIMEOUT)  # what a Session waits
             if command is not None:
                 answered += 1
                 latencies.append(time.perf_counter() - started)
@@ -154,6 +155,7 @@ def exchanger(name: str, seconds: float, out: str) -> None:
                     invalid += 1
         else:
             time.sleep(0.01)
+        time.sleep(pause)
         longest = max(longest, time.monotonic() - last)
         last = time.monotonic()
     link.close()
@@ -338,6 +340,10 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
         kill9(witness)
         for process, _ in victims:
             kill9(process)
+        try:  # the manager collects every killed job, corrupted record or not
+            collected = wait(lambda: not names.listed_apps() and not discovery.claimed_apps(names), 60)
+        except TimeoutError:
+            collected = None
         manager.stop()
     decisions = manager.events("decision")
     bad = [d for d in decisions if len(d["new_dr"]) != 4 or sum(d["new_dr"]) != d["dr_total"]]
@@ -346,7 +352,7 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
     return {"records_corrupted": len(done), "messages_sent": sent, "manager_alive": alive,
             "still_answering_a_good_job": still_answering, "decisions": len(decisions), "bad_dr_sent": len(bad),
             "invalid_logged": len(manager.events("invalid")), "live_records_removed": len(removed_alive),
-            "examples": done[:8], "leaks_after": leaks(names)}
+            "examples": done[:8], "all_killed_jobs_collected_after_seconds": collected, "leaks_after": leaks(names)}
 
 
 # --- 5. neighbours ---------------------------------------------------------------------------------
@@ -400,7 +406,12 @@ def campaign_neighbour(scratch: Path) -> dict:
             "target_mode": oct(target.stat().st_mode & 0o7777), "files_written_in_target": len(list(target.iterdir()))}
     finally:
         link.unlink()
-    outcomes["leaks_after"] = [e for e in leaks(names) if not any(p.lstrip("/") in e for p in planted)]
+    outcomes["leaks_after"] = leaks(names)
+    for listed in names.listed():  # the neighbour's objects (root may remove them)
+        if listed.entry.startswith("sem."):
+            objects.unlink_semaphore("/" + listed.entry[4:])
+        else:
+            objects.unlink_shared_memory("/" + listed.entry)
     return outcomes
 
 
@@ -443,6 +454,10 @@ def campaign_filesystem(scratch: Path) -> dict:
         results["manager alive after all faults"] = manager.alive()
     finally:
         kill9(job)
+        try:
+            wait(lambda: gone(names, "fsjob"), 30)
+        except TimeoutError:
+            pass
         manager.stop()
     events = manager.events()
     results["decisions in log == decisions counted at stop (nothing lost)"] = (
@@ -466,7 +481,7 @@ def full_disk(scratch: Path) -> dict:
         manager = Manager(scratch, "disk", "--log", str(small / "manager.jsonl"), env=env)
         manager.log = small / "manager.jsonl"
         manager.ready()
-        job = python("benchmarks.fault_campaign", "--role", "exchanger", "diskjob", "12", str(scratch / "disk.json"))
+        job = python("benchmarks.fault_campaign", "--role", "paced", "diskjob", "12", str(scratch / "disk.json"))
         wait(lambda: "diskjob" in IpcNames.current().listed_apps())
         with open(small / "filler", "wb") as out:
             try:
@@ -499,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     add_no_write(parser)
     args = parser.parse_args(argv)
     if args.role:
-        exchanger(args.role[1], float(args.role[2]), args.role[3])
+        exchanger(args.role[1], float(args.role[2]), args.role[3], pause=0.05 if args.role[0] == "paced" else 0.0)
         return 0
     repeats, flood_jobs, flood_seconds = (4, 8, 5.0) if args.quick else (12, 32, 20.0)
     sections = {

@@ -139,15 +139,19 @@ class JsonLinesWriter:
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         self._open()
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Write what is pending (one last try) and close; the number of lines lost (0 normally)."""
         if self._closed:
-            return
+            return 0
         self.error = None  # one last try, whatever the retry delay
         self.flush()
         self._closed = True
+        lost = len(self._pending) + self.dropped
+        self._pending.clear()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        return lost
 
 
 def rotated_files(path: str | Path) -> list[Path]:

@@ -256,7 +256,10 @@ class Manager:
         self._remove_own_status()
         self.log("stop", reason=reason, decisions=self.decisions)
         if self._log is not None:
-            self._log.close()
+            lost = self._log.close()
+            if lost:
+                logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
+                             lost, self._log_path, self.faults.get("log", "disk full?"))
             self._log = None
         if self._lock is not None:
             self._lock.release()
