@@ -11,6 +11,7 @@ ones shift up, and at most ``keep`` old files are kept.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -103,27 +104,46 @@ class JsonLinesWriter:
                 self._pending.appendleft(encode_line({"t": time.time(), "event": "log_gap", "dropped": self.dropped}))
                 self.dropped = 0
             while self._pending:
-                line = self._pending[0]
-                if self.max_bytes is not None and self._size and self._size + len(line) > self.max_bytes:
+                batch = self._batch()
+                if not batch:  # the next line does not fit: a new file first
                     self._rotate()
-                self._write_line(line)
+                    batch = self._batch() or 1
+                self._write_lines(batch)
         except OSError as error:
             self.error, self._retry_at = error, now + RETRY_SECONDS
             return
         self.error = None
 
-    def _write_line(self, line: bytes) -> None:
-        """Write the first pending line; after a partial write only the rest stays pending."""
+    def _batch(self) -> int:
+        """How many pending lines fit in the current file (all of them when not rotating)."""
+        if self.max_bytes is None:
+            return len(self._pending)
+        room, count = self.max_bytes - self._size, 0
+        for line in self._pending:
+            if len(line) > room and (count or self._size):
+                break
+            room -= len(line)
+            count += 1
+        return count
+
+    def _write_lines(self, count: int) -> None:
+        """Write the first ``count`` pending lines in one go; after a partial write, only the rest
+        stays pending (a line cut by a full disk is completed, not repeated)."""
+        data = b"".join(itertools.islice(self._pending, count)) if count > 1 else self._pending[0]
         done = 0
         try:
-            while done < len(line):
-                done += os.write(self._fd, line[done:])
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
         finally:
             self._size += done
-            if done >= len(line):
-                self._pending.popleft()
-            elif done:
-                self._pending[0] = line[done:]
+            while done and self._pending:
+                line = self._pending[0]
+                if len(line) <= done:
+                    done -= len(line)
+                    self._pending.popleft()
+                else:
+                    self._pending[0] = line[done:]
+                    done = 0
 
     def _rotate(self) -> None:
         """x.jsonl -> x.jsonl.1 -> ... -> x.jsonl.<keep>; the oldest beyond ``keep`` is removed."""
