@@ -8,12 +8,12 @@ from torch import nn
 
 from drbalance import DataRatio
 from drbalance.client import BalancedDataParallel, Session
-from drbalance.client.measurements import SlotWindow
 from drbalance.client.timing import ReplicaTiming
 from drbalance.ipc import objects
 from drbalance.ipc.records import AppRecord
 from drbalance.manager.table import AppTable
 from drbalance.policy import AppView, PolicyConfig, violations
+from drbalance.slowdown import SlotWindow
 
 
 def test_process_start_ticks_tells_processes_apart():

@@ -28,7 +28,6 @@ from types import FrameType
 from typing import Any, Protocol
 
 from drbalance import env
-from drbalance.client.measurements import SlotWindow
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind, SlotStatus
@@ -43,7 +42,7 @@ from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiles import Measurement, resolve_solo_time
 from drbalance.ratio import DataRatio
-from drbalance.slowdown import IterationPlan, SlowdownTracker
+from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
 logger = logging.getLogger("drbalance.client")
 
