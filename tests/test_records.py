@@ -271,3 +271,13 @@ def test_names_are_namespaced_per_user_tokenised_and_validated():
     with pytest.raises(ValueError, match="namespace"):
         IpcNames.current("bad/ns")
     assert len({new_token() for _ in range(100)}) == 100
+
+
+def test_a_second_session_of_one_name_in_the_same_process_is_refused_clearly(ipc_env):
+    first = AppClaim.take(ipc_env, "twice")
+    try:
+        with pytest.raises(AppNameInUse, match="this process already runs an app named 'twice'"):
+            AppClaim.take(ipc_env, "twice")
+    finally:
+        first.release()
+    AppClaim.take(ipc_env, "twice").release()  # free again once released

@@ -241,6 +241,11 @@ class AppClaim:
                 os.close(fd)
                 raise
             return claim
+        if holder is not None and holder.pid == os.getpid():
+            raise AppNameInUse(
+                f"this process already runs an app named {app!r} in namespace {names.namespace!r}: close its "
+                f"session first (or choose another name)"
+            )
         if holder is not None and holder.alive():
             raise AppNameInUse(
                 f"an app named {app!r} is already running as pid {holder.pid} in namespace "

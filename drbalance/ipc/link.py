@@ -128,8 +128,9 @@ class PosixManagerLink:
     # --- the manager --------------------------------------------------------------------------
     def manager(self) -> ManagerBeat | None:
         if not self.claim.renew():
-            self._report("claim", "drbalance: the claim %s of app %r was removed and another process "
-                         "holds the name now", self.claim.path, self.app)
+            self._report("claim", "drbalance: the name claim %s of app %r was removed and cannot be put back "
+                         "(its folder is not usable, or another process took the name); a manager may not find "
+                         "this job", self.claim.path, self.app)
         info = self._discover()
         if info is None:
             return self._absent("none is running")
