@@ -52,7 +52,8 @@ def test_without_a_manager_training_finishes_in_bounded_time(ipc_env):
     app_lines, err = lines(app)
     assert app.returncode == 0, err
     done = app_lines[-1]
-    assert done["done"] and done["elapsed"] < 20 * 0.01 + 1.0, done  # no waiting for an absent manager
+    # no waiting for an absent manager: one wait for an answer alone would take the 2 s exchange timeout
+    assert done["done"] and done["elapsed"] < 2.0, done
     assert all(line["ratio"] == [1, 1, 1, 1] for line in app_lines if "ratio" in line)
     assert err.count("no manager in namespace") == 1  # one warning, not one per boundary
     assert leftovers(ipc_env) == []
@@ -67,9 +68,10 @@ def test_a_stuck_manager_costs_at_most_the_exchange_timeout_per_boundary(ipc_env
     finally:
         stop(manager)
     assert app.returncode == 0, err
-    # 12 boundaries + register: at most 13 x 0.1 s of waiting; once the 10-message inbox is full,
-    # notices fail within the 50 ms send timeout instead.
-    assert app_lines[-1]["elapsed"] < 13 * 0.1 + 1.5, app_lines[-1]
+    # 12 boundaries + register: at most 13 x 0.1 s of waiting (once the 10-message inbox is full,
+    # notices fail within the send timeout instead). Generous slack for a busy machine; a job that
+    # waited for the stuck manager would take its 20 s.
+    assert app_lines[-1]["elapsed"] < 13 * 0.1 + 10, app_lines[-1]
     assert leftovers(ipc_env) == []
 
 
