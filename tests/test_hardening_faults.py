@@ -23,8 +23,8 @@ from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
 
 def long_app(name: str) -> subprocess.Popen:
-    """A job with a boundary every 3 iterations, for about a minute."""
-    return toy_app(name, "--epochs", "400", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
+    """A job with a boundary every 3 iterations that runs until the test kills it."""
+    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
 
 
 def decisions_for(manager: ManagerProcess, app: str) -> int:
@@ -103,7 +103,7 @@ def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, k
     app = None
     try:
         wait_for(lambda: manager.events("start"))
-        app = toy_app("writer", "--epochs", "400", "--iterations", "3", "--sleep", "0.05", env=extra_env)
+        app = toy_app("writer", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", env=extra_env)
         assert first_line(app)["attached"]
         wait_for(lambda: decisions_for(manager, "writer") >= 2)
         if kind == "tmpfs":

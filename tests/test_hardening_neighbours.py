@@ -44,7 +44,7 @@ def test_a_neighbours_squatted_names_stop_nothing_and_are_reported_by_owner(ipc_
     assert set(results) == {"ok"}, results
     manager = ManagerProcess(tmp_path, ipc_env)  # used to fail to start: its inbox/heartbeat names were taken
     try:
-        app = toy_app("victim", "--epochs", "2", "--iterations", "3")
+        app = toy_app("victim", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
         assert first_line(app) == {"iteration": 0, "ratio": [0, 0, 10, 0], "attached": True}  # answered
         out, err = app.communicate(timeout=120)
         assert app.returncode == 0, err

@@ -107,7 +107,7 @@ def test_the_emulated_source_honours_namespace_and_cleans_up_unless_in_use(ipc_e
 
 def test_a_forged_notice_does_not_drop_a_live_job(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
-    app = toy_app("real", "--epochs", "400", "--iterations", "3", "--sleep", "0.05")
+    app = toy_app("real", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
     try:
         first_line(app)
         wait_for(lambda: manager.events("decision"))

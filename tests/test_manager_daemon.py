@@ -18,7 +18,7 @@ from tests.helpers.processes import ManagerProcess, first_line, toy_app
 def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     try:
-        app = toy_app("solo", "--epochs", "2", "--iterations", "3")
+        app = toy_app("solo", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
         assert first_line(app)["ratio"] == [0, 0, 10, 0]  # GPU 2 is the least used (20%)
         out, err = app.communicate(timeout=60)
         assert app.returncode == 0, err
@@ -38,10 +38,11 @@ def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus
     background = []
     try:
         for index in range(4):  # four apps, each placed alone on a GPU by the exclusive mode
-            app = toy_app(f"bg{index}", "--epochs", "200", "--iterations", "5", "--sleep", "0.05", "--solo", "1000")
+            app = toy_app(f"bg{index}", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05",
+                          "--solo", "10000000")  # runs until stopped, with a small SD
             first_line(app)
             background.append(app)
-        slow = toy_app("slow", "--epochs", "2", "--iterations", "4", "--solo", "0.05")
+        slow = toy_app("slow", "--epochs", "2", "--iterations", "4", "--solo", "0.05", "--exchange-timeout", "10")
         assert first_line(slow)["ratio"] == [1, 1, 1, 1]  # 5 apps > 4 GPUs and no SD yet: kept
         out, err = slow.communicate(timeout=60)
         assert slow.returncode == 0, err
@@ -78,7 +79,7 @@ def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
 
 def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
     first = ManagerProcess(tmp_path, ipc_env)
-    app = toy_app("survivor", "--epochs", "400", "--iterations", "3", "--sleep", "0.05")
+    app = toy_app("survivor", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
     try:
         first_line(app)
         wait_for(lambda: first.events("app_added"))
@@ -127,7 +128,7 @@ def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
         inbox.send(Notice(NoticeKind.BOUNDARY, os.getpid(), 1, "ghost", time.time()).encode())  # no record
         inbox.close()
         wait_for(lambda: len(manager.events("invalid")) >= 2)
-        app = toy_app("after", "--epochs", "1", "--iterations", "2")
+        app = toy_app("after", "--epochs", "1", "--iterations", "2", "--exchange-timeout", "10")
         assert first_line(app)["ratio"] == [0, 0, 10, 0]  # still serving
         app.communicate(timeout=60)
     finally:
@@ -139,7 +140,7 @@ def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
 
 def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys):
     manager = ManagerProcess(tmp_path, ipc_env)
-    app = toy_app("shown", "--epochs", "100", "--iterations", "5", "--sleep", "0.05")
+    app = toy_app("shown", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05")
     try:
         first_line(app)
         second = python_process("drbalance.manager.cli", "--source", f"scripted:{manager.util_file}")

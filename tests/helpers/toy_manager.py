@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--answer", default="0,0,0,10")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--notices", type=int, default=1000)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--silent", action="store_true", help="heartbeat, but never read the inbox")
     args = parser.parse_args()
     names = IpcNames.current()
