@@ -159,14 +159,16 @@ def test_a_record_naming_another_app_is_refused(ipc_env):
 
 
 def test_reader_never_sees_a_torn_record_while_another_process_rewrites_it(ipc_env):
-    writer = python_process("tests.helpers.record_writer", "torn", "2.5")
+    """Read while another process rewrites, until many different writes were seen (however long a
+    busy machine takes to produce them), and check every read for consistency."""
+    writer = python_process("tests.helpers.record_writer", "torn", "200")
     try:
         ready, token = writer.stdout.readline().split()
         assert ready == "ready"
         record = AppRecord.open(ipc_env, "torn", token)
         seen, busy, distinct = 0, 0, set()
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 120.0
+        while (len(distinct) < 300 or seen < 3000) and time.monotonic() < deadline:
             try:
                 status = record.read_status()
             except RecordBusy:
@@ -176,12 +178,10 @@ def test_reader_never_sees_a_torn_record_while_another_process_rewrites_it(ipc_e
             seen += 1
             distinct.add(status.iteration)
         record.close()
-        writes = int(writer.stdout.readline())
     finally:
         writer.kill()
         writer.wait()
-    assert seen > 1000 and len(distinct) > 100, (seen, busy, len(distinct))
-    assert writes > len(distinct)  # the writer really was rewriting during the reads
+    assert seen >= 3000 and len(distinct) >= 300, (seen, busy, len(distinct))
     assert status_for(5, "x") != status_for(6, "x")  # the consistency check can tell k apart
 
 

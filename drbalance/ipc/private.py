@@ -95,6 +95,7 @@ def private_dir(path: str | os.PathLike[str], create: bool = True) -> Path:
     check_ancestors(absolute)
     if create:
         _make_missing(absolute)
+        check_ancestors(absolute)  # again: what another user may have created meanwhile is checked too
     try:
         fd = os.open(absolute, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:

@@ -215,7 +215,7 @@ class Manager:
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "rescan", "status"), now)
+        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "runtime", "rescan", "status"), now)
         self._run_task("beat", self._heartbeat, now)
         self._run_task("rescan", self._rescan, now)  # a restarted manager picks up the apps still running
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
@@ -304,6 +304,7 @@ class Manager:
             ("sample", settings.sample_period, self._sample),
             ("util_log", settings.util_log_period, self._log_utilization),
             ("gc", settings.gc_period, self._collect_garbage),
+            ("runtime", settings.rescan_period, self._check_runtime_files),
             ("rescan", settings.rescan_period, self._rescan),
             ("status", settings.status_period, self._write_status),
         )
@@ -504,9 +505,8 @@ class Manager:
             entry.quiet_since = None
 
     def _rescan(self, now: float) -> None:
-        """Check the runtime directory; adopt live apps found through their claims; remove dead ones'
-        objects; report objects of other users under this namespace's prefix."""
-        self._check_runtime_files()
+        """Adopt live apps found through their claims; remove dead ones' objects; report objects of
+        other users under this namespace's prefix."""
         referenced = {(entry.name, entry.token) for entry in self.table.entries.values()}
         for app in discovery.claimed_apps(self.names):
             if app in self.table:
@@ -622,7 +622,7 @@ class Manager:
         self.log(event, **fields)
         logger.warning("drbalance-manager: %s", fields.get("error", fields))
 
-    def _check_runtime_files(self) -> None:
+    def _check_runtime_files(self, now: float) -> None:
         """Put the lock file and ``manager.json`` back if the runtime directory lost them."""
         lock_ok = self._lock.held()
         published = self._endpoint.published()

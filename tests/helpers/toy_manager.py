@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 from drbalance import DataRatio
@@ -26,6 +27,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--silent", action="store_true", help="heartbeat, but never read the inbox")
     args = parser.parse_args()
+    # Stopped with Ctrl-C (SIGINT). A process started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then keeps it ignored: install the handler explicitly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     names = IpcNames.current()
     endpoint = ManagerEndpoint(names)
     answer = DataRatio([int(x) for x in args.answer.split(",")])
