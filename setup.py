@@ -13,6 +13,7 @@ setup(
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["drbalance", "drbalance.*"]),
+    package_data={"drbalance.sim": ["gavel_pairs.json", "gavel_rates.json"]},
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "posix-ipc>=1.1", "nvidia-ml-py"],
     extras_require={

@@ -1,7 +1,10 @@
 """Wrapper overhead of BalancedDataParallel, measured side by side in one process.
 
 - CPU path: BalancedDataParallel over 4 CPU slots vs the bare module running the very same
-  chunks (split, forward each, concatenate) — forward + backward. Target: <= 5% overhead.
+  chunks (split, forward each, concatenate) — forward + backward. Target: <= 5% overhead. The
+  wrapper's cost includes merging batch-norm buffers once per step (ResNet-18 has 20 batch-norm
+  layers); ``balanced_train_step`` is the same step through ``model.train_step(closure)`` (the
+  out-of-memory protection; with a proven DR it only checks and calls).
 - GPU: BalancedDataParallel vs ``nn.DataParallel`` at an equal split over the same GPUs.
   Target: <= 2% overhead. Needs CUDA; reported as not measured otherwise.
 
@@ -20,6 +23,7 @@ from torch import nn
 from benchmarks.timing import add_no_write, interleaved_medians, save, summary
 from drbalance import DataRatio
 from drbalance.client import BalancedDataParallel
+from drbalance.client.buffers import BufferMerge
 
 
 def build(model_name: str) -> nn.Module:
@@ -50,11 +54,43 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         out = torch.cat([model(chunk) for chunk in torch.split(x, sizes)])
         nn.functional.cross_entropy(out, y).backward()
 
+    def guarded() -> None:
+        wrapped.train_step(lambda: train_step(wrapped, x, y))
+
     samples = interleaved_medians(
-        {"bare_same_chunks": bare_same_chunks, "balanced": lambda: train_step(wrapped, x, y)},
+        {"bare_same_chunks": bare_same_chunks, "balanced": lambda: train_step(wrapped, x, y),
+         "balanced_train_step": guarded},
         repeats=args.repeats,
     )
-    return _ratios(samples, baseline="bare_same_chunks", candidate="balanced")
+    result = _ratios(samples, baseline="bare_same_chunks", candidate="balanced")
+    guarded_ratio = result["seconds"]["balanced_train_step"]["median"] / result["seconds"]["bare_same_chunks"]["median"]
+    result["train_step_median_ratio"] = guarded_ratio
+    return result
+
+
+def fixed_costs(args: argparse.Namespace, repeats: int = 200) -> dict:
+    """Microseconds of the wrapper's two new per-step costs, measured alone (less noisy than a
+    whole step on a busy machine): merging the buffers of a 4-chunk training forward, and a
+    ``train_step`` call with a proven DR (a closure that does nothing)."""
+    model = build(args.model)
+    model.train()
+
+    def merge() -> None:
+        state = BufferMerge.for_forward(model, 4)
+        if state is None:
+            return
+        for chunk in range(4):
+            state.add_module_values(0.25)
+            if chunk < 3:
+                state.restore()
+        state.finish()
+
+    wrapped = BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 1, 2, 3], ratio=[1, 2, 3, 4])
+    wrapped(torch.randn(8, 2)).sum().backward()
+    wrapped.train_step(lambda: None)  # the DR is proven now
+    samples = interleaved_medians({"buffer_merge": merge, "train_step_call": lambda: wrapped.train_step(lambda: None)},
+                                  repeats=repeats)
+    return {name: summary(values)["median"] * 1e6 for name, values in samples.items()}
 
 
 def bench_gpu(args: argparse.Namespace) -> dict:
@@ -96,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     add_no_write(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args)}
+    payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args), "fixed_costs_us": fixed_costs(args)}
     print(f"CPU path ({args.model}, batch {args.batch}): BalancedDataParallel / bare module on the same chunks "
           f"= {payload['cpu_path']['median_ratio']:.4f} (overhead {payload['cpu_path']['overhead_percent']:+.2f}%, "
-          f"target <= 5%)")
+          f"target <= 5%); through train_step: {payload['cpu_path']['train_step_median_ratio']:.4f}")
+    costs = payload["fixed_costs_us"]
+    print(f"fixed costs ({args.model}): buffer merge of a 4-chunk forward {costs['buffer_merge']:.1f} us, "
+          f"train_step call {costs['train_step_call']:.2f} us (medians)")
     if torch.cuda.is_available():
         payload["gpu"] = bench_gpu(args)
         gpu = payload["gpu"]

@@ -2,9 +2,10 @@
 
 Six training jobs (2 x DenseNet121, 2 x ResNet50, 2 x AlexNet; real torchvision models on
 FakeData) share 4 GPUs: first under the ``observe`` policy (each job keeps its one-GPU
-round-robin placement), then under the paper's policy. Prints the comparison table and writes
-the plots. Without 4 CUDA GPUs the GPUs are *emulated* (see docs/emulation.md): time-shared
-device slots on this CPU with device times from published per-model measurements.
+round-robin placement), then under the paper's policy, then under ``fair`` (drbalance's own).
+Prints the comparison table and writes the plots. Without 4 CUDA GPUs the GPUs are *emulated*
+(see docs/emulation.md): time-shared device slots on this CPU with device times from published
+per-model measurements.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from drbalance.launcher import LaunchOptions, cuda_gpu_count, launch
+from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
 from drbalance.scenarios import load_scenario
 
@@ -33,6 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=15.0,
                         help="emulated GPUs: how much slower than the modelled GPU (default 15)")
     parser.add_argument("--decide-every", type=int, default=2, help="iterations between decisions (default 2)")
+    parser.add_argument("--policies", type=parse_policies, default=DEMO_POLICIES,
+                        help=f"comma-separated policies to run in turn (default {','.join(DEMO_POLICIES)})")
+
+
+DEMO_POLICIES = ("observe", "paper", "fair")
+LABELS = {"observe": "without balancing (observe)", "paper": "the paper's policy", "fair": "drbalance (fair)"}
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    """``observe,fair`` -> ("observe", "fair"); every name must be a registered policy."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--policies takes names from {', '.join(POLICIES)}; got {text!r}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
               f"the models (drbalance profile MODEL -- python examples/train.py --model MODEL ...).")
     started = time.monotonic()
     runs = []
-    for policy, label in (("observe", "without balancing (observe)"), ("paper", "with balancing (paper)")):
-        print(f"\nrun {len(runs) + 1}/2: {label} ...", flush=True)
+    for policy in args.policies:
+        label = LABELS.get(policy, policy)
+        print(f"\nrun {len(runs) + 1}/{len(args.policies)}: {label} ...", flush=True)
         run_dir = args.out / policy
         options = LaunchOptions(scenario, policy, run_dir, devices, args.time_scale, decide_every=args.decide_every,
                                 label=label)

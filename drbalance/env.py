@@ -107,7 +107,13 @@ def no_manager() -> bool:
 
 
 def emulated_gpus() -> str | None:
-    """``DRBALANCE_EMULATED_GPUS``: emulated-GPU spec for the examples (e.g. ``4``); unset = real devices."""
+    """``DRBALANCE_EMULATED_GPUS``: ``N`` or ``N:MEMORY`` (e.g. ``4`` or ``4:16GiB``); unset = real devices.
+
+    On a machine without CUDA it gives every ``BalancedDataParallel(model)`` of an unchanged
+    script N emulated GPUs (default memory 24 GiB each; the model's cost is estimated from its
+    first batch), and is the default of ``--source emulated`` and the examples' ``--devices auto``.
+    Where CUDA is available, real GPUs are used and this is ignored by ``BalancedDataParallel``.
+    """
     value = os.environ.get("DRBALANCE_EMULATED_GPUS")
     return value or None
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
-from drbalance.policy import POLICIES
+from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.scenarios import Scenario, load_scenario
 
 
@@ -50,7 +50,7 @@ class LaunchOptions:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
-    parser.add_argument("--policy", default="paper", choices=list(POLICIES),
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                         help="the manager's policy ('observe' = no balancing)")
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
@@ -114,18 +114,28 @@ def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
 def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[str]:
     scenario, app = options.scenario, options.scenario.apps[index]
     ratio = scenario.initial_ratio(index)
-    command = [
-        sys.executable, "-m", "drbalance.examples.train", "--model", app.model, "--app", app.name,
+    gpus = list(range(scenario.gpus))
+    if app.ddp:  # one rank per GPU of its initial DR, under torchrun; the DR is over those ranks
+        gpus = list(ratio.used)
+        shares = [ratio.shares[g] for g in gpus]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(len(gpus)),
+                   "-m", "drbalance.examples.train_ddp", "--gpus", ",".join(map(str, gpus))]
+    else:
+        shares = list(ratio.shares)
+        command = [sys.executable, "-m", "drbalance.examples.train"]
+    command += [
+        "--model", app.model, "--app", app.name,
         "--epochs", str(app.epochs), "--iterations", str(app.iterations_per_epoch),
-        "--image-size", str(options.image_size), "--ratio", ",".join(map(str, ratio.shares)),
+        "--image-size", str(options.image_size), "--ratio", ",".join(map(str, shares)),
         "--report-every", str(options.report_every), "--no-progress", "--devices", devices_arg,
     ]
     if options.devices == "emulated":
         command += ["--batch-size", str(options.real_batch), "--sample-scale", str(app.batch / options.real_batch),
                     "--time-scale", str(options.time_scale), "--solo-time", str(app.solo_time() * options.time_scale)]
     else:
-        command += ["--batch-size", str(app.batch), "--gpus", ",".join(map(str, range(scenario.gpus))),
-                    "--solo-time", app.model]
+        command += ["--batch-size", str(app.batch), "--solo-time", app.model]
+        if not app.ddp:
+            command += ["--gpus", ",".join(map(str, gpus))]
     if options.decide_every:
         command += ["--decide-every", str(options.decide_every)]
     return command

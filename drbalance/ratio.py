@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 DEFAULT_TOTAL = 10
 """The paper's granularity: shares are tenths of the mini-batch."""
@@ -146,7 +146,7 @@ class DataRatio:
     def __getitem__(self, index: int) -> int:
         return self.shares[index]
 
-    @property
+    @cached_property
     def used(self) -> tuple[int, ...]:
         """Indices of the GPUs with a non-zero share (the paper's GPU_used)."""
         return tuple(i for i, share in enumerate(self.shares) if share > 0)

@@ -10,7 +10,8 @@ down versions for the demo and the end-to-end test. New scenarios can be written
 
 ``placement`` gives the initial DR of apps without a ``ratio``: ``round-robin`` puts app i alone
 on GPU i mod m (the usual one-GPU-per-job launch); ``spread`` splits evenly over every GPU (plain
-DataParallel on all GPUs).
+DataParallel on all GPUs). ``gpu_speed`` (optional, one positive factor per GPU, default all 1)
+makes GPUs of different speeds: a GPU of speed 0.5 needs twice as long for the same work.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 ->
 
 @dataclass(frozen=True)
 class AppSpec:
-    """One training job. ``batch`` is samples per iteration; ``arrival`` seconds after the start."""
+    """One training job. ``batch`` is samples per iteration; ``arrival`` seconds after the start.
+
+    ``ddp``: a DistributedDataParallel job under torchrun, one rank on each GPU where its initial
+    DR is non-zero (the DR then moves only among those GPUs); default: one DataParallel process.
+    """
 
     name: str
     model: str
@@ -40,9 +45,12 @@ class AppSpec:
     iterations_per_epoch: int
     ratio: tuple[int, ...] | None = None
     arrival: float = 0.0
+    ddp: bool = False
 
     def __post_init__(self) -> None:
         model_profile(self.model)  # raises for an unknown model
+        if not isinstance(self.ddp, bool):
+            raise ValueError(f"app {self.name!r}: ddp must be true or false; got {self.ddp!r}")
         for what in ("batch", "epochs", "iterations_per_epoch"):
             value = getattr(self, what)
             if not isinstance(value, int) or value < 1:
@@ -68,10 +76,19 @@ class Scenario:
     placement: str = "round-robin"
     dr_total: int = DEFAULT_TOTAL
     paper: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    gpu_speed: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"scenario {self.name!r}: needs at least one GPU")
+        if self.gpu_speed is not None:
+            speeds = tuple(self.gpu_speed)
+            if len(speeds) != self.gpus or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in speeds):
+                raise ValueError(f"scenario {self.name!r}: gpu_speed must hold {self.gpus} positive numbers; "
+                                 f"got {list(speeds)}")
+            object.__setattr__(self, "gpu_speed", tuple(float(v) for v in speeds))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"scenario {self.name!r}: placement must be one of {PLACEMENTS}")
         names = [app.name for app in self.apps]
@@ -91,6 +108,16 @@ class Scenario:
             return DataRatio.even(self.gpus, self.dr_total)
         return DataRatio.single(self.gpus, index % self.gpus, self.dr_total)
 
+    def speed(self, gpu: int) -> float:
+        """Speed factor of GPU ``gpu`` (1 = the reference GPU the model costs are for)."""
+        return 1.0 if self.gpu_speed is None else self.gpu_speed[gpu]
+
+    def with_dr_total(self, total: int) -> Scenario:
+        """The same scenario with DRs of granularity ``total`` (explicit DRs rescaled)."""
+        apps = tuple(replace(a, ratio=DataRatio(a.ratio, self.dr_total).rescale(total).shares) if a.ratio else a
+                     for a in self.apps)
+        return replace(self, dr_total=total, apps=apps)
+
     def with_placement(self, placement: str) -> Scenario:
         return replace(self, placement=placement, apps=tuple(replace(a, ratio=None) for a in self.apps))
 
@@ -103,6 +130,7 @@ class Scenario:
         data = {
             "name": self.name, "gpus": self.gpus, "description": self.description, "placement": self.placement,
             "dr_total": self.dr_total, "paper": dict(self.paper),
+            "gpu_speed": list(self.gpu_speed) if self.gpu_speed is not None else None,
             "apps": [{**asdict(app), "ratio": list(app.ratio) if app.ratio is not None else None} for app in self.apps],
         }
         return json.dumps(data, indent=2)
@@ -116,6 +144,8 @@ def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
             for app in data.pop("apps")
         )
         data["paper"] = MappingProxyType(dict(data.get("paper", {})))
+        if data.get("gpu_speed") is not None:
+            data["gpu_speed"] = tuple(data["gpu_speed"])
         return Scenario(apps=apps, **data)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"{source}: not a valid scenario: {error}") from None

@@ -8,6 +8,11 @@ decision boundary, so it also restarts whenever the DR may have changed. Before 
 iteration of a new window finishes, the previous window's mean is used. The first iteration of a
 run is warm-up (model set-up, allocator and cuDNN warm-up): it counts for progress and elapsed
 time but not for the mean. Once every iteration is done, SD is the actual finish time / solo time.
+
+A run resumed from a checkpoint starts at iteration ``done`` > 0: its SD compares the part this
+process runs with the same part run alone (the solo time scaled by the fraction of the plan
+left at the start). A plan can be extended (:meth:`SlowdownTracker.extend`); the solo time then
+grows in proportion, so the solo time per iteration stays the same.
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ def check_solo_time(seconds: float) -> float:
 class SlowdownTracker:
     """Progress, the windowed mean iteration time, and SD (Eq. 2). Times in seconds."""
 
-    def __init__(self, plan: IterationPlan, solo_time: float, start: float) -> None:
+    def __init__(self, plan: IterationPlan, solo_time: float, start: float, done: int = 0) -> None:
+        if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done < plan.total:
+            raise ValueError(f"a run can start at iteration 0..{plan.total - 1} of its plan; got {done!r}")
         self.plan = plan
         self.solo_time = check_solo_time(solo_time)
         self.start = float(start)
         self.last_mark = float(start)
-        self.done = 0
+        self.first = done  # iterations done before this run started (resumed from a checkpoint)
+        self.done = done
         self._window_sum = 0.0
         self._window_count = 0
         self._previous_mean: float | None = None
@@ -63,10 +71,22 @@ class SlowdownTracker:
         duration = max(0.0, now - self.last_mark)
         self.last_mark = now
         self.done += 1
-        if self.done > 1:  # the first iteration of the run is warm-up
+        if self.done > self.first + 1:  # the first iteration of the run is warm-up
             self._window_sum += duration
             self._window_count += 1
         return duration
+
+    def extend(self, plan: IterationPlan) -> None:
+        """Continue with a longer ``plan`` (the solo time grows in proportion to its length)."""
+        if plan.total < self.plan.total:
+            raise ValueError(f"a plan can only grow: {plan.total} < {self.plan.total} iterations")
+        self.solo_time *= plan.total / self.plan.total
+        self.plan = plan
+
+    @property
+    def run_solo_time(self) -> float:
+        """Solo time of the part of the plan this run covers (all of it unless resumed)."""
+        return self.solo_time * (self.plan.total - self.first) / self.plan.total
 
     def new_window(self) -> None:
         """Start a new averaging window (at a decision boundary)."""
@@ -97,23 +117,24 @@ class SlowdownTracker:
     def slowdown(self, now: float) -> float | None:
         """SD at ``now``; None while no iteration time is known yet."""
         if self.finished:
-            return (self.last_mark - self.start) / self.solo_time
+            return (self.last_mark - self.start) / self.run_solo_time
         mean = self.mean_iteration_time
         if mean is None:
             return None
-        return (now - self.start + self.iterations_left * mean) / self.solo_time
+        return (now - self.start + self.iterations_left * mean) / self.run_solo_time
 
     def predicted_finish(self, now: float) -> float | None:
         """Predicted seconds from start to the end of the run."""
         sd = self.slowdown(now)
-        return None if sd is None else sd * self.solo_time
+        return None if sd is None else sd * self.run_solo_time
 
 
 # --- per-slot replica measurements ---------------------------------------------------------------
 # At every report a session samples the model's last forward (``last_replica_timings()``): how long
 # each replica took and how many samples it had. ``SlotWindow`` averages those over the current
 # decision window, as ``SlowdownTracker`` averages iteration times: a new window starts at each
-# decision boundary, and until it has a sample the previous window's means stand.
+# decision boundary, and until it has a sample the previous window's means stand (as a whole:
+# the result always describes the chunks of one window, so of one DR).
 
 
 class Timing(Protocol):
@@ -143,14 +164,17 @@ class SlotWindow:
 
     def new_window(self) -> None:
         """Start a new window (at a decision boundary); the last means stand until replaced."""
-        for slot, (seconds, samples, count) in enumerate(self._current):
-            if count:
-                self._previous[slot] = (seconds / count, samples / count)
+        if any(count for _, _, count in self._current):
+            self._previous = self.means()
         self._current = [[0.0, 0.0, 0] for _ in range(self.slots)]
 
     def means(self) -> list[tuple[float, float] | None]:
-        """Per slot: (mean seconds, mean samples) of its chunks in this window, else the last one's."""
-        result: list[tuple[float, float] | None] = []
-        for slot, (seconds, samples, count) in enumerate(self._current):
-            result.append((seconds / count, samples / count) if count else self._previous[slot])
-        return result
+        """Per slot: (mean seconds, mean samples) of its chunks in this window (None: no chunk there).
+
+        Until the window has a sample on any slot, the last window's means stand as a whole, so
+        the result always describes one window: one DR's chunks.
+        """
+        if any(count for _, _, count in self._current):
+            return [(seconds / count, samples / count) if count else None
+                    for seconds, samples, count in self._current]
+        return list(self._previous)

@@ -12,6 +12,13 @@ from drbalance.client import BalancedDataParallel, CpuBackend
 RATIOS = [[10, 0, 0, 0], [1, 2, 7, 0], [3, 3, 3, 1], [0, 0, 0, 10], [0, 5, 0, 5]]
 
 
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    """These tests are about the CPU path: a DRBALANCE_EMULATED_GPUS in the caller's environment
+    would put every default-constructed wrapper on emulated GPUs."""
+    monkeypatch.delenv("DRBALANCE_EMULATED_GPUS", raising=False)
+
+
 def small_cnn(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -79,15 +86,19 @@ def test_state_dicts_interchange_with_data_parallel_and_the_bare_module():
 
 
 class Echo(nn.Module):
-    """Returns its inputs, so gathering order and pass-through can be checked exactly."""
+    """Returns its tensor inputs, so gathering order and pass-through can be checked exactly."""
 
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.non_tensors = []
 
     def forward(self, x, pair=None, *, extra=None, flag="default", table=None):
         self.calls.append(x.shape[0])
-        return {"x": x, "pair": pair, "extra": extra, "flag": flag, "table": table}
+        if pair is not None:
+            self.non_tensors.append((pair.right[1], flag))
+            pair = Pair(pair.left, [pair.right[0], None])
+        return {"x": x, "pair": pair, "extra": extra, "table": table}
 
 
 Pair = namedtuple("Pair", "left right")
@@ -100,11 +111,12 @@ def test_nested_inputs_kwargs_and_non_tensors_are_split_and_gathered_in_order():
     pair = Pair(torch.arange(10), [torch.arange(10) * 2, "label"])
     out = wrapped(x, pair, extra=(torch.arange(10) + 100,), flag="kept", table={"ids": torch.arange(10) - 5})
     assert echo.calls == [2, 5, 3]  # one call per non-empty chunk, in slot order; none for slot 1
+    assert echo.non_tensors == [("label", "kept")] * 3  # non-tensor inputs reach every replica
     torch.testing.assert_close(out["x"], x)
     assert isinstance(out["pair"], Pair)
     torch.testing.assert_close(out["pair"].left, torch.arange(10))
     torch.testing.assert_close(out["pair"].right[0], torch.arange(10) * 2)
-    assert out["pair"].right[1] == "label" and out["flag"] == "kept"
+    assert out["pair"].right[1] is None
     torch.testing.assert_close(out["extra"][0], torch.arange(10) + 100)
     torch.testing.assert_close(out["table"]["ids"], torch.arange(10) - 5)
     assert [t.slot for t in wrapped.last_replica_timings()] == [0, 2, 3]
@@ -249,3 +261,157 @@ def test_an_error_in_a_replica_names_the_replica_and_device():
     wrapped = BalancedDataParallel(FailsOnSmallChunks(), ratio=[0, 7, 0, 3])
     with pytest.raises(KeyError, match=r"in replica 1 on device cpu \(DR slot 3, 3 samples\)|DR slot 3"):
         wrapped(torch.ones(5, 1))
+
+
+# --- issue 11: the numbered drop-in items ------------------------------------------------------
+
+def bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+
+
+@pytest.mark.parametrize("shares", [[3, 3, 4], [2, 3, 5], [10, 0, 0]])
+def test_item1_batchnorm_buffers_advance_once_per_step(shares):
+    bare, model = bn_model(), bn_model()
+    wrapped = BalancedDataParallel(model, ratio=shares)
+    batches = [torch.randn(12, 3, generator=torch.Generator().manual_seed(step)) for step in range(8)]
+    for x in batches:
+        wrapped(x).sum().backward()
+        bare(x)
+    bn, reference = model[1], bare[1]
+    assert bn.num_batches_tracked.item() == 8  # once per step, not once per chunk (was 24 with 3 chunks)
+    # running_mean moves towards the whole batch's mean exactly as the bare module's does
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+
+
+def test_item1_running_var_is_the_sample_weighted_mean_of_the_chunk_variances():
+    model = bn_model()
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(4))
+    sizes = DataRatio([2, 3, 5]).split(10)
+    with torch.no_grad():
+        features = model[0](x)
+    BalancedDataParallel(model, ratio=[2, 3, 5])(x)
+    chunk_vars = [chunk.var(dim=0, unbiased=True) for chunk in features.split(list(sizes))]
+    weighted = sum(v * (n / 10) for v, n in zip(chunk_vars, sizes))
+    momentum = model[1].momentum
+    torch.testing.assert_close(model[1].running_var, (1 - momentum) * torch.ones(4) + momentum * weighted)
+
+
+def test_item1_eval_mode_leaves_buffers_alone_and_a_failed_forward_restores_them():
+    model = bn_model()
+    wrapped = BalancedDataParallel(model, ratio=[5, 5])
+    before = [b.clone() for b in model.buffers()]
+    model.eval()
+    wrapped(torch.randn(6, 3))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    model.train()
+
+    class FailsSecondChunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = bn_model()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            out = self.inner(x)
+            if self.calls == 2:
+                raise ValueError("second chunk fails")
+            return out
+
+    failing = FailsSecondChunk()
+    before = [b.clone() for b in failing.buffers()]
+    with pytest.raises(ValueError, match="second chunk fails"):
+        BalancedDataParallel(failing, ratio=[5, 5])(torch.randn(6, 3))
+    assert all(torch.equal(a, b) for a, b in zip(before, failing.buffers()))  # the first chunk's update undone
+
+
+class Scaled(nn.Module):
+    def forward(self, x, scale, *, shift=None):
+        return x * scale + (0 if shift is None else shift)
+
+
+def test_item3_a_0_dim_tensor_argument_is_broadcast_to_every_chunk():
+    wrapped = BalancedDataParallel(Scaled(), ratio=[5, 0, 5])
+    scale = torch.tensor(3.0, requires_grad=True)
+    x = torch.arange(6.0).unsqueeze(1)
+    out = wrapped(x, scale, shift=torch.tensor(1.0))
+    assert wrapped.last_chunk_sizes == (3, 0, 3)  # split, not run whole on one slot with sizes (0, 0)
+    torch.testing.assert_close(out, x * 3 + 1)
+    out.sum().backward()
+    torch.testing.assert_close(scale.grad, x.sum())  # the gradient reaches the scalar through every chunk
+    # a scalar first: the batch size comes from the first tensor with a dimension
+    flipped = BalancedDataParallel(Scaled(), ratio=[5, 5])(torch.ones(4, 1), scale=torch.tensor(2.0))
+    torch.testing.assert_close(flipped, torch.full((4, 1), 2.0))
+
+
+class ReturnsCount(nn.Module):
+    def forward(self, x):
+        return x, x.shape[0]
+
+
+class ReturnsNestedString(nn.Module):
+    def forward(self, x):
+        return {"logits": x, "meta": {"names": ["a"]}}
+
+
+@pytest.mark.parametrize("shares", [[5, 5], [10, 0], [0, 10]])
+def test_item4_a_non_tensor_output_raises_a_clear_type_error_for_every_dr(shares):
+    wrapped = BalancedDataParallel(ReturnsCount(), ratio=shares)
+    with pytest.raises(TypeError, match=r"returned int 2 as output\[1\]|returned int 4 as output\[1\]"):
+        wrapped(torch.ones(4, 1))
+    nested = BalancedDataParallel(ReturnsNestedString(), ratio=shares)
+    with pytest.raises(TypeError, match=r"str 'a' as output\['meta'\]\['names'\]\[0\]"):
+        nested(torch.ones(4, 1))
+    # the model is still usable afterwards
+    assert BalancedDataParallel(Echo(), ratio=shares)(torch.ones(4, 1))["x"].shape == (4, 1)
+
+
+def test_item5_the_wrapper_saves_copies_and_pickles_after_reading_timings():
+    import copy
+    import io
+    import pickle
+
+    wrapped = BalancedDataParallel(small_cnn(seed=2), ratio=[1, 2, 7, 0])
+    images, _ = batch(6)
+    expected = wrapped(images)
+    assert len(wrapped.last_replica_timings()) == 3
+    buffer = io.BytesIO()
+    torch.save(wrapped, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.ratio == wrapped.ratio and isinstance(loaded, BalancedDataParallel)
+    torch.testing.assert_close(loaded(images), expected)
+    for clone in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
+        torch.testing.assert_close(clone(images), expected)
+        assert clone.ratio == DataRatio([1, 2, 7, 0]) and clone.last_chunk_sizes == (1, 1, 4, 0)
+    averaged = torch.optim.swa_utils.AveragedModel(wrapped)
+    averaged.update_parameters(wrapped)
+    torch.testing.assert_close(averaged(images), expected)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [lambda: __import__("numpy").array([1, 2, 7, 0]), lambda: torch.tensor([1, 2, 7, 0]),
+     lambda: __import__("numpy").array([1, 2, 7, 0], dtype="int32"), lambda: (1, 2, 7, 0)],
+)
+def test_item6_numpy_arrays_and_tensors_are_accepted_as_drs(given):
+    wrapped = BalancedDataParallel(Echo(), ratio=given())
+    assert wrapped.ratio == DataRatio([1, 2, 7, 0])
+    wrapped.set_ratio(given()[[3, 2, 1, 0]] if not isinstance(given(), tuple) else (0, 7, 2, 1))
+    assert wrapped.ratio == DataRatio([0, 7, 2, 1])
+    wrapped(torch.ones(10, 1))
+    assert wrapped.last_chunk_sizes == (0, 7, 2, 1)
+
+
+def test_item6_arrays_that_are_not_drs_get_clear_errors():
+    import numpy
+
+    wrapped = BalancedDataParallel(Echo(), ratio=[5, 5])
+    with pytest.raises(ValueError, match=r"entry 0 of \[5.0, 5.0\] is 5.0 .*dtype torch.float32.*tensor.long\(\)"):
+        wrapped.set_ratio(torch.tensor([5.0, 5.0]))
+    with pytest.raises(ValueError, match=r"must be 1-D .*shape \(1, 2\)"):
+        wrapped.set_ratio(numpy.array([[5, 5]]))
+    with pytest.raises(ValueError, match="sum to 9, but the DR total is 10"):
+        wrapped.set_ratio(numpy.array([4, 5]))
+    assert wrapped.ratio == DataRatio([5, 5])  # a rejected DR changes nothing

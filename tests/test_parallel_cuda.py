@@ -99,3 +99,71 @@ def test_an_error_names_the_gpu():
     wrapped = BalancedDataParallel(Fails().cuda(), device_ids=[0, 1], ratio=[5, 5])
     with pytest.raises(ValueError, match="on device cuda:1"):
         wrapped(torch.randn(4, 2))
+
+
+# --- issue 11 (written for a GPU; not run in this task, which had none) ------------------------
+
+def test_device_uuids_are_nvmls_and_memory_per_sample_is_measured():
+    wrapped = BalancedDataParallel(model_on("cuda:0"), device_ids=[0])
+    (uuid,) = wrapped.device_uuids()
+    assert uuid.startswith(("GPU-", "MIG-")) and len(uuid) >= 40
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        # without CUDA_VISIBLE_DEVICES remapping, torch's device 0 is one of NVML's GPUs
+        nvml_uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                      for i in range(pynvml.nvmlDeviceGetCount())]
+        assert uuid.lower() in [str(u).lower() for u in nvml_uuids]
+    except ImportError:
+        pass
+    wrapped.memory_per_sample()  # reset the peak
+    wrapped(torch.randn(64, 16)).sum().backward()
+    (per_sample,) = wrapped.memory_per_sample()
+    assert per_sample is not None and per_sample > 0
+
+
+def test_a_real_out_of_memory_error_in_the_forward_is_reverted():
+    class Hungry(nn.Module):
+        """Allocates far more than the GPU has once a chunk exceeds 8 samples."""
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, x):
+            if x.shape[0] > 8:
+                torch.empty(1 << 50, device=x.device)  # 1 PiB
+            return self.linear(x)
+
+    wrapped = BalancedDataParallel(Hungry().cuda(), device_ids=[0], ratio=[10])
+    wrapped(torch.randn(8, 16)).sum().backward()
+    wrapped(torch.randn(8, 16)).sum().backward()  # the DR [10] is proven
+    wrapped.set_ratio([10])
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        wrapped(torch.randn(16, 16))  # the proven DR itself: nothing to revert to, the error propagates
+    assert wrapped.backend.out_of_memory(torch.cuda.OutOfMemoryError("GPU 0 has a total capacity"), [0]).slot == 0
+
+
+@needs_two_gpus
+def test_two_gpus_batchnorm_buffers_advance_once_and_0_dim_arguments_are_broadcast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).cuda()
+    reference = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).cuda()
+    reference.load_state_dict(model.state_dict())
+    wrapped = BalancedDataParallel(model, device_ids=[0, 1], ratio=[4, 6])
+    x = torch.randn(10, 3, device="cuda:0")
+    wrapped(x).sum().backward()
+    reference(x)
+    assert model[1].num_batches_tracked.item() == 1
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    wrapped.set_ratio([0, 10])  # device_ids[0] holds no chunk: the buffers still advance (DataParallel: never)
+    wrapped(x)
+    assert model[1].num_batches_tracked.item() == 2
+
+    class Scaled(nn.Module):
+        def forward(self, x, scale):
+            return x * scale
+
+    out = BalancedDataParallel(Scaled().cuda(), device_ids=[0, 1], ratio=[5, 5])(x, torch.tensor(2.0, device="cuda:0"))
+    torch.testing.assert_close(out, x * 2)

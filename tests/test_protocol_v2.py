@@ -34,8 +34,10 @@ def test_slot_window_averages_per_slot_and_keeps_the_last_window_until_replaced(
     assert window.means()[1] is None  # an empty chunk is no measurement; slot 7 does not exist
     window.new_window()
     assert window.means()[2] == pytest.approx((0.6, 12.0))  # the last window's mean stands
+    assert window.means()[0] == pytest.approx((0.3, 5.0))
     window.add([ReplicaTiming(2, "cpu", 10, 0.3)])
     assert window.means()[2] == pytest.approx((0.3, 10.0))
+    assert window.means()[0] is None  # the new window (a new DR) has no chunk on slot 0
 
 
 def test_a_session_publishes_start_time_batch_and_per_slot_timings(ipc_env):
@@ -119,4 +121,58 @@ def test_the_daemon_never_sends_a_dr_that_breaks_the_apps_constraints(ipc_env, t
         assert command.ratio == DataRatio([5, 5, 0, 0])  # kept, not the greedy [0, 0, 0, 10]
     finally:
         session.close()
+        manager.stop()
+
+
+class SwapPolicy:
+    """Gives the deciding app GPU 3 and pushes GPU 0 to the other app."""
+
+    name = "swap"
+
+    def decide(self, app, trigger, snapshot):
+        from types import MappingProxyType
+
+        from drbalance.policy import Decision
+
+        others = [view.name for view in snapshot.apps if view.name != app]
+        if not others:
+            return Decision(app, snapshot.app(app).ratio, "alone")
+        pushed = MappingProxyType({others[0]: DataRatio([10, 0, 0, 0])})
+        return Decision(app, DataRatio([0, 0, 0, 10]), "swap", others=pushed)
+
+
+def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_at_its_next_report(ipc_env, tmp_path):
+    from drbalance.ipc.layout import Notice, NoticeKind
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script), policy=SwapPolicy())
+    manager.start()
+    models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
+              for name in ("a", "b")}
+    sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
+                              exchange_timeout=0.0, report_every=2) for name, model in models.items()}
+    try:
+        for name in ("a", "b"):  # a alone keeps its DR; b's decision moves b and pushes a
+            manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), sessions[name].notice_seq, name, 0.0))
+        sessions["b"]._apply(sessions["b"].link.poll_command(sessions["b"].notice_seq), 0.0)
+        assert models["b"].ratio == DataRatio([0, 0, 0, 10])
+        # a sent no notice for this change; it takes it at its next report (every 2 iterations here)
+        model_a, session_a = models["a"], sessions["a"]
+        pushed = session_a.link.poll_command(session_a.notice_seq)
+        assert pushed is not None and pushed.pushed and pushed.ratio == DataRatio([10, 0, 0, 0])
+        model_a(torch.randn(4, 4)).sum().backward()
+        session_a.step()
+        assert model_a.ratio == DataRatio([0, 5, 5, 0])  # not before its report
+        model_a(torch.randn(4, 4)).sum().backward()
+        session_a.step()
+        assert model_a.ratio == DataRatio([10, 0, 0, 0])
+        events = [line for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
+        assert len(events) == 1 and '"app":"a"' in events[0]
+    finally:
+        for session in sessions.values():
+            session.close()
         manager.stop()

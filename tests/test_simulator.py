@@ -8,7 +8,7 @@ import pytest
 from drbalance import policy as policy_package
 from drbalance import sim as sim_package
 from drbalance.cli import main as drbalance
-from drbalance.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY
+from drbalance.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_profile
 from drbalance.report.metrics import load_run, summarise
 from drbalance.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 from drbalance.sim import SimConfig, Simulation, simulate
@@ -19,6 +19,7 @@ from drbalance.slowdown import SlowdownTracker
 
 VARIANTS = {
     "paper": SimConfig(policy="paper", record=False),
+    "fair": SimConfig(policy="fair", record=False),
     "observe": SimConfig(policy="observe", record=False),
     "dataparallel": SimConfig(policy="observe", placement="spread", record=False),
     "themis": SimConfig(scheduler="themis", record=False),
@@ -107,7 +108,7 @@ def test_simulate_command_prints_the_table_and_writes_logs_report_reads(tmp_path
     out = capsys.readouterr().out
     assert "SD_max^diff final" in out and "lower bound for any DR policy" in out and "themis" in out
     runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
-    assert [p.name for p in runs] == ["DataParallel", "observe", "paper", "themis"]
+    assert [p.name for p in runs] == ["DataParallel", "f-sched", "fair", "observe", "paper", "themis"]
     summary = summarise(load_run(tmp_path / "paper"))
     assert summary.makespan is not None and len(summary.final_sd) == 6
     assert drbalance(["report", *map(str, runs), "--out", str(tmp_path / "report")]) == 0
@@ -130,3 +131,111 @@ def test_scenarios_round_trip_through_json_and_bad_ones_are_rejected(tmp_path):
         load_scenario(str(path))
     with pytest.raises(ValueError, match="unknown scenario"):
         load_scenario("zz")
+
+
+# --- issue 9: honest interference, GPU speeds, same starting placement, fair's targets -----------
+
+def test_gavel_pairs_reproduce_the_measured_speed_shares_in_the_simulator():
+    from drbalance.sim.interference import GavelInterference
+
+    gavel = GavelInterference.load()
+    table = gavel.table
+    checked = 0
+    for first, second in (("resnet50", "resnet50"), ("resnet50", "alexnet"), ("densenet121", "mnasnet1_0")):
+        apps = (AppSpec("x", first, 32, 1, 300, (10,)), AppSpec("y", second, 32, 1, 300, (10,)))
+        result = simulate(Scenario("pair", 1, apps), SimConfig(policy="observe", record=False, contention=gavel))
+        measured = table.shares(table.job_for((first, 32)), table.job_for((second, 32)))
+        speeds = (1 / result.final_sd["x"], 1 / result.final_sd["y"])
+        for got, want in zip(speeds, measured):
+            assert got == pytest.approx(want, rel=0.2), (first, second, speeds, measured)
+        checked += 1
+    assert checked == 3
+    # ResNet-50 pairs keep less than half their speed each (Gavel: 0.37), far below the calibrated model
+    resnet_pair = table.shares(table.job_for(("resnet50", 32)), table.job_for(("resnet50", 32)))
+    assert resnet_pair[0] < 0.45 and sum(resnet_pair) < 1.0
+
+
+def test_placeholder_pairs_in_gavels_table_are_not_used():
+    from drbalance.sim.interference import GavelInterference
+
+    table = GavelInterference.load().table
+    job = "ResNet-18 (batch size 16)"
+    assert table.pairs[job][job][0] == table.solo[job]  # a placeholder: exactly the solo value
+    assert table.measured(job, job) is None
+    shares = table.shares(job, job)
+    assert shares[0] < 1.0 and shares[0] == shares[1]  # a measured self-pair stands in, symmetric
+
+
+def test_a_gpu_of_half_speed_doubles_the_device_time():
+    profile = model_profile("resnet50")
+    apps = (AppSpec("fast", "resnet50", 32, 1, 50, (10, 0)), AppSpec("slow", "resnet50", 32, 1, 50, (0, 10)))
+    scenario = Scenario("speeds", 2, apps, gpu_speed=(1.0, 0.5))
+    result = simulate(scenario, SimConfig(policy="observe", record=False))
+    host, device = profile.host_seconds(32), profile.device_seconds(32)
+    assert result.final_sd["fast"] == pytest.approx(1.0, abs=1e-9)
+    assert result.final_sd["slow"] == pytest.approx((host + 2 * device) / (host + device), rel=1e-6)
+    with pytest.raises(ValueError, match="gpu_speed must hold 2 positive numbers"):
+        Scenario("bad", 2, apps, gpu_speed=(1.0, 0.0))
+    assert scenario_from_json(scenario.to_json()) == scenario
+
+
+def test_both_sides_of_a_comparison_start_from_the_same_placement():
+    for policy in ("paper", "fair", "observe"):
+        result = simulate(SCENARIOS["a"].scaled(0.05), SimConfig(policy=policy, placement="spread"))
+        registrations = [m for m in result.manager_records if m.get("trigger") == "register"]
+        assert len(registrations) == 6
+        assert all(m["new_dr"] == m["old_dr"] == [3, 3, 2, 2] for m in registrations), policy
+
+
+FAIR_SCALE = 0.2  # every app lasts ~6 minutes alone instead of 30: the same contention, a fifth of the events
+
+
+@pytest.fixture(scope="module")
+def fair_runs():
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(name, placement, policy, interference) for name in "abc" for interference in ("calibrated", "gavel")
+            for placement, policy in (("round-robin", "observe"), ("round-robin", "fair"), ("spread", "fair"))]
+    with ProcessPoolExecutor(2) as pool:
+        return dict(zip(jobs, pool.map(_final, jobs)))
+
+
+def _final(job):
+    from drbalance.sim.model import make_interference
+
+    name, placement, policy, interference = job
+    scenario = SCENARIOS[name].scaled(FAIR_SCALE)
+    result = simulate(scenario, SimConfig(policy=policy, placement=placement, record=False,
+                                          contention=make_interference(interference)))
+    return result.sd_spread, result.max_sd, result.mean_sd
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_fair_is_never_worse_than_leaving_every_job_alone_on_its_gpu(fair_runs, name):
+    for interference in ("calibrated", "gavel"):
+        spread0, max0, mean0 = fair_runs[(name, "round-robin", "observe", interference)]
+        for placement in ("round-robin", "spread"):
+            spread, max_sd, mean_sd = fair_runs[(name, placement, "fair", interference)]
+            where = (name, placement, interference, (spread, max_sd, mean_sd), (spread0, max0, mean0))
+            assert max_sd <= max0 + 0.01, where
+            assert mean_sd <= mean0 + 0.02, where
+            assert spread < spread0, where
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_fair_meets_the_paper_targets_from_round_robin_under_the_calibrated_model(fair_runs, name):
+    spread, max_sd, _ = fair_runs[(name, "round-robin", "fair", "calibrated")]
+    assert spread <= 0.15, spread
+    assert max_sd <= (1.32 if name == "b" else 1.28), max_sd
+
+
+def test_simulate_json_keeps_its_shape_and_adds_utilisation_and_time_averages(capsys):
+    assert drbalance(["simulate", "e2e-a", "--policy", "fair", "--interference", "gavel", "--dr-total", "20",
+                      "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    run = report["runs"]["fair"]
+    assert set(run["final_sd"]) == {"dense1", "dense2", "res1", "res2", "alex1", "alex2"}
+    assert 0 < run["mean_util"] <= 100 and run["mean_sd_time_avg"] > 0
+    assert report["interference"] == "gavel" and run["max_sd"] >= report["bound_max_sd"] - 1e-9

@@ -1,12 +1,16 @@
-"""The training-side client (needs torch): ``BalancedDataParallel`` and the manager session."""
+"""The training-side client (needs torch): ``BalancedDataParallel``, its DDP sibling, and the manager session."""
 
 from drbalance.client.backends import ChunkPlan, CpuBackend, CudaBackend, DeviceBackend
+from drbalance.client.distributed import BalancedDistributedDataParallel
 from drbalance.client.parallel import BalancedDataParallel
+from drbalance.client.sampler import BalancedBatchSampler
 from drbalance.client.session import ProfileComplete, Session
 from drbalance.client.timing import ReplicaTiming
 
 __all__ = [
+    "BalancedBatchSampler",
     "BalancedDataParallel",
+    "BalancedDistributedDataParallel",
     "ChunkPlan",
     "CpuBackend",
     "CudaBackend",

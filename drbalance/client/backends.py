@@ -6,11 +6,17 @@ gather the outputs in sample order. ``CudaBackend`` uses PyTorch's own parallel 
 (``Scatter``, ``replicate``, threads per device, ``Gather``); ``CpuBackend`` runs the same split
 path sequentially with one module on the CPU, so every piece of the split logic is testable on a
 machine without a GPU. The emulated-GPU backend (``drbalance.client.emulated``) extends the CPU
-one. ``BalancedDataParallel`` picks CUDA when it is available, else the CPU.
+one. ``BalancedDataParallel`` picks CUDA when it is available, else emulated GPUs when
+``DRBALANCE_EMULATED_GPUS`` is set, else the CPU (:func:`default_backend`).
+
+Backends also answer what the out-of-memory protection and the manager need: whether an error
+is an out-of-memory error and on which DR slot (:meth:`DeviceBackend.out_of_memory`), each
+slot's GPU UUID, and each slot's peak device memory.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,14 +30,20 @@ import torch
 from torch import nn
 from torch.nn.parallel.replicate import replicate
 
+from drbalance.client.buffers import BufferMerge, tracked_buffers
 from drbalance.client.scatter_gather import (
+    check_gatherable,
     cpu_splitter,
+    cuda_broadcaster,
     cuda_concat,
     cuda_splitter,
     gather_outputs,
     scatter_by_sizes,
 )
 from drbalance.client.timing import ReplicaTiming
+
+CUDA_OOM_DEVICE = re.compile(r"GPU (\d+) has a total capacity")
+"""Where torch's CUDA out-of-memory message names the device (``... GPU 2 has a total capacity ...``)."""
 
 
 @dataclass(frozen=True)
@@ -49,18 +61,37 @@ class ChunkPlan:
     whole: bool = False
 
 
-def reraise_in_replica(error: BaseException, where: str) -> None:
+@dataclass(frozen=True)
+class OutOfMemory:
+    """An out-of-memory error seen by a backend: the DR slot it happened on (None = unknown)."""
+
+    slot: int | None
+    error: BaseException
+
+
+def reraise_in_replica(error: BaseException, where: str, slot: int | None = None) -> None:
     """Re-raise ``error`` with ``where`` (replica and device) added to its message.
 
     Keeps the exception type when it can be built from a message (as torch's ExceptionWrapper
-    does), else raises a RuntimeError; the original is chained as the cause either way.
+    does), else raises a RuntimeError; the original is chained as the cause either way. The DR
+    slot is kept on the new exception as ``drbalance_slot``.
     """
     message = f"Caught {type(error).__name__} {where}: {error}"
     try:
         wrapped = type(error)(message)
     except Exception:  # exception types whose constructor wants other arguments
         wrapped = RuntimeError(message)
+    wrapped.drbalance_slot = slot  # type: ignore[attr-defined]
     raise wrapped from error
+
+
+def error_chain(error: BaseException | None) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from (``__cause__``), outermost first."""
+    chain_: list[BaseException] = []
+    while error is not None and error not in chain_:
+        chain_.append(error)
+        error = error.__cause__
+    return chain_
 
 
 class DeviceBackend(ABC):
@@ -97,6 +128,30 @@ class DeviceBackend(ABC):
     ) -> tuple[Any, list[Callable[[], ReplicaTiming]]]:
         """The gathered output, and one (lazy) timing per replica."""
 
+    def out_of_memory(self, error: BaseException, device_ids: Sequence[int]) -> OutOfMemory | None:
+        """An ``OutOfMemory`` if ``error`` (or what it was raised from) is a device out-of-memory
+        error, naming the DR slot when it can be told; None for any other error."""
+        for item in error_chain(error):
+            if isinstance(item, torch.cuda.OutOfMemoryError):
+                return OutOfMemory(_slot_of(error, device_ids, self._oom_device(item)), item)
+        return None
+
+    def _oom_device(self, error: BaseException) -> int | None:
+        """The device id an out-of-memory error names (None = not told)."""
+        return None
+
+    def release_memory(self, devices: Sequence[int] | None = None) -> None:  # noqa: B027 (optional hook)
+        """Return cached device memory (CUDA: ``empty_cache``) of ``devices`` (None = all): after an
+        out-of-memory error, and on devices a new DR no longer uses (so other jobs can have it)."""
+
+    def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
+        """The GPU UUID of each DR slot's device ("" = unknown), as NVML names it (``GPU-...``)."""
+        return ("",) * len(device_ids)
+
+    def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
+        """Peak device memory in bytes per DR slot since the last call (None = not measured)."""
+        return (None,) * len(device_ids)
+
     def where(self, device_ids: Sequence[int], plan: ChunkPlan, position: int) -> str:
         slot = plan.slots[position]
         return (
@@ -105,15 +160,28 @@ class DeviceBackend(ABC):
         )
 
 
+def _slot_of(error: BaseException, device_ids: Sequence[int], device: int | None) -> int | None:
+    for item in error_chain(error):
+        slot = getattr(item, "drbalance_slot", None)
+        if slot is not None:
+            return slot
+    if device is not None and device in device_ids:
+        return list(device_ids).index(device)
+    return None
+
+
 def _scatter_all(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
     plan: ChunkPlan,
     split: Callable[[torch.Tensor], Sequence[Any]],
+    broadcast: Callable[[torch.Tensor], Sequence[Any]] | None = None,
 ) -> tuple[list[Any], list[Any]]:
     count = len(plan.slots)
-    chunk_inputs = scatter_by_sizes(inputs, plan.sizes, plan.dim, split, "inputs") if inputs else [()] * count
-    chunk_kwargs = scatter_by_sizes(kwargs, plan.sizes, plan.dim, split, "kwargs") if kwargs else [{}] * count
+    chunk_inputs = (scatter_by_sizes(inputs, plan.sizes, plan.dim, split, "inputs", broadcast)
+                    if inputs else [()] * count)
+    chunk_kwargs = (scatter_by_sizes(kwargs, plan.sizes, plan.dim, split, "kwargs", broadcast)
+                    if kwargs else [{}] * count)
     return chunk_inputs, chunk_kwargs
 
 
@@ -122,7 +190,8 @@ class CpuBackend(DeviceBackend):
 
     ``device_ids`` are slot labels here (default: one per DR entry). Gradients match the bare
     module on the whole batch (to float tolerance) for models without batch-norm; batch-norm
-    sees per-chunk statistics, as each replica of ``nn.DataParallel`` does.
+    sees per-chunk statistics, as each replica of ``nn.DataParallel`` does. In training mode the
+    module's buffers advance once per forward, not once per chunk (:mod:`.buffers`).
     """
 
     kind = "cpu"
@@ -157,6 +226,9 @@ class CpuBackend(DeviceBackend):
             return self._run_whole(module, device_ids, plan, inputs, kwargs)
         chunk_inputs, chunk_kwargs = _scatter_all(inputs, kwargs, plan, cpu_splitter(plan.sizes, plan.dim))
         outputs, timings = self.apply(module, device_ids, plan, chunk_inputs, chunk_kwargs)
+        if len(outputs) == 1:
+            check_gatherable(outputs[0])
+            return outputs[0], timings  # one chunk: the module's own output, as nn.DataParallel on one device
         output = gather_outputs(
             outputs, plan.sizes, plan.dim, plan.scalar_mode,
             concat=lambda tensors: torch.cat(list(tensors), plan.dim),
@@ -188,17 +260,44 @@ class CpuBackend(DeviceBackend):
         chunk_inputs: Sequence[Any],
         chunk_kwargs: Sequence[dict[str, Any]],
     ) -> tuple[list[Any], list[float]]:
-        """Each chunk's forward, one after another: (outputs, wall seconds of each)."""
+        """Each chunk's forward, one after another: (outputs, wall seconds of each).
+
+        In training mode the module's buffers advance once for the whole forward (each chunk
+        starts from the same values; see :mod:`drbalance.client.buffers`); on an error they are
+        put back to their values before the forward.
+        """
         outputs, spans = [], []
         clock = time.perf_counter
-        for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
-            started = clock()
-            try:
-                outputs.append(module(*args, **kw))
-            except Exception as error:
-                reraise_in_replica(error, self.where(device_ids, plan, position))
-            spans.append(clock() - started)
+        merge = BufferMerge.for_forward(module, len(chunk_inputs))
+        batch = sum(plan.sizes) or 1
+        try:
+            for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
+                started = clock()
+                try:
+                    output = self.call_chunk(module, args, kw, plan, position)
+                    self.after_chunk(device_ids, plan, position, output)
+                    outputs.append(output)
+                except Exception as error:
+                    reraise_in_replica(error, self.where(device_ids, plan, position), plan.slots[position])
+                spans.append(clock() - started)
+                if merge is not None:
+                    merge.add_module_values(plan.sizes[position] / batch)
+                    if position + 1 < len(chunk_inputs):
+                        merge.restore()  # the next chunk starts from the same buffers
+        except BaseException:
+            if merge is not None:
+                merge.restore()
+            raise
+        if merge is not None:
+            merge.finish()
         return outputs, spans
+
+    def call_chunk(self, module: nn.Module, args: Any, kwargs: dict[str, Any], plan: ChunkPlan, position: int) -> Any:
+        """One chunk's forward (the emulated backend measures the model's cost on its first one)."""
+        return module(*args, **kwargs)
+
+    def after_chunk(self, device_ids: Sequence[int], plan: ChunkPlan, position: int, output: Any) -> None:  # noqa: B027
+        """Called after each chunk's forward (the emulated backend reserves its memory here)."""
 
     def timings(
         self, device_ids: Sequence[int], plan: ChunkPlan, seconds: Sequence[float]
@@ -258,6 +357,35 @@ class CudaBackend(DeviceBackend):
     def describe(self, device_ids, slot):
         return f"cuda:{device_ids[slot]}"
 
+    def _oom_device(self, error):
+        match = CUDA_OOM_DEVICE.search(str(error))
+        return int(match.group(1)) if match else None
+
+    def release_memory(self, devices=None):
+        if devices is None:
+            torch.cuda.empty_cache()
+            return
+        for device in devices:
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
+
+    def device_uuids(self, device_ids):
+        uuids = []
+        for device in device_ids:
+            try:
+                raw = str(torch.cuda.get_device_properties(device).uuid)
+            except (AttributeError, RuntimeError):  # an older torch without the property
+                raw = ""
+            uuids.append(raw if not raw or raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}")
+        return tuple(uuids)
+
+    def take_peak_memory(self, device_ids):
+        peaks = []
+        for device in device_ids:
+            peaks.append(int(torch.cuda.max_memory_allocated(device)))
+            torch.cuda.reset_peak_memory_stats(device)
+        return tuple(peaks)
+
     def run(self, module, device_ids, output_device, plan, inputs, kwargs):
         devices = [device_ids[slot] for slot in plan.slots]
         if plan.whole:
@@ -265,17 +393,29 @@ class CudaBackend(DeviceBackend):
             chunk_inputs, chunk_kwargs = [inputs], [kwargs]
         else:
             chunk_inputs, chunk_kwargs = _scatter_all(
-                inputs, kwargs, plan, cuda_splitter(devices, plan.sizes, plan.dim)
+                inputs, kwargs, plan, cuda_splitter(devices, plan.sizes, plan.dim), cuda_broadcaster(devices)
             )
         source = device_ids[0]
+        merge = None
         if devices == [source]:
             replicas = [module]  # as nn.DataParallel with one device: no replica, no gather
         else:
+            # replicas hold copies of the buffers (the one on device_ids[0] shares them): merge
+            # their changes so that the module's buffers advance once (see .buffers)
+            merge = BufferMerge(tracked_buffers(module)) if module.training else None
             targets = [source] + [d for d in devices if d != source]
             copies = dict(zip(targets, replicate(module, targets, not torch.is_grad_enabled())))
             replicas = [copies[d] for d in devices]
-        outputs, timings = self.parallel_apply(replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs)
+        try:
+            outputs, timings = self.parallel_apply(replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs)
+        except BaseException:
+            if merge is not None:
+                merge.restore()
+            raise
+        if merge is not None and merge.targets:
+            self._merge_buffers(merge, replicas, plan, torch.device("cuda", source))
         if len(outputs) == 1 and devices == [source]:
+            check_gatherable(outputs[0])
             return outputs[0], timings
         target = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
         output = gather_outputs(
@@ -284,6 +424,18 @@ class CudaBackend(DeviceBackend):
             move=lambda tensor: tensor.to(target),
         )
         return output, timings
+
+    @staticmethod
+    def _merge_buffers(merge: BufferMerge, replicas: Sequence[nn.Module], plan: ChunkPlan,
+                       source: torch.device) -> None:
+        """Each replica's buffers (same order as the module's) into the module's, once per forward."""
+        batch = sum(plan.sizes) or 1
+        for replica, size in zip(replicas, plan.sizes):
+            values = tracked_buffers(replica)
+            floats = [v.to(source) for v in values if v.is_floating_point()]
+            others = [v.to(source) for v in values if not v.is_floating_point()]
+            merge.add(floats, others, size / batch)
+        merge.finish()
 
     def parallel_apply(self, replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs):
         """Run each replica on its GPU (one thread per GPU when several), timed by CUDA events."""
@@ -317,7 +469,7 @@ class CudaBackend(DeviceBackend):
         for position in range(len(replicas)):
             result = results[position]
             if isinstance(result, Exception):
-                reraise_in_replica(result, self.where(device_ids, plan, position))
+                reraise_in_replica(result, self.where(device_ids, plan, position), plan.slots[position])
             outputs.append(result)
         timings = [
             _cuda_timing(plan.slots[p], f"cuda:{devices[p]}", plan.sizes[p], *events[p])
@@ -347,5 +499,15 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 def default_backend() -> DeviceBackend:
-    """CUDA when PyTorch sees a CUDA device, else the sequential CPU path."""
-    return CudaBackend() if torch.cuda.is_available() else CpuBackend()
+    """CUDA when PyTorch sees a CUDA device; else emulated GPUs when ``DRBALANCE_EMULATED_GPUS``
+    is set (their per-model cost estimated from the wrapped model, see ``drbalance.models``);
+    else the sequential CPU path."""
+    if torch.cuda.is_available():
+        return CudaBackend()
+    from drbalance import env
+
+    if env.emulated_gpus():
+        from drbalance.client.emulated import EmulatedBackend
+
+        return EmulatedBackend.from_environment()
+    return CpuBackend()

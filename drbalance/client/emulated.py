@@ -10,63 +10,184 @@ time of that chunk (forward + backward), all chunks at once on their own GPUs, e
 another job holds its GPU. Every time is multiplied by ``time_scale``; each real sample counts as
 ``sample_scale`` samples of the modelled workload (so small real batches can stand for ImageNet
 batches). See docs/emulation.md.
+
+Memory: after each chunk's forward the replica reserves its modelled forward peak on its
+emulated GPU, and when the backward reaches that chunk, its backward peak. A reservation that
+does not fit raises :class:`EmulatedOutOfMemoryError`, a ``torch.cuda.OutOfMemoryError`` (the same
+class as ``torch.OutOfMemoryError``), as a real GPU would. Reservations are kept, as PyTorch's
+caching allocator keeps memory, until :meth:`EmulatedBackend.release_memory` (``empty_cache``).
+
+Without a profile (``DRBALANCE_EMULATED_GPUS`` with ``BalancedDataParallel(model)``), the model's
+cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalance.models``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch import nn
 
 from drbalance.client.backends import ChunkPlan, CpuBackend
-from drbalance.emu.gpus import EmulatedGpu
+from drbalance.emu.gpus import DEFAULT_MEMORY_BYTES, EmulatedGpu, EmulatedOutOfMemory, emulated_spec
 from drbalance.ipc.names import IpcNames
-from drbalance.models import ModelProfile
+from drbalance.models import ModelProfile, estimate_profile
+
+
+class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
+    """An emulated GPU ran out of memory: caught by ``except torch.cuda.OutOfMemoryError``.
+
+    ``device_index`` is the emulated GPU's index (None when the message was re-wrapped).
+    """
+
+    def __init__(self, message: str, device_index: int | None = None) -> None:
+        super().__init__(message)
+        self.device_index = device_index
 
 
 class EmulatedBackend(CpuBackend):
-    """Chunks run on the CPU, then hold emulated GPUs for their modelled device time."""
+    """Chunks run on the CPU, then hold emulated GPUs for their modelled device time.
+
+    ``profile``: the model's timing and memory profile (``drbalance.models``); None = estimate it
+    from the wrapped model's first chunk. ``memory_bytes``: each emulated GPU's memory (default
+    24 GiB). The emulated GPUs are opened on first use, and the backend pickles as its settings,
+    so a wrapper using it can be saved, deep-copied and averaged (``AveragedModel``).
+    """
 
     kind = "emulated"
 
     def __init__(
         self,
         gpu_count: int,
-        profile: ModelProfile,
+        profile: ModelProfile | None = None,
         time_scale: float = 1.0,
         sample_scale: float = 1.0,
         namespace: str | None = None,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
     ) -> None:
-        if gpu_count < 1:
-            raise ValueError(f"need at least one emulated GPU; got {gpu_count}")
+        if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or gpu_count < 1:
+            raise ValueError(f"need at least one emulated GPU; got {gpu_count!r}")
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
-        names = IpcNames.current(namespace)
-        self.gpus = [EmulatedGpu(names, index) for index in range(gpu_count)]
+        if memory_bytes < 1:
+            raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
+        self.gpu_count = gpu_count
         self.profile = profile
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
-        self._pool = ThreadPoolExecutor(max_workers=gpu_count, thread_name_prefix="drbalance-emu")
+        self.namespace = namespace
+        self.memory_bytes = int(memory_bytes)
+        self._open_state()
+
+    @classmethod
+    def from_environment(cls) -> EmulatedBackend:
+        """Emulated GPUs as ``DRBALANCE_EMULATED_GPUS`` says (``N`` or ``N:MEMORY``), cost estimated."""
+        spec = emulated_spec()
+        return cls(spec.count, None, memory_bytes=spec.memory_bytes)
+
+    def _open_state(self) -> None:
+        self._gpus: list[EmulatedGpu] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._last_device_end: float | None = None
+        self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
+        self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
+        self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"gpu_count": self.gpu_count, "profile": self.profile, "time_scale": self.time_scale,
+                "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open_state()
+
+    @property
+    def gpus(self) -> list[EmulatedGpu]:
+        """The emulated GPUs (opened on first use)."""
+        if self._gpus is None:
+            names = IpcNames.current(self.namespace)
+            self._gpus = [EmulatedGpu(names, index, memory_bytes=self.memory_bytes) for index in range(self.gpu_count)]
+        return self._gpus
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
-        ids = super().resolve_device_ids(device_ids if device_ids is not None else range(len(self.gpus)), None)
-        bad = [d for d in ids if not 0 <= d < len(self.gpus)]
+        ids = super().resolve_device_ids(device_ids if device_ids is not None else range(self.gpu_count), None)
+        bad = [d for d in ids if not 0 <= d < self.gpu_count]
         if bad:
-            raise ValueError(f"device_ids {bad} are not among the {len(self.gpus)} emulated GPUs")
+            raise ValueError(f"device_ids {bad} are not among the {self.gpu_count} emulated GPUs")
         return ids
 
     def describe(self, device_ids: Sequence[int], slot: int) -> str:
         return f"emu:{device_ids[slot]}"
+
+    def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
+        return tuple(self.gpus[d].uuid for d in device_ids)
+
+    def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
+        peaks = tuple(self._peak.get(d, 0) if self.profile is not None else None for d in device_ids)
+        self._peak.clear()
+        return peaks
+
+    def _oom_device(self, error: BaseException) -> int | None:
+        return getattr(error, "device_index", None)
+
+    def release_memory(self, devices: Sequence[int] | None = None) -> None:
+        """Give back the reservations on ``devices`` (None = all): ``torch.cuda.empty_cache``."""
+        for index in list(self._reserved) if devices is None else [d for d in devices if d in self._reserved]:
+            self.gpus[index].reserve(self._token, 0)
+            del self._reserved[index]
+
+    # --- the forward -----------------------------------------------------------------------------
+    def call_chunk(self, module: nn.Module, args: Any, kwargs: dict[str, Any], plan: ChunkPlan, position: int) -> Any:
+        if self.profile is not None:
+            return module(*args, **kwargs)
+        from drbalance.client.costs import measure_features
+
+        features, output = measure_features(module, args, kwargs, plan.sizes[position])
+        self.profile = estimate_profile(type(module).__name__, features)
+        return output
+
+    def after_chunk(self, device_ids: Sequence[int], plan: ChunkPlan, position: int, output: Any) -> None:
+        """Reserve the chunk's forward memory now and its backward memory when the backward comes."""
+        if self.profile is None or not self.profile.memory_per_sample:
+            return
+        gpu = device_ids[plan.slots[position]]
+        samples = plan.sizes[position] * self.sample_scale
+        self._reserve(gpu, self.profile.memory_peak(samples, backward=False))
+        tensor = _tensor_requiring_grad(output) if torch.is_grad_enabled() else None
+        if tensor is not None:
+            backward_bytes = self.profile.memory_peak(samples, backward=True)
+            slot = plan.slots[position]
+
+            def on_backward(grad: torch.Tensor) -> None:
+                try:
+                    self._reserve(gpu, backward_bytes)
+                except EmulatedOutOfMemoryError as error:
+                    error.drbalance_slot = slot  # type: ignore[attr-defined]
+                    raise
+
+            tensor.register_hook(on_backward)
+
+    def _reserve(self, gpu: int, nbytes: float) -> None:
+        needed = int(nbytes)
+        if needed > self._reserved.get(gpu, 0):
+            try:
+                self.gpus[gpu].reserve(self._token, needed)
+            except EmulatedOutOfMemory as error:
+                raise EmulatedOutOfMemoryError(str(error), gpu) from None
+            self._reserved[gpu] = needed
+        self._peak[gpu] = max(self._peak.get(gpu, 0), needed)  # what max_memory_allocated would show
 
     def apply(self, module: nn.Module, device_ids: Sequence[int], plan: ChunkPlan,
               chunk_inputs: Sequence[Any], chunk_kwargs: Sequence[dict[str, Any]]):
         outputs, cpu_seconds = self.forward_chunks(module, device_ids, plan, chunk_inputs, chunk_kwargs)
         self._host_phase(plan, sum(cpu_seconds))
         device = [self.time_scale * self.profile.device_seconds(size * self.sample_scale) for size in plan.sizes]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
         futures = [self._pool.submit(self.gpus[device_ids[slot]].occupy, seconds)
                    for slot, seconds in zip(plan.slots, device)]
         waits = [future.result() for future in futures]
@@ -83,6 +204,23 @@ class EmulatedBackend(CpuBackend):
             time.sleep(target - spent)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        for gpu in self.gpus:
-            gpu.close()
+        """Release memory reservations and close the emulated GPUs (the backend reopens on use)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._gpus is not None:
+            self.release_memory()
+            for gpu in self._gpus:
+                gpu.close()
+        self._open_state()
+
+
+def _tensor_requiring_grad(obj: Any) -> torch.Tensor | None:
+    """The first tensor in ``obj`` that requires grad (0-dim included), depth first."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        found = _tensor_requiring_grad(item)
+        if found is not None:
+            return found
+    return None

@@ -1,8 +1,12 @@
 """Scatter a batch into chunks of given sizes and gather the replicas' outputs in sample order.
 
-Mirrors ``torch.nn.parallel.scatter_gather`` with two differences: the chunk sizes are given (by
-the data ratio) instead of equal, and a per-replica scalar output is, by default, combined into
-the chunk-size-weighted mean rather than stacked into a vector.
+Mirrors ``torch.nn.parallel.scatter_gather`` with three differences: the chunk sizes are given
+(by the data ratio) instead of equal; a 0-dim tensor argument is passed whole to every chunk
+(as a non-tensor argument is) instead of failing to split; and a per-replica scalar output is,
+by default, combined into the chunk-size-weighted mean rather than stacked into a vector.
+Outputs must be tensors, ``None``, or tuples/lists/dicts/namedtuples of them: any other value
+(an ``int``, a ``str``) raises ``TypeError`` naming it, as ``nn.DataParallel``'s gather fails on
+it, and for every DR alike, so that a change of DR cannot turn a working script into a failing one.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ def is_namedtuple(obj: Any) -> bool:
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
-    """The first tensor found in ``obj`` (depth first through tuples, lists and dict values)."""
+    """The first tensor with at least one dimension in ``obj`` (depth first through tuples,
+    lists and dict values); 0-dim tensors are not batches and are skipped."""
     if isinstance(obj, torch.Tensor):
-        return obj
+        return obj if obj.dim() > 0 else None
     if isinstance(obj, (list, tuple)):
         items: Any = obj
     elif isinstance(obj, dict):
@@ -38,9 +43,10 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def batch_size_of(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int | None:
-    """Samples in the batch: the size along ``dim`` of the first tensor argument (None if none)."""
+    """Samples in the batch: the size along ``dim`` of the first tensor argument with at least
+    one dimension (None if there is none)."""
     tensor = first_tensor((inputs, kwargs))
-    if tensor is None or tensor.dim() == 0:
+    if tensor is None:
         return None
     if not -tensor.dim() <= dim < tensor.dim():
         raise ValueError(
@@ -56,19 +62,24 @@ def scatter_by_sizes(
     dim: int,
     split_tensor: Callable[[torch.Tensor], Sequence[Any]],
     where: str = "inputs",
+    broadcast_tensor: Callable[[torch.Tensor], Sequence[Any]] | None = None,
 ) -> list[Any]:
     """Split every tensor in ``obj`` into ``len(sizes)`` chunks; copy other objects by reference.
 
     ``split_tensor`` does the actual split of one tensor (``torch.split`` on the CPU, the
-    autograd-aware ``Scatter`` on CUDA). Every tensor must hold ``sum(sizes)`` samples along
-    ``dim``: a tensor of another length cannot be split by the same chunk sizes.
+    autograd-aware ``Scatter`` on CUDA). Every tensor with a dimension must hold ``sum(sizes)``
+    samples along ``dim``: a tensor of another length cannot be split by the same chunk sizes.
+    A 0-dim tensor (a scalar such as a temperature or a step count) goes whole to every chunk,
+    through ``broadcast_tensor`` (default: the same tensor for each; CUDA copies it to each GPU).
     """
     count = len(sizes)
     batch = sum(sizes)
 
     def scatter_map(item: Any, path: str) -> list[Any]:
         if isinstance(item, torch.Tensor):
-            if item.dim() == 0 or item.size(dim) != batch:
+            if item.dim() == 0:
+                return list(broadcast_tensor(item)) if broadcast_tensor is not None else [item] * count
+            if item.size(dim) != batch:
                 shape = tuple(item.shape)
                 raise ValueError(
                     f"BalancedDataParallel: tensor {path} has shape {shape}, but the batch has "
@@ -100,6 +111,12 @@ def cpu_splitter(sizes: Sequence[int], dim: int) -> Callable[[torch.Tensor], Seq
     return lambda tensor: torch.split(tensor, sizes, dim)
 
 
+def cuda_broadcaster(devices: Sequence[int]) -> Callable[[torch.Tensor], Sequence[Any]]:
+    """Copy a (0-dim) tensor to each of ``devices`` (autograd-aware ``Tensor.to``)."""
+    targets = [torch.device("cuda", d) for d in devices]
+    return lambda tensor: [tensor.to(target) for target in targets]
+
+
 def cuda_splitter(
     devices: Sequence[int], sizes: Sequence[int], dim: int
 ) -> Callable[[torch.Tensor], Sequence[Any]]:
@@ -121,12 +138,13 @@ def gather_outputs(
     Tensors are concatenated along ``dim`` by ``concat``. A 0-dim tensor (a per-replica scalar
     such as a mean loss) becomes the chunk-size-weighted mean in ``weighted_mean`` mode, so it
     equals the same reduction over the whole batch for any DR; in ``stack`` mode it becomes a
-    vector with one entry per replica, as ``nn.DataParallel`` returns.
+    vector with one entry per replica, as ``nn.DataParallel`` returns. Anything that is not a
+    tensor, ``None`` or a container of them raises ``TypeError`` naming it.
     """
     batch = sum(sizes)
     weights = [size / batch for size in sizes] if batch else [1.0 / len(sizes)] * len(sizes)
 
-    def gather_map(items: Sequence[Any]) -> Any:
+    def gather_map(items: Sequence[Any], path: str) -> Any:
         first = items[0]
         if isinstance(first, torch.Tensor):
             if first.dim() == 0 and scalar_mode == "weighted_mean":
@@ -138,15 +156,46 @@ def gather_outputs(
             return None
         if isinstance(first, dict):
             if any(len(item) != len(first) for item in items):
-                raise ValueError("BalancedDataParallel: replicas returned dicts with different keys")
-            return type(first)((key, gather_map([item[key] for item in items])) for key in first)
+                raise ValueError(f"BalancedDataParallel: replicas returned dicts with different keys in {path}")
+            return type(first)((key, gather_map([item[key] for item in items], f"{path}[{key!r}]"))
+                               for key in first)
         if is_namedtuple(first):
-            return type(first)._make(map(gather_map, zip(*items)))
+            return type(first)._make(gather_map(column, f"{path}.{name}")
+                                     for name, column in zip(first._fields, zip(*items)))
         if isinstance(first, (list, tuple)):
-            return type(first)(map(gather_map, zip(*items)))
-        return first
+            return type(first)(gather_map(column, f"{path}[{i}]") for i, column in enumerate(zip(*items)))
+        raise _not_gatherable(first, path)
 
-    return gather_map(outputs)
+    return gather_map(outputs, "output")
+
+
+def check_gatherable(output: Any, path: str = "output") -> None:
+    """Raise the gather's ``TypeError`` for a non-tensor leaf even when there is nothing to gather.
+
+    With a single replica no gather runs; checking anyway keeps the behaviour the same for every
+    DR (a DR change must not make a working script fail).
+    """
+    if output is None or isinstance(output, torch.Tensor):
+        return
+    if isinstance(output, dict):
+        for key, value in output.items():
+            check_gatherable(value, f"{path}[{key!r}]")
+    elif is_namedtuple(output):
+        for name, value in zip(output._fields, output):
+            check_gatherable(value, f"{path}.{name}")
+    elif isinstance(output, (list, tuple)):
+        for index, value in enumerate(output):
+            check_gatherable(value, f"{path}[{index}]")
+    else:
+        raise _not_gatherable(output, path)
+
+
+def _not_gatherable(value: Any, path: str) -> TypeError:
+    return TypeError(
+        f"BalancedDataParallel: the module returned {type(value).__name__} {value!r:.60} as {path}; outputs are "
+        f"gathered across replicas and must be tensors, None, or tuples/lists/dicts of them (return a "
+        f"tensor, e.g. torch.tensor(value), or compute it outside the module)"
+    )
 
 
 def cuda_concat(target_device: int | str, dim: int) -> Callable[[Sequence[torch.Tensor]], Any]:

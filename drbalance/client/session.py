@@ -1,18 +1,29 @@
 """The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
 
     model = BalancedDataParallel(net, device_ids=[0, 1, 2, 3])
-    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=500, solo_time="resnet50")
-    for epoch in range(90):
+    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader, solo_time="resnet50",
+                      start_epoch=start_epoch)   # the plan from len(loader); resume at a later epoch
+    for epoch in range(start_epoch, 90):
         for images, labels in loader:
             ...; optimizer.step()
             session.step()            # once per iteration, after the optimizer step
     session.close()                   # or use the session as a context manager
+
+A session that runs past its plan never stops training: it extends the plan by one epoch at a
+time and warns once. At the planned end it tells the manager it is done (so its GPUs are free
+for others) and stays usable until closed.
 
 Every ``report_every`` iterations the session writes its SD, DR and progress into its shared
 record. At each decision boundary (the end of every epoch, and every ``decide_every`` iterations
 if set) it also sends a notice to the manager and waits at most ``exchange_timeout`` seconds for
 a new DR, which the model uses from its next forward. Without a manager, or with a slow or dead
 one, training goes on with its own DR (one warning); it re-attaches when a manager appears.
+
+A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates the Session on
+every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
+the record and SD log; the manager's DR reaches the other ranks through the job's own process
+group, with the next step's sample counts (``drbalance.client.distributed.JobSync``), and every
+rank uses it from the same global batch on. See docs/ddp.md.
 """
 
 from __future__ import annotations
@@ -23,11 +34,13 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sized
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
 from drbalance import env
+from drbalance.client.distributed import JobSync
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind, SlotStatus
@@ -104,6 +117,25 @@ class _Termination:
         os._exit(128 + signal.SIGTERM)  # only reached if SIGTERM is blocked
 
 
+def iterations_from(value: int | Sized) -> int:
+    """Iterations per epoch from an integer or from anything with a length (a DataLoader)."""
+    if isinstance(value, bool):
+        raise ValueError(f"iterations_per_epoch must be a positive integer or a loader; got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        length = len(value)  # a DataLoader's length is its batches per epoch
+    except TypeError:
+        raise ValueError(
+            f"iterations_per_epoch must be a positive integer or a loader with a length; got "
+            f"{type(value).__name__}, which has none (e.g. a DataLoader over an IterableDataset): "
+            f"give the number of iterations per epoch"
+        ) from None
+    if length < 1:
+        raise ValueError(f"iterations_per_epoch: the loader given has {length} batches; it must have at least one")
+    return length
+
+
 def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
@@ -116,8 +148,10 @@ class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
-    ``epochs`` x ``iterations_per_epoch`` (the iteration plan), ``solo_time`` (seconds, or the
-    name of a stored profile), ``report_every`` (iterations between records, default 5),
+    ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
+    loader itself: its length is used), ``solo_time`` (seconds for the whole plan, or the name of
+    a stored profile), ``start_epoch`` (resuming from a checkpoint: epochs already done, default
+    0), ``report_every`` (iterations between records, default 5),
     ``decide_every`` (iterations between decisions; default None = at epoch ends only),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
@@ -131,9 +165,10 @@ class Session:
         model: RatioTarget,
         app: str,
         epochs: int,
-        iterations_per_epoch: int,
+        iterations_per_epoch: int | Sized,
         solo_time: float | str,
         *,
+        start_epoch: int = 0,
         report_every: int = 5,
         decide_every: int | None = None,
         namespace: str | None = None,
@@ -148,7 +183,12 @@ class Session:
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
         self.model = model
         self.app = check_app_name(app)
-        self.plan = IterationPlan(epochs, iterations_per_epoch)
+        self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
+        if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
+            raise ValueError(f"start_epoch must be an integer in 0..{epochs - 1} (epochs already done); "
+                             f"got {start_epoch!r}")
+        self.start_epoch = start_epoch
+        self._extended = False
         self.report_every = _positive_int(report_every, "report_every")
         self.decide_every = _positive_int(decide_every, "decide_every", allow_none=True)
         if not exchange_timeout >= 0 or not send_timeout >= 0:
@@ -160,18 +200,25 @@ class Session:
         self.clock = clock or SystemClock()
         self.profile_output = env.profile_output()
         self.own_ratio = model.ratio
+        self.job = JobSync.of(model)  # None unless a DDP job: then only its rank 0 talks to the manager
         if self.profile_output is not None:
             self._start_profile_mode()
             solo = 1.0  # unknown yet: this run measures it
         else:
             solo = resolve_solo_time(solo_time)
-        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic())
+        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic(),
+                                       done=start_epoch * self.plan.iterations_per_epoch)
         self.start_wall = self.clock.wall()
         self.pid = os.getpid()
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
+        self._last_push_wall = 0.0  # write time of the last pushed command applied
+        self._cadence: float | None = None  # seconds between boundaries the manager asked for
+        self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
+        if self.job is not None:
+            self.min_share = self.job.model.min_share  # one unit: at least one sample per rank and step
         self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
         self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
         self.notice_seq = 0
@@ -179,21 +226,25 @@ class Session:
         self._awaiting: int | None = None
         self._attached_pid = 0
         self._warned_absent = False
+        self._warned_closed = False
         self._last_manager_look = self.clock.monotonic()
         self._closed = False
         self._closing = False
         self._state = AppState.STARTING
         self.names = IpcNames.current(namespace)
-        self.link = link if link is not None else self._default_link()
-        self.log = self._open_log(sd_log)
+        follower = self.job is not None and not self.job.leader
+        self.link = link if link is not None else DetachedLink() if follower else self._default_link()
+        self.log = self._open_log(False if follower else sd_log)
         self._previous_sigterm: Any = None
         if handle_sigterm:
             self._install_sigterm_handler()
         atexit.register(self.close)
         self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
                         epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
-                        namespace=self.names.namespace, profile=self.profile_output is not None)
+                        start_epoch=start_epoch, namespace=self.names.namespace,
+                        profile=self.profile_output is not None)
         self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
+        self._synchronize(self.clock.monotonic())
 
     # --- set-up -------------------------------------------------------------------------------
     def _default_link(self) -> ManagerLink:
@@ -214,6 +265,9 @@ class Session:
 
     def _start_profile_mode(self) -> None:
         ratio = self.model.ratio
+        if self.job is not None and self.job.model.world_size > 1:
+            raise ValueError("drbalance profile measures one process on one GPU; profile a DistributedDataParallel "
+                             "job's model with a single rank (torchrun --nproc_per_node 1 ...)")
         self.model.set_ratio(DataRatio.single(len(ratio), 0, ratio.total))
         self.profile_iterations = env.profile_iterations()
         self.profile_warmup = env.profile_warmup()
@@ -248,10 +302,16 @@ class Session:
 
     # --- what the training loop calls --------------------------------------------------------
     def step(self) -> None:
-        """Call once per iteration, after the optimizer step."""
+        """Call once per iteration, after the optimizer step. Never raises for running past the plan."""
         if self._closed:
-            raise RuntimeError(f"session {self.app!r} is closed")
+            if not self._warned_closed:
+                self._warned_closed = True
+                logger.warning("drbalance: session %r is closed; step() does nothing (training goes on with DR %s)",
+                               self.app, self.model.ratio)
+            return
         now = self.clock.monotonic()
+        if self.tracker.finished:
+            self._extend(now)
         duration = self.tracker.iteration_finished(now)
         self._state = AppState.RUNNING
         if self.profile_output is not None:
@@ -260,10 +320,14 @@ class Session:
             self._finish(now)
             return
         done = self.tracker.done
-        if done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0):
+        if (done % self.plan.iterations_per_epoch == 0 or (self.decide_every and done % self.decide_every == 0)
+                or (self._boundary_due is not None and now >= self._boundary_due)):
             self._boundary(now)
         elif done % self.report_every == 0:
             self._report(now)
+        else:
+            return
+        self._synchronize(now)
 
     @property
     def slowdown(self) -> float | None:
@@ -333,14 +397,37 @@ class Session:
         if timings is not None:
             self.slot_window.add(timings())
 
+    def _sample_memory(self, now: float) -> None:
+        """Per slot: peak memory per sample (the last measured value stands), the out-of-memory
+        limits, and a log line for every out-of-memory error the model survived."""
+        measure = getattr(self.model, "memory_per_sample", None)
+        if callable(measure):
+            for slot, value in enumerate(measure()):
+                if value is not None and slot < len(self.memory_per_sample):
+                    self.memory_per_sample[slot] = float(value)
+        limits = getattr(self.model, "max_samples", None)
+        if limits is not None and len(limits) == len(self.max_samples):
+            self.max_samples = list(limits)
+        take = getattr(self.model, "take_reverts", None)
+        for revert in take() if callable(take) else ():
+            self._write_log("oom_revert", now, failed_dr=revert.failed_ratio.to_list(), new_dr=revert.ratio.to_list(),
+                            slot=revert.slot, phase=revert.phase, failed_sizes=list(revert.failed_sizes),
+                            max_samples=list(revert.max_samples), error=revert.message[:300])
+
     def _report(self, now: float) -> None:
         self._sample_replicas()
-        self.link.publish(self._status(now))
-        self._write_log("report", now)
+        self._sample_memory(now)
         if self._awaiting is not None:
             command = self.link.poll_command(self._awaiting)
             if command is not None:
                 self._apply(command, now, late=True)
+        elif self.attached:  # a DR the manager pushed as part of a decision about several apps
+            command = self.link.poll_command(self.notice_seq)
+            if command is not None and command.pushed and command.written_wall > self._last_push_wall:
+                self._last_push_wall = command.written_wall
+                self._apply(command, now)
+        self.link.publish(self._status(now))
+        self._write_log("report", now)
         if not self.attached and now - self._last_manager_look > 5.0:
             self._last_manager_look = now
             if self.link.manager() is not None:
@@ -348,18 +435,36 @@ class Session:
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
+        self._sample_memory(now)
+        self._boundary_due = None if self._cadence is None else now + self._cadence
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
         self.slot_window.new_window()
 
     def _finish(self, now: float) -> None:
+        """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""
         self._state = AppState.FINISHED
         self._write_log("finish", now)
         if self.profile_output is not None:
             self._write_measurement()
         self._exchange(NoticeKind.FINISH, now)
-        self.close()
+        self._awaiting = None
+
+    def _extend(self, now: float) -> None:
+        """Training goes on past the plan: one more epoch, one warning, back in the manager's table."""
+        plan = self.plan
+        self.plan = IterationPlan(plan.epochs + 1, plan.iterations_per_epoch)
+        self.tracker.extend(self.plan)
+        if not self._extended:
+            self._extended = True
+            logger.warning(
+                "drbalance: %r ran past its plan of %d epochs x %d iterations; the plan now grows by one epoch "
+                "at a time (SD estimates assume each new end). Give the real plan, e.g. "
+                "Session(..., iterations_per_epoch=loader).", self.app, plan.epochs, plan.iterations_per_epoch)
+        self._write_log("extended", now, epochs=self.plan.epochs)
+        self._state = AppState.RUNNING
+        self._exchange(NoticeKind.REGISTER, now)
 
     def _exchange(self, kind: NoticeKind, now: float, leaving: bool = False) -> None:
         """Publish, notify, and (except for FINISH) wait a bounded time for the new DR."""
@@ -391,22 +496,41 @@ class Session:
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self._awaiting = None
         self.applied_generation = command.generation
-        current = self.model.ratio
+        if not command.pushed:  # a pushed DR leaves the app's decision cadence as it was
+            self._cadence = command.next_boundary
+            self._boundary_due = None if self._cadence is None else now + self._cadence
+        target: RatioTarget = self.job if self.job is not None else self.model
+        current = target.ratio
         if len(command.ratio) != len(current):
             logger.warning("drbalance: manager sent %r a DR of %d GPUs, the model has %d; ignored",
                            self.app, len(command.ratio), len(current))
             self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list())
             return
         if command.ratio != current:
-            self.model.set_ratio(command.ratio)
+            try:
+                target.set_ratio(command.ratio)
+            except ValueError as error:  # e.g. a DDP rank left below its minimum share
+                logger.warning("drbalance: %r ignored the manager's DR %s: %s", self.app, command.ratio, error)
+                self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list(),
+                                error=str(error))
+                return
             self._write_log("update", now, generation=command.generation, branch=command.branch,
-                            old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late)
+                            old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late,
+                            pushed=command.pushed)
+
+    def _synchronize(self, now: float) -> None:
+        """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""
+        if self.job is None:
+            return
+        for ratio, start in self.job.synchronize():
+            self._write_log("applied", now, applied_dr=ratio.to_list(), from_batch=start)
 
     def _lost_manager(self, now: float, reason: str = "none is running") -> None:
         if self._attached_pid:
             self._write_log("detached", now, manager_pid=self._attached_pid)
         self._attached_pid = 0
         self._awaiting = None
+        self._cadence = self._boundary_due = None
         if not self._warned_absent and self.profile_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",

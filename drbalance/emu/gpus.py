@@ -10,15 +10,27 @@ as in the simulator's model. ``flock`` is released by the kernel when its holder
 so a dead job never wedges an emulated GPU. The holder (and only the holder, so there is one
 writer) accounts busy seconds in the segment; ``EmulatedSource`` turns them into the percentage
 of each sample period during which the GPU was busy, as NVML's ``utilization.gpu`` reports.
+
+An emulated GPU also has a memory size (default 24 GiB, the paper's Quadro RTX 6000) and a UUID.
+Every process (every backend object, in fact) that keeps memory on it records its reservation
+in a table in the segment, under a POSIX record lock; a reservation that would exceed the size
+minus what the others hold raises ``EmulatedOutOfMemory``, worded like CUDA's. Entries of dead
+processes do not count. ``memory_info()`` reports total / used / free as NVML's
+``nvmlDeviceGetMemoryInfo`` does, and ``uuid`` is a stable ``GPU-...`` name derived from the user,
+the namespace and the index, so the manager's UUID mapping is exercised on CPU-only machines.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import struct
+import threading
 import time
-from collections.abc import Sequence
+import uuid as uuidlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import posix_ipc
@@ -29,11 +41,57 @@ from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.records import RecordEmpty, Segment
+from drbalance.manager.nvml import MemoryInfo
 from drbalance.models import CO_LOCATION_CAPACITY
 
 ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn
 YIELD_SECONDS = 0.002  # how long a holder steps aside after its turn when another job waits
+DEFAULT_MEMORY_BYTES = 24 * 2**30  # the paper's Quadro RTX 6000 (24 GB)
+MEMORY_OFFSET = 256  # the reservation table's area in the segment (after the busy-time account)
+MEMORY_ENTRIES = 32  # processes (backends) that can hold memory on one emulated GPU at once
+MEMORY_ENTRY = struct.Struct("<iIQ")  # pid, token (one per backend object), reserved bytes
+MEMORY_TABLE_SIZE = MEMORY_ENTRIES * MEMORY_ENTRY.size
+UUID_NAMESPACE = uuidlib.UUID("6f0b1d7e-3c1a-5b7e-9d2f-4a8c0e5b2d11")  # fixed: the same UUIDs in every process
+SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+              "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+class EmulatedOutOfMemory(RuntimeError):
+    """An emulated GPU has not enough free memory (the client raises it as torch's OutOfMemoryError)."""
+
+    def __init__(self, index: int, requested: int, total: int, free: int) -> None:
+        self.index, self.requested, self.total, self.free = index, requested, total, free
+        super().__init__(
+            f"Emulated GPU out of memory. Tried to allocate {_size(requested)}. GPU {index} has a total capacity of "
+            f"{_size(total)} of which {_size(max(0, free))} is free (emulated by drbalance: no real GPU memory is used)"
+        )
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as CUDA's messages write them (GiB, MiB), or plain bytes below a MiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.2f} MiB"
+    return f"{int(nbytes)} bytes"
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from ``24GiB``, ``512MiB``, ``16G`` (binary units), ``16GB`` (decimal) or a plain integer."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS:
+        raise ValueError(f"emulated GPU memory {text!r} is not a size: use e.g. 24GiB, 512MiB or a number of bytes")
+    value = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if value < 1:
+        raise ValueError(f"emulated GPU memory must be > 0 bytes; got {text!r}")
+    return value
+
+
+def emulated_uuid(names: IpcNames, index: int) -> str:
+    """The UUID of emulated GPU ``index`` of a namespace, in NVML's form (``GPU-xxxxxxxx-...``)."""
+    return f"GPU-{uuidlib.uuid5(UUID_NAMESPACE, f'{os.getuid()}/{names.namespace}/{index}')}"
 
 
 def _acquire_nowait(semaphore: posix_ipc.Semaphore) -> None:
@@ -55,19 +113,25 @@ class EmulatedGpu:
     """One emulated GPU of a namespace (created on first use, shared by all its processes)."""
 
     def __init__(self, names: IpcNames, index: int, clock: Clock | None = None,
-                 co_location_capacity: float = CO_LOCATION_CAPACITY) -> None:
+                 co_location_capacity: float = CO_LOCATION_CAPACITY, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         if index < 0:
             raise ValueError(f"emulated GPU index must be >= 0; got {index}")
+        if memory_bytes < 1:
+            raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
         self.names = names
         self.index = index
         self.clock = clock or SystemClock()
         self.co_location_capacity = co_location_capacity
+        self.memory_bytes = int(memory_bytes)
+        self.uuid = emulated_uuid(names, index)
         lock_path = names.emulated_lock(index)
         objects.ensure_private_dir(lock_path.parent.parent)
         objects.ensure_private_dir(lock_path.parent)
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         self.segment = _open_or_create(names.emulated_gpu(index))
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
+        self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
+        self._memory_thread_lock = threading.Lock()
         self._waiting = objects.create_or_open_semaphore(names.emulated_waiters(index))
 
     def read(self) -> Account | None:
@@ -127,6 +191,59 @@ class EmulatedGpu:
                 time.sleep(YIELD_SECONDS)  # give the waiting job its turn
         return waited
 
+    # --- memory ---------------------------------------------------------------------------------
+    @contextmanager
+    def _memory_locked(self) -> Iterator[None]:
+        """Exclusive access to the reservation table: threads of this process, then processes.
+
+        A POSIX record lock (``lockf``) on the lock file: independent of the ``flock`` that
+        serialises device time on Linux, and released by the kernel when its holder dies.
+        """
+        with self._memory_thread_lock:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, 1, 0)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, 0)
+
+    def _entries(self) -> list[tuple[int, int, int]]:
+        try:
+            raw = self.memory_area.read()
+        except RecordError:  # never written (RecordEmpty), or unreadable: nobody holds memory we can see
+            return []
+        entries = [MEMORY_ENTRY.unpack_from(raw, i * MEMORY_ENTRY.size) for i in range(MEMORY_ENTRIES)]
+        return [(pid, token, nbytes) for pid, token, nbytes in entries if pid > 0 and nbytes > 0]
+
+    def memory_info(self) -> MemoryInfo:
+        """Total, used (by live processes) and free bytes, as NVML reports them."""
+        used = sum(nbytes for pid, _token, nbytes in self._entries() if objects.pid_alive(pid))
+        used = min(used, self.memory_bytes)
+        return MemoryInfo(self.memory_bytes, used, self.memory_bytes - used)
+
+    def reserve(self, token: int, nbytes: int) -> None:
+        """Hold ``nbytes`` on this GPU for ``token`` (of this process), replacing its reservation.
+
+        Raises ``EmulatedOutOfMemory`` (and keeps the old reservation) when ``nbytes`` exceeds the
+        memory size minus what other live holders keep. ``nbytes`` 0 releases.
+        """
+        pid = os.getpid()
+        with self._memory_locked():
+            live = [(p, t, n) for p, t, n in self._entries() if objects.pid_alive(p)]
+            others = sum(n for p, t, n in live if (p, t) != (pid, token))
+            mine = sum(n for p, t, n in live if (p, t) == (pid, token))
+            if nbytes > mine and nbytes > self.memory_bytes - others:
+                free = self.memory_bytes - others - mine
+                raise EmulatedOutOfMemory(self.index, nbytes - mine, self.memory_bytes, free)
+            kept = [(p, t, n) for p, t, n in live if (p, t) != (pid, token)]
+            if nbytes > 0:
+                kept.append((pid, token, int(nbytes)))
+            if len(kept) > MEMORY_ENTRIES:
+                raise EmulatedOutOfMemory(self.index, nbytes, self.memory_bytes, 0)  # the table is full
+            payload = bytearray(MEMORY_TABLE_SIZE)
+            for position, entry in enumerate(kept):
+                MEMORY_ENTRY.pack_into(payload, position * MEMORY_ENTRY.size, *entry)
+            self.memory_area.write(bytes(payload))
+
     def _others_waiting(self) -> bool:
         try:
             return self._waiting.value > 0
@@ -165,18 +282,35 @@ def remove_emulated_gpus(names: IpcNames, count: int) -> None:
             pass
 
 
-def emulated_gpu_count(argument: str | None = None) -> int:
-    """The number of emulated GPUs: ``argument`` (e.g. from ``emulated:4``) or DRBALANCE_EMULATED_GPUS."""
+@dataclass(frozen=True)
+class EmulatedSpec:
+    """How many emulated GPUs, and the memory of each (bytes)."""
+
+    count: int
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
+
+
+def emulated_spec(argument: str | None = None) -> EmulatedSpec:
+    """Parse ``N`` or ``N:MEMORY`` (e.g. ``4``, ``4:16GiB``): ``argument`` (from ``--source
+    emulated:4:16GiB``) or ``DRBALANCE_EMULATED_GPUS``. Every process of a namespace should use
+    the same spec (each applies its own memory size)."""
     raw = argument or env.emulated_gpus()
     if not raw:
         raise ValueError("how many emulated GPUs? use --source emulated:N or set DRBALANCE_EMULATED_GPUS=N")
+    count_text, _, memory_text = raw.partition(":")
     try:
-        count = int(raw)
+        count = int(count_text)
     except ValueError:
-        raise ValueError(f"emulated GPU count must be an integer; got {raw!r}") from None
+        raise ValueError(f"emulated GPU count must be an integer (N or N:MEMORY, e.g. 4:16GiB); got {raw!r}") from None
     if not 1 <= count <= 32:
         raise ValueError(f"emulated GPU count must be 1..32; got {count}")
-    return count
+    memory = parse_memory_size(memory_text) if memory_text else DEFAULT_MEMORY_BYTES
+    return EmulatedSpec(count, memory)
+
+
+def emulated_gpu_count(argument: str | None = None) -> int:
+    """The number of emulated GPUs: ``argument`` (e.g. from ``emulated:4``) or DRBALANCE_EMULATED_GPUS."""
+    return emulated_spec(argument).count
 
 
 class EmulatedSource:
@@ -189,20 +323,30 @@ class EmulatedSource:
 
     name = "emulated"
 
-    def __init__(self, names: IpcNames, indices: Sequence[int], clock: Clock | None = None) -> None:
+    def __init__(self, names: IpcNames, indices: Sequence[int], clock: Clock | None = None,
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.clock = clock or SystemClock()
         self.names = names
-        self.gpus = [EmulatedGpu(names, index, self.clock) for index in indices]
+        self.gpus = [EmulatedGpu(names, index, self.clock, memory_bytes=memory_bytes) for index in indices]
         self._last: tuple[float, list[float]] | None = None
         self.left_in_use: dict[int, list[int]] = {}  # after close: GPU index -> pids still using it
 
     @classmethod
     def open(cls, argument: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> EmulatedSource:
-        count = emulated_gpu_count(argument)
+        spec = emulated_spec(argument)
+        count = spec.count
         indices = list(range(count)) if gpus is None else list(gpus)
         if any(not 0 <= g < count for g in indices):
             raise ValueError(f"--gpus {indices} outside the {count} emulated GPUs")
-        return cls(IpcNames.current(namespace), indices)
+        return cls(IpcNames.current(namespace), indices, memory_bytes=spec.memory_bytes)
+
+    def gpu_uuids(self) -> tuple[str | None, ...]:
+        """Each reported GPU's UUID (``GPU-...``), in report order."""
+        return tuple(gpu.uuid for gpu in self.gpus)
+
+    def memory(self) -> tuple[MemoryInfo | None, ...]:
+        """Each reported GPU's memory (bytes), as ``nvmlDeviceGetMemoryInfo`` gives it."""
+        return tuple(gpu.memory_info() for gpu in self.gpus)
 
     def gpu_count(self) -> int:
         return len(self.gpus)

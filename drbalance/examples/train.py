@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import env
-from drbalance.client import BalancedDataParallel, Session
+from drbalance.client import BalancedDataParallel, CpuBackend, Session
+from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ratio import DataRatio
 
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
@@ -42,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="image side in pixels (default 64: the smallest at which every model trains "
                         "with 1-sample chunks)")
     parser.add_argument("--devices", default="auto",
-                        help="'cuda', 'emulated:N', 'cpu', or 'auto' (CUDA if present, else DRBALANCE_EMULATED_GPUS, "
-                        "else the CPU)")
+                        help="'cuda', 'emulated:N[:MEMORY]' (e.g. emulated:4:16GiB), 'cpu', or 'auto' (CUDA if "
+                        "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
     parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all)")
     parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
     parser.add_argument("--solo-time", default=None,
@@ -64,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def choose_devices(spec: str) -> tuple[str, int | None]:
-    """('cuda'|'emulated'|'cpu', emulated GPU count)."""
+def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
+    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory)."""
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
@@ -77,12 +78,13 @@ def choose_devices(spec: str) -> tuple[str, int | None]:
             raise SystemExit("train.py: --devices cuda, but CUDA is not available; try --devices emulated:4")
         return "cuda", None
     if kind == "emulated":
-        if not count.isdigit() or int(count) < 1:
-            raise SystemExit(f"train.py: --devices emulated:N needs a GPU count; got {spec!r}")
-        return "emulated", int(count)
+        try:
+            return "emulated", emulated_spec(count or None)
+        except ValueError as error:
+            raise SystemExit(f"train.py: --devices {spec!r}: {error}") from None
     if kind == "cpu":
         return "cpu", None
-    raise SystemExit(f"train.py: unknown --devices {spec!r}; use cuda, emulated:N, cpu or auto")
+    raise SystemExit(f"train.py: unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
 
 
 def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[DataLoader, int]:
@@ -105,7 +107,8 @@ def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[Data
     return loader, classes
 
 
-def build_model(args: argparse.Namespace, classes: int, kind: str, emulated_gpus: int | None) -> BalancedDataParallel:
+def build_model(args: argparse.Namespace, classes: int, kind: str,
+                emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
     ratio = DataRatio([int(x) for x in args.ratio.split(",")]) if args.ratio else None
     if kind == "cuda":
@@ -115,9 +118,10 @@ def build_model(args: argparse.Namespace, classes: int, kind: str, emulated_gpus
         from drbalance.client.emulated import EmulatedBackend
         from drbalance.models import model_profile
 
-        backend = EmulatedBackend(emulated_gpus, model_profile(args.model), args.time_scale, args.sample_scale)
+        backend = EmulatedBackend(emulated_gpus.count, model_profile(args.model), args.time_scale, args.sample_scale,
+                                  memory_bytes=emulated_gpus.memory_bytes)
         return BalancedDataParallel(network, ratio=ratio, backend=backend)
-    return BalancedDataParallel(network, ratio=ratio)
+    return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
 
 
 def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
@@ -168,10 +172,16 @@ def main(argv: list[str] | None = None) -> int:
             for index, (images, labels) in enumerate(loader):
                 if index >= iterations:
                     break
-                output = model(images.to(device, non_blocking=True))
-                loss = criterion(output, labels.to(output.device))
+                images = images.to(device, non_blocking=True)
+
+                def closure(images: torch.Tensor = images, labels: torch.Tensor = labels) -> torch.Tensor:
+                    output = model(images)
+                    loss = criterion(output, labels.to(output.device))
+                    loss.backward()
+                    return loss
+
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss = model.train_step(closure)  # an out-of-memory error after a DR change is undone and re-run
                 optimizer.step()
                 session.step()
                 if progress is not None:

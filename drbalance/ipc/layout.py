@@ -82,6 +82,7 @@ def _shares(ratio: DataRatio) -> list[int]:
 
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
+COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
 SLOT_FIELDS = struct.Struct(f"<{UUID_BYTES}sdddq")  # uuid, chunk s, chunk samples, bytes/sample, max samples
 UNKNOWN = -1.0  # stored for a per-slot measurement that is not known
@@ -242,28 +243,39 @@ class AppStatus:
 
 @dataclass(frozen=True)
 class AppCommand:
-    """What the manager tells an app: use ``ratio``; ``generation`` is the notice it answers."""
+    """What the manager tells an app: use ``ratio``; ``generation`` is the notice it answers.
+
+    ``next_boundary``: seconds after which the app should send its next boundary notice even if
+    no epoch has ended (None: only at its own boundaries). ``pushed``: the manager changed the DR
+    without a notice of the app's (its part of a decision about several apps); ``generation`` is
+    then the app's latest notice, and the app applies it at its next report.
+    """
 
     manager_pid: int
     generation: int
     ratio: DataRatio
     branch: str  # the policy branch that decided (for logs), at most 16 ASCII characters
     written_wall: float
+    next_boundary: float | None = None
+    pushed: bool = False
 
-    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sd")
+    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sdd")
 
     def encode(self) -> bytes:
         return self.STRUCT.pack(
-            self.manager_pid, self.generation, len(self.ratio), 0, self.ratio.total, *_shares(self.ratio),
-            self.branch.encode("ascii", "replace")[:16], self.written_wall,
+            self.manager_pid, self.generation, len(self.ratio), COMMAND_PUSHED if self.pushed else 0,
+            self.ratio.total, *_shares(self.ratio), self.branch.encode("ascii", "replace")[:16], self.written_wall,
+            self.next_boundary if self.next_boundary is not None else 0.0,
         )
 
     @classmethod
     def decode(cls, payload: bytes, where: str) -> AppCommand:
         fields = cls.STRUCT.unpack(payload)
-        manager_pid, generation, count, _, total = fields[:5]
+        manager_pid, generation, count, flags, total = fields[:5]
         shares = fields[5:5 + MAX_GPUS]
-        raw_branch, written_wall = fields[5 + MAX_GPUS:]
+        raw_branch, written_wall, next_boundary = fields[5 + MAX_GPUS:]
+        if flags & ~COMMAND_PUSHED:
+            raise RecordError(f"{where}: unknown command flags {flags:#x}")
         if manager_pid <= 0:
             raise RecordError(f"{where}: manager pid {manager_pid} is not a process id")
         ratio = _ratio(count, total, shares, where)
@@ -271,7 +283,9 @@ class AppCommand:
             branch = raw_branch.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise RecordError(f"{where}: branch name is not ASCII") from None
-        return cls(manager_pid, generation, ratio, branch, _finite(written_wall, "write time", where))
+        _finite(next_boundary, "next boundary", where, 0.0)
+        return cls(manager_pid, generation, ratio, branch, _finite(written_wall, "write time", where),
+                   next_boundary if next_boundary > 0 else None, bool(flags & COMMAND_PUSHED))
 
 
 @dataclass(frozen=True)

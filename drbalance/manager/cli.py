@@ -43,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--namespace", default=None,
                         help="namespace shared with the jobs (default: DRBALANCE_NAMESPACE or 'default')")
     parser.add_argument("--policy", default=defaults.policy, choices=list(POLICIES),
-                        help="DR-management policy: 'paper' = the paper's Alg. 1+2; 'observe' = never change "
-                        "a DR (baseline)")
+                        help="DR-management policy: 'fair' = predict every job's SD from its measurements and "
+                        "move to lower the largest (docs/policy.md); 'f-sched' = the F-scheduling thesis's "
+                        "throughput-under-a-variance-bound rule; 'paper' = the paper's Alg. 1+2; 'observe' = "
+                        "never change a DR (baseline)")
     parser.add_argument("--sd-threshold", type=float, default=defaults.sd_threshold,
-                        help="SD_th: no move while max SD - min SD is below this")
+                        help="SD_th (paper policy): no move while max SD - min SD is below this")
     parser.add_argument("--util-threshold", type=float, default=defaults.util_threshold,
-                        help="Util_th, percentage points: above it the utilisation branch runs, else the SD branch")
+                        help="Util_th (paper policy), percentage points: above it the utilisation branch runs, "
+                        "else the SD branch")
     parser.add_argument("--dr-total", type=int, default=defaults.dr_total,
                         help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch")
     parser.add_argument("--source", default="nvml",

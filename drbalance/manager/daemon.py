@@ -41,9 +41,9 @@ from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.manager.table import AppEntry, AppTable
+from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
-from drbalance.policy import AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
+from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -73,7 +73,7 @@ class ManagerSettings:
     """
 
     namespace: str | None = None
-    policy: str = "paper"
+    policy: str = DEFAULT_POLICY
     sd_threshold: float = 0.1
     util_threshold: float = 20.0
     dr_total: int = DEFAULT_TOTAL
@@ -169,6 +169,7 @@ class Manager:
         self.window = UtilizationWindow(self.gpu_count, settings.window)
         self.table = AppTable(self.names)
         self.last_sample: tuple[float | None, ...] = (None,) * self.gpu_count
+        self.server = ServerGpus(self.gpu_count, _gpu_uuids(source, self.gpu_count))  # memory: see _sample
         self.stopping: str | None = None
         self.decisions = 0
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
@@ -385,27 +386,70 @@ class Manager:
         return False
 
     def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
-        """Steps 4-6 for one app; returns the DR sent."""
-        snapshot = Snapshot(self.table.views(self.config.dr_total), self.window.values(), self.config)
-        old = entry.effective_ratio()
+        """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
+
+        Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
+        the command goes back in the app's own order. An app whose GPUs this manager does not
+        see keeps its DR.
+        """
+        snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
+        app_old = entry.effective_ratio()
         started = time.perf_counter()
+        next_boundary = None
+        pushes: dict[str, DataRatio] = {}
         try:
-            decision = self.policy.decide(entry.name, trigger, snapshot)
-            ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
-            self._check_ratio(ratio, old, snapshot.app(entry.name))
-        except Exception as error:  # a policy bug must never crash the daemon or reach the app
-            logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
-            ratio, branch, details = old, "policy-error", {"error": repr(error)}
+            view = entry.view(self.config.dr_total, self.server)
+        except Unmapped as error:
+            view = None
+            old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
+        if view is not None:
+            old = view.ratio
+            try:
+                decision = self.policy.decide(entry.name, trigger, snapshot)
+                ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
+                next_boundary = decision.next_boundary
+                self._check_ratio(ratio, old, view)
+                sent = entry.to_app_ratio(ratio, self.server)
+                pushes = dict(decision.others)
+            except Exception as error:  # a policy bug must never crash the daemon or reach the app
+                logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
+                ratio, branch, details = old, "policy-error", {"error": repr(error)}
+                sent = app_old
+        else:
+            sent = app_old
         spent = time.perf_counter() - started
-        entry.channel.answer(AppCommand(os.getpid(), generation, ratio, branch, self.clock.wall()))
-        entry.assigned, entry.assigned_mono = ratio, self.clock.monotonic()
+        if sent != ratio:
+            details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
+        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
         self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
                  old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
-                 util=list(snapshot.utilization), details=details, decide_us=spent * 1e6)
-        return ratio
+                 util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
+                 decide_us=spent * 1e6)
+        for other, other_ratio in pushes.items():
+            self._push(other, other_ratio, branch, snapshot)
+        return sent
+
+    def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
+        """Send another app its part of a joint decision now (it applies it at its next report)."""
+        entry = self.table.get(name)
+        try:
+            if entry is None:
+                raise ValueError(f"app {name!r} is not in the table")
+            view = snapshot.app(name)
+            self._check_ratio(ratio, view.ratio, view)
+            sent = entry.to_app_ratio(ratio, self.server)
+        except (ValueError, KeyError, Unmapped) as error:
+            self.log("push", app=name, branch=branch, new_dr=ratio.to_list(), refused=str(error))
+            return
+        generation = entry.status.notice_seq
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True))
+        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
+        self.log("push", app=name, branch=branch, generation=generation, old_dr=view.ratio.to_list(),
+                 new_dr=ratio.to_list())
 
     def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
         """A new DR must fit the server, the configured total and the app's constraints.
@@ -471,6 +515,7 @@ class Manager:
             reading = (None,) * self.gpu_count
         self.last_sample = tuple(reading)
         self.window.add(reading)
+        self.server = ServerGpus(self.gpu_count, self.server.uuids, _gpu_memory(self.source, self.gpu_count))
 
     def _log_utilization(self, now: float) -> None:
         self.log("util", util=list(self.last_sample), smoothed=list(self.window.values()))
@@ -678,3 +723,23 @@ class Manager:
         elif error is None and "log" in self.faults:
             previous = self.faults.pop("log")
             logger.warning("drbalance-manager: the manager log works again (after: %s)", previous)
+
+
+def _gpu_uuids(source: UtilizationSource, count: int) -> tuple[str | None, ...]:
+    """The source's GPU UUIDs, or () when it cannot tell (slots then map to GPUs by index)."""
+    try:
+        uuids = tuple(source.gpu_uuids()) if hasattr(source, "gpu_uuids") else ()
+    except Exception as error:  # a flaky driver: map by index
+        logger.warning("drbalance-manager: GPU UUIDs unavailable (%s); jobs' slots map to GPUs by index", error)
+        return ()
+    return uuids if len(uuids) == count else ()
+
+
+def _gpu_memory(source: UtilizationSource, count: int) -> tuple:
+    """The source's memory readings now, or () (no memory caps) when it cannot tell."""
+    try:
+        memory = tuple(source.memory()) if hasattr(source, "memory") else ()
+    except Exception as error:  # a flaky driver must not stop the loop
+        logger.debug("drbalance-manager: GPU memory unavailable: %s", error)
+        return ()
+    return memory if len(memory) == count else ()

@@ -1,13 +1,38 @@
 """Every NVML call goes through ``Nvml.call``: lazy initialisation, and driver errors turned into
 ``NvmlUnavailable`` with a readable message (never a NaN or a half-initialised handle).
 
-NVML comes from the ``nvidia-ml-py`` package (imported as ``pynvml``).
+NVML comes from the ``nvidia-ml-py`` package (imported as ``pynvml``). Also here: the plain data
+the manager keeps of a GPU's memory, and how GPU UUIDs are compared.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Device memory in bytes, as ``nvmlDeviceGetMemoryInfo`` reports it."""
+
+    total: int
+    used: int
+    free: int
+
+
+def normalize_uuid(value: str | bytes | None) -> str:
+    """A GPU UUID in one spelling for comparison: lower case, ``gpu-`` prefixed ("" = unknown).
+
+    NVML says ``GPU-8f6c...``; ``torch.cuda.get_device_properties(i).uuid`` prints the bare
+    ``8f6c...``; MIG devices are ``MIG-...`` and keep their prefix.
+    """
+    if value is None:
+        return ""
+    text = (value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)).strip().lower()
+    if text and not text.startswith(("gpu-", "mig-")):
+        text = "gpu-" + text
+    return text
 
 
 class NvmlUnavailable(RuntimeError):
@@ -45,6 +70,22 @@ class Nvml:
                 return getattr(module, function)(*args)
             except module.NVMLError as error:
                 raise NvmlUnavailable(f"NVML {function} failed: {error}") from None
+
+    def uuid(self, handle: Any) -> str | None:
+        """The device's UUID (``GPU-...``), or None if NVML cannot tell."""
+        try:
+            value = self.call("nvmlDeviceGetUUID", handle)
+        except NvmlUnavailable:
+            return None
+        return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+
+    def memory(self, handle: Any) -> MemoryInfo | None:
+        """The device's memory (bytes), or None if NVML cannot tell."""
+        try:
+            info = self.call("nvmlDeviceGetMemoryInfo", handle)
+        except NvmlUnavailable:
+            return None
+        return MemoryInfo(int(info.total), int(info.used), int(info.free))
 
     def shutdown(self) -> None:
         with self._lock:

@@ -1,8 +1,23 @@
-"""The manager's table of live apps (the paper's APP_Info), built from their shared records."""
+"""The manager's table of live apps (the paper's APP_Info), built from their shared records.
+
+An app's DR is indexed by its *slots* (its ``device_ids``, after ``CUDA_VISIBLE_DEVICES``); the
+manager's GPUs by NVML index. Each record carries the GPU UUID of every slot, and
+:meth:`AppEntry.view` maps slots to the manager's GPUs by UUID (``ServerGpus``), so a job under
+Slurm, in a container or with any renumbering is steered by its own GPUs' utilisation. Policies
+see every app in the server's GPU order; :meth:`AppEntry.to_app_ratio` turns their DR back into
+the app's slot order for the command. Without UUIDs on either side, slot g is GPU g (as before
+protocol v2) when the counts agree.
+
+The view also carries the app's memory caps (``AppView.max_share``, in the manager's DR units):
+the largest chunk that fitted after an out-of-memory error (``SlotStatus.max_samples``), and the
+chunk the GPU's free memory allows given the app's peak memory per sample
+(``SlotStatus.memory_per_sample``, NVML's free memory, ``MEMORY_HEADROOM``).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import posix_ipc
@@ -11,8 +26,39 @@ from drbalance.ipc import objects
 from drbalance.ipc.endpoint import AppChannel
 from drbalance.ipc.layout import AppState, AppStatus, RecordError
 from drbalance.ipc.names import IpcNames
+from drbalance.manager.nvml import MemoryInfo, normalize_uuid
 from drbalance.policy.base import AppView
 from drbalance.ratio import DataRatio
+
+MEMORY_HEADROOM = 0.9
+"""The fraction of a GPU's free memory an app's larger chunk may take (the rest absorbs allocator
+fragmentation and other jobs' growth)."""
+
+
+class Unmapped(ValueError):
+    """The app's devices cannot be placed among the manager's GPUs (the text says why)."""
+
+
+@dataclass(frozen=True)
+class ServerGpus:
+    """The manager's GPUs in its order: UUIDs (None = unknown) and memory now (None = unknown)."""
+
+    count: int
+    uuids: tuple[str | None, ...] = ()
+    memory: tuple[MemoryInfo | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.uuids and len(self.uuids) != self.count:
+            raise ValueError(f"{len(self.uuids)} GPU UUIDs for {self.count} GPUs")
+        if self.memory and len(self.memory) != self.count:
+            raise ValueError(f"{len(self.memory)} memory readings for {self.count} GPUs")
+
+    def index(self) -> dict[str, int]:
+        """Normalised UUID -> GPU index (unknown UUIDs left out)."""
+        return {normalize_uuid(u): g for g, u in enumerate(self.uuids) if normalize_uuid(u)}
+
+    def memory_of(self, gpu: int) -> MemoryInfo | None:
+        return self.memory[gpu] if self.memory else None
 
 
 @dataclass
@@ -44,23 +90,119 @@ class AppEntry:
             return self.assigned
         return self.status.ratio
 
-    def view(self, dr_total: int | None = None) -> AppView:
-        """The app as a policy sees it, per server GPU (slot g of the app = GPU g of the server).
+    def view(self, dr_total: int | None = None, server: ServerGpus | None = None) -> AppView:
+        """The app as a policy sees it, per server GPU.
 
-        ``dr_total`` is the manager's DR granularity, in which the minimum share is expressed.
+        ``dr_total`` is the manager's DR granularity, in which the minimum share and the memory
+        caps are expressed. ``server``: the manager's GPUs; with it, slots are mapped by UUID
+        (:class:`Unmapped` if that cannot be done); without it, slot g of the app is GPU g.
         """
         status = self.status
         slots = status.slots
         total = dr_total or status.ratio.total
-        return AppView(
-            name=self.name, ratio=self.effective_ratio(), slowdown=status.slowdown, pid=status.pid,
-            epoch=status.epoch, iteration=status.iteration, iterations_total=status.iterations_total,
+        app_ratio = self.effective_ratio()
+        common = dict(
+            name=self.name, slowdown=status.slowdown, pid=status.pid, epoch=status.epoch,
+            iteration=status.iteration, iterations_total=status.iterations_total,
             iteration_time=status.iteration_time, solo_time=status.solo_time,
-            min_share=math.ceil(status.min_share * total / status.ratio.total),
-            chunk_seconds=tuple(slot.chunk_seconds for slot in slots) if slots else None,
-            chunk_samples=tuple(slot.chunk_samples for slot in slots) if slots else None,
-            batch=status.batch or None,
+            min_share=math.ceil(status.min_share * total / status.ratio.total), batch=status.batch or None,
         )
+        if server is None:
+            return AppView(
+                ratio=app_ratio, **common,
+                chunk_seconds=tuple(slot.chunk_seconds for slot in slots) if slots else None,
+                chunk_samples=tuple(slot.chunk_samples for slot in slots) if slots else None,
+            )
+        mapping = self.slot_map(server)
+        shares = [0] * server.count
+        for slot, gpu in enumerate(mapping):
+            if gpu is not None:
+                shares[gpu] = app_ratio[slot]
+        allowed = tuple(sorted(gpu for gpu in mapping if gpu is not None))
+        return AppView(
+            ratio=DataRatio(shares, app_ratio.total), **common,
+            allowed=None if len(allowed) == server.count else allowed,
+            max_share=self._max_share(mapping, server, total, app_ratio),
+            chunk_seconds=_per_gpu(mapping, server.count, [s.chunk_seconds for s in slots], None) if slots else None,
+            chunk_samples=_per_gpu(mapping, server.count, [s.chunk_samples for s in slots], 0.0) if slots else None,
+        )
+
+    def slot_map(self, server: ServerGpus) -> tuple[int | None, ...]:
+        """The server GPU of each of the app's slots (None: not among the manager's GPUs).
+
+        By UUID when the app published them and the server knows its own; else slot g = GPU g
+        when the counts agree. A slot that is not found may not hold a share (:class:`Unmapped`).
+        """
+        status = self.status
+        count = len(status.ratio)
+        uuids = [normalize_uuid(slot.uuid) for slot in status.slots] if status.slots else [""] * count
+        index = server.index()
+        if index and all(uuids):
+            mapping: list[int | None] = [index.get(uuid) for uuid in uuids]
+            placed = [gpu for gpu in mapping if gpu is not None]
+            if len(set(placed)) != len(placed):
+                raise Unmapped(f"app {self.name!r} names one GPU for two of its slots ({status.slots})")
+            lost = [slot for slot, gpu in enumerate(mapping) if gpu is None and self.effective_ratio()[slot]]
+            if lost or not placed:
+                missing = ", ".join(f"slot {slot} ({uuids[slot]})" for slot in lost) or "all of its slots"
+                raise Unmapped(f"app {self.name!r} uses GPUs this manager does not see: {missing}")
+            return tuple(mapping)
+        if count == server.count:
+            return tuple(range(count))
+        raise Unmapped(f"app {self.name!r} has {count} GPU slots without UUIDs; the manager has {server.count} GPUs")
+
+    def to_app_ratio(self, ratio: DataRatio, server: ServerGpus | None = None) -> DataRatio:
+        """A DR over the server's GPUs, as the app's slots see it (for the command it is sent)."""
+        if server is None:
+            return ratio
+        mapping = self.slot_map(server)
+        shares = [ratio[gpu] if gpu is not None else 0 for gpu in mapping]
+        if sum(shares) != ratio.total:
+            raise ValueError(f"DR {ratio} puts shares on GPUs that app {self.name!r} has no device on")
+        return DataRatio(shares, ratio.total)
+
+    def _max_share(self, mapping: Sequence[int | None], server: ServerGpus, total: int,
+                   app_ratio: DataRatio) -> tuple[int | None, ...] | None:
+        """Per server GPU, the largest share (of ``total``) that fits its memory; None = no cap."""
+        status = self.status
+        batch = status.batch
+        if batch <= 0 or not status.slots:
+            return None
+        measured = [slot.memory_per_sample for slot in status.slots if slot.memory_per_sample]
+        fallback = max(measured) if measured else None  # a GPU the app has no replica on yet
+        chunks = app_ratio.split(batch)
+        current = app_ratio.rescale(total)
+        caps: list[int | None] = [None] * server.count
+        for slot, gpu in enumerate(mapping):
+            if gpu is None:
+                continue
+            limit = status.slots[slot].max_samples
+            per_sample = status.slots[slot].memory_per_sample or fallback
+            memory = server.memory_of(gpu)
+            if per_sample and memory is not None:
+                fits = chunks[slot] + math.floor(MEMORY_HEADROOM * memory.free / per_sample)
+                limit = fits if limit is None else min(limit, fits)
+            if limit is not None:
+                caps[gpu] = max_share_for(limit, batch, total, current[slot] if chunks[slot] <= limit else 0)
+        return tuple(caps) if any(cap is not None for cap in caps) else None
+
+
+def max_share_for(max_samples: int, batch: int, total: int, keeps: int = 0) -> int:
+    """The largest share of ``total`` whose chunk of a ``batch``-sample batch is at most
+    ``max_samples`` samples, and at least ``keeps`` (a share the app already holds within the limit).
+
+    Largest-remainder rounding gives a share s at most ceil(s * batch / total) samples, so every
+    s <= max_samples * total / batch fits.
+    """
+    return max(keeps, min(total, math.floor(max_samples * total / batch)))
+
+
+def _per_gpu(mapping: Sequence[int | None], count: int, values: Sequence, missing: object) -> tuple:
+    result = [missing] * count
+    for slot, gpu in enumerate(mapping):
+        if gpu is not None:
+            result[gpu] = values[slot]
+    return tuple(result)
 
 
 class AppTable:
@@ -120,5 +262,12 @@ class AppTable:
     def live(self) -> list[AppEntry]:
         return [e for e in self.entries.values() if e.status.state != AppState.FINISHED]
 
-    def views(self, dr_total: int | None = None) -> tuple[AppView, ...]:
-        return tuple(entry.view(dr_total) for entry in self.live())
+    def views(self, dr_total: int | None = None, server: ServerGpus | None = None) -> tuple[AppView, ...]:
+        """Every live app's view; an app that cannot be mapped to the server's GPUs is left out."""
+        views = []
+        for entry in self.live():
+            try:
+                views.append(entry.view(dr_total, server))
+            except Unmapped:
+                continue
+        return tuple(views)

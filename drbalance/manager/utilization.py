@@ -1,7 +1,9 @@
 """GPU utilisation sources behind one interface, and the smoothing window.
 
 A source reports, per GPU, the percentage of recent time during which the GPU was busy (NVML's
-``utilization.gpu``: at least one kernel running), or None where no reading could be had.
+``utilization.gpu``: at least one kernel running), or None where no reading could be had; and,
+for the mapping of jobs' devices and the memory caps, each GPU's UUID and memory (None where
+unknown).
 
 - ``NvmlSource``: real GPUs through NVML.
 - ``ScriptedSource``: utilisations from a JSON file that may change while the manager runs
@@ -20,7 +22,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from drbalance.clock import Clock, SystemClock
-from drbalance.manager.nvml import Nvml, NvmlUnavailable
+from drbalance.manager.nvml import MemoryInfo, Nvml, NvmlUnavailable
 
 
 class UtilizationUnavailable(RuntimeError):
@@ -34,6 +36,14 @@ class UtilizationSource(Protocol):
 
     def sample(self) -> tuple[float | None, ...]:
         """Percent busy per GPU (0-100), None where unavailable this time."""
+        ...
+
+    def gpu_uuids(self) -> tuple[str | None, ...]:
+        """Each GPU's UUID (``GPU-...``), None where unknown; fixed for the source's life."""
+        ...
+
+    def memory(self) -> tuple[MemoryInfo | None, ...]:
+        """Each GPU's memory now (bytes), None where unknown."""
         ...
 
     def close(self) -> None: ...
@@ -58,9 +68,18 @@ class NvmlSource:
             raise UtilizationUnavailable(f"GPU indices {bad} do not exist (NVML sees {count} GPUs)")
         self.indices = indices
         self.handles = [self.nvml.call("nvmlDeviceGetHandleByIndex", g) for g in indices]
+        self._uuids: tuple[str | None, ...] | None = None
 
     def gpu_count(self) -> int:
         return len(self.handles)
+
+    def gpu_uuids(self) -> tuple[str | None, ...]:
+        if self._uuids is None or None in self._uuids:
+            self._uuids = tuple(self.nvml.uuid(handle) for handle in self.handles)
+        return self._uuids
+
+    def memory(self) -> tuple[MemoryInfo | None, ...]:
+        return tuple(self.nvml.memory(handle) for handle in self.handles)
 
     def sample(self) -> tuple[float | None, ...]:
         readings: list[float | None] = []
@@ -80,7 +99,8 @@ class ScriptedSource:
 
     ``at`` is seconds since the source started; the last step at or before now applies. The file
     is re-read whenever it changes, so a test can steer utilisation while the manager runs. A
-    ``null`` entry is an unavailable reading.
+    ``null`` entry is an unavailable reading. Optional: ``"uuids": ["GPU-...", ...]`` (the GPUs'
+    UUIDs), ``"memory_total": [bytes, ...]`` and, per step, ``"free": [bytes, ...]``.
     """
 
     name = "scripted"
@@ -92,6 +112,9 @@ class ScriptedSource:
         self._stamp: tuple[float, int] | None = None
         self._gpus = 0
         self._steps: list[tuple[float, tuple[float | None, ...]]] = []
+        self._uuids: tuple[str | None, ...] = ()
+        self._memory_total: tuple[int | None, ...] = ()
+        self._free: list[tuple[float, tuple[int | None, ...]]] = []
         self._load()
 
     def _load(self) -> None:
@@ -106,10 +129,28 @@ class ScriptedSource:
                 raise UtilizationUnavailable(f"scripted utilisation file {self.path}: {error}") from None
             return  # keep the last good script while the file is being rewritten
         gpus, steps = _parse_script(data, self.path)
+        uuids, totals, free = _parse_gpu_info(data, gpus, self.path)
         self._gpus, self._steps, self._stamp = gpus, steps, stamp
+        self._uuids, self._memory_total, self._free = uuids, totals, free
 
     def gpu_count(self) -> int:
         return self._gpus
+
+    def gpu_uuids(self) -> tuple[str | None, ...]:
+        return self._uuids
+
+    def memory(self) -> tuple[MemoryInfo | None, ...]:
+        self._load()
+        elapsed = self.clock.monotonic() - self.start
+        free: tuple[int | None, ...] = (None,) * self._gpus
+        for at, values in self._free:
+            if at <= elapsed:
+                free = values
+        infos: list[MemoryInfo | None] = []
+        for total, left in zip(self._memory_total, free):
+            infos.append(None if total is None or left is None else MemoryInfo(total, total - min(left, total),
+                                                                                min(left, total)))
+        return tuple(infos)
 
     def sample(self) -> tuple[float | None, ...]:
         self._load()
@@ -141,6 +182,28 @@ def _parse_script(data: object, path: Path) -> tuple[int, list[tuple[float, tupl
                 raise UtilizationUnavailable(f"{path}: utilisation {value!r} outside 0..100")
         steps.append((float(at), tuple(None if v is None else float(v) for v in util)))
     return gpus, sorted(steps, key=lambda item: item[0])
+
+
+def _parse_gpu_info(data: dict, gpus: int, path: Path) -> tuple[
+        tuple[str | None, ...], tuple[int | None, ...], list[tuple[float, tuple[int | None, ...]]]]:
+    """The optional ``uuids``, ``memory_total`` and per-step ``free`` of a script."""
+    uuids = data.get("uuids", [None] * gpus)
+    if not isinstance(uuids, list) or len(uuids) != gpus or not all(u is None or isinstance(u, str) for u in uuids):
+        raise UtilizationUnavailable(f"{path}: 'uuids' must be a list of {gpus} strings (or nulls)")
+    totals = data.get("memory_total", [None] * gpus)
+    if not isinstance(totals, list) or len(totals) != gpus or not all(_is_bytes(t) for t in totals):
+        raise UtilizationUnavailable(f"{path}: 'memory_total' must be a list of {gpus} byte counts (or nulls)")
+    free = []
+    for step in data["steps"]:
+        values = step.get("free", [None] * gpus)
+        if not isinstance(values, list) or len(values) != gpus or not all(_is_bytes(v) for v in values):
+            raise UtilizationUnavailable(f"{path}: a step's 'free' must be a list of {gpus} byte counts (or nulls)")
+        free.append((float(step.get("at", 0)), tuple(values)))
+    return tuple(uuids), tuple(totals), sorted(free, key=lambda item: item[0])
+
+
+def _is_bytes(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
 class UtilizationWindow:

@@ -10,9 +10,16 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from drbalance.policy.base import AppView, Decision, ObservePolicy, Policy, PolicyConfig, Snapshot, violations
+from drbalance.policy.fair import FairPolicy
+from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.paper import PaperPolicy
 
+DEFAULT_POLICY = "fair"
+"""The policy the manager and the simulator use unless told otherwise."""
+
 POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
+    "fair": FairPolicy,
+    "f-sched": FSchedPolicy,
     "paper": PaperPolicy,
     "observe": ObservePolicy,
 })
@@ -27,4 +34,5 @@ def make_policy(name: str) -> Policy:
     return factory()
 
 
-__all__ = ["POLICIES", "AppView", "Decision", "Policy", "PolicyConfig", "Snapshot", "make_policy", "violations"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "AppView", "Decision", "Policy", "PolicyConfig", "Snapshot", "make_policy",
+           "violations"]

@@ -129,12 +129,24 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Decision:
-    """The new DR for ``app``, the branch of the algorithm that produced it, and why."""
+    """The new DR for ``app``, the branch of the algorithm that produced it, and why.
+
+    ``next_boundary``: seconds after which the app should ask for a decision again (a boundary
+    notice), besides its epoch ends; None leaves the app's own cadence. ``others``: new DRs for
+    other apps, decided jointly with this one; the manager pushes them to those apps at once
+    (each applies it at its next report), after checking each against that app's constraints.
+    """
 
     app: str
     ratio: DataRatio
     branch: str
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    next_boundary: float | None = None
+    others: Mapping[str, DataRatio] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if self.next_boundary is not None and not (math.isfinite(self.next_boundary) and self.next_boundary > 0):
+            raise ValueError(f"next_boundary must be a positive number of seconds or None; got {self.next_boundary!r}")
 
 
 class Policy(Protocol):

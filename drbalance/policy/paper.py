@@ -11,7 +11,7 @@ import math
 from types import MappingProxyType
 from typing import Any
 
-from drbalance.policy.base import AppView, Decision, Snapshot, current_ratio
+from drbalance.policy.base import AppView, Decision, Snapshot, current_ratio, violations
 from drbalance.ratio import DataRatio
 
 SD_TIE_TOLERANCE = 1e-9
@@ -37,8 +37,22 @@ class PaperPolicy:
         if ratio is None:
             return _decision(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
         if len(snapshot.apps) <= config.gpu_count:
-            return self.exclusive(me, ratio, snapshot)
-        return self.balance(me, ratio, snapshot)
+            decision = self.exclusive(me, ratio, snapshot)
+        else:
+            decision = self.balance(me, ratio, snapshot)
+        return self.within_constraints(me, decision, snapshot)
+
+    @staticmethod
+    def within_constraints(me: AppView, decision: Decision, snapshot: Snapshot) -> Decision:
+        """The paper knows no constraints: a DR it proposes that the app may not take (a GPU it
+        cannot use, a DDP rank below its minimum, a share above a memory cap) becomes a keep."""
+        if decision.ratio == me.ratio:
+            return decision
+        problems = violations(me, decision.ratio, snapshot.config)
+        if not problems:
+            return decision
+        return _decision(me.name, me.ratio, "constrained", wanted=decision.ratio.to_list(),
+                         wanted_branch=decision.branch, problems=problems)
 
     # --- Alg. 1, lines 2-10 ----------------------------------------------------------------------
     def exclusive(self, me: AppView, ratio: DataRatio, snapshot: Snapshot) -> Decision:

@@ -4,16 +4,18 @@ Derivation (docs/simulator.md). Let app i arrive at a_i, have solo-run time S_i,
 iterations of batch B_i. Under any DR policy:
 
 1. *Own speed.* An iteration split over k GPUs, without any contention, takes at least
-   ``host(B) + overhead(k) + fixed + per_sample * B / k`` (the largest of k chunks is at least
-   B / k samples). So app i needs at least n_i * t_i where t_i is the minimum over k = 1..m, and
-   SD_i >= n_i t_i / S_i.
+   ``host(B) + overhead(k) + fixed / v_max + per_sample * B / V_k``, where v_max is the fastest
+   GPU's speed and V_k the summed speed of the k fastest (the chunks cannot all finish sooner
+   than the whole batch served by those k GPUs at once). So app i needs at least n_i * t_i where
+   t_i is the minimum over k = 1..m, and SD_i >= n_i t_i / S_i.
 2. *Capacity.* Each iteration needs at least ``fixed + per_sample * B`` seconds of device work
    (one chunk; more chunks only add ``fixed`` each), so app i needs G_i >= n_i (fixed + per_sample B).
-   A GPU serves at most ``capacity`` seconds of work per second (1 + co-location gain). If every
-   SD is at most s, app i ends by d_i = a_i + s S_i, so for every window [A, D] the apps with
-   a_i >= A and d_i <= D need sum G_i <= m * capacity * (D - A). The smallest s for which this
-   holds for every A in {a_i} and D in {d_i} (binary search: the condition only relaxes as s
-   grows) is a bound.
+   GPU g serves at most ``speed_g * peak`` seconds of work per second, where ``peak`` is the
+   interference model's largest total service rate for the scenario's workloads (the
+   calibrated model: the co-location capacity). If every SD is at most s, app i ends by
+   d_i = a_i + s S_i, so for every window [A, D] the apps with a_i >= A and d_i <= D need
+   sum G_i <= sum_g speed_g * peak * (D - A). The smallest s for which this holds for every A in
+   {a_i} and D in {d_i} (binary search: the condition only relaxes as s grows) is a bound.
 
 The bound is max(1., 2.): no run of any DR policy can have max SD below it. It ignores
 host-phase overlap limits and chunk granularity, so it can be loose.
@@ -25,17 +27,17 @@ from collections.abc import Sequence
 
 from drbalance.models import model_profile
 from drbalance.scenarios import AppSpec, Scenario
-from drbalance.sim.model import ContentionModel
+from drbalance.sim.model import ContentionModel, Interference
 
 
-def fastest_iteration(app: AppSpec, gpus: int) -> float:
-    """The shortest iteration time of ``app`` on ``gpus`` GPUs with no contention (seconds)."""
+def fastest_iteration(app: AppSpec, speeds: Sequence[float]) -> float:
+    """The shortest iteration time of ``app`` on GPUs of these speeds with no contention (seconds)."""
     profile = model_profile(app.model)
+    fastest = sorted(speeds, reverse=True)
     best = float("inf")
-    for k in range(1, gpus + 1):
-        largest_chunk = app.batch / k
-        best = min(best, profile.host_seconds(app.batch) + profile.overhead_seconds(k)
-                   + profile.device_seconds(largest_chunk))
+    for k in range(1, len(fastest) + 1):
+        device = profile.fixed / fastest[0] + profile.per_sample * app.batch / sum(fastest[:k])
+        best = min(best, profile.host_seconds(app.batch) + profile.overhead_seconds(k) + device)
     return best
 
 
@@ -56,14 +58,15 @@ def _feasible(apps: Sequence[AppSpec], solo: Sequence[float], work: Sequence[flo
     return True
 
 
-def lower_bound(scenario: Scenario, contention: ContentionModel | None = None) -> float:
+def lower_bound(scenario: Scenario, contention: Interference | None = None) -> float:
     """No DR policy can finish the scenario with every SD below this value (under the model)."""
     contention = contention or ContentionModel()
     apps = scenario.apps
+    speeds = [scenario.speed(g) for g in range(scenario.gpus)]
     solo = [app.solo_time() for app in apps]
-    own = max(app.iterations * fastest_iteration(app, scenario.gpus) / s for app, s in zip(apps, solo))
+    own = max(app.iterations * fastest_iteration(app, speeds) / s for app, s in zip(apps, solo))
     work = [device_work(app) for app in apps]
-    capacity = scenario.gpus * contention.capacity(2 if len(apps) > 1 else 1)
+    capacity = sum(speeds) * contention.peak_capacity([(app.model, app.batch) for app in apps])
     low, high = 0.0, max(own, 1.0)
     while not _feasible(apps, solo, work, high, capacity):
         high *= 2

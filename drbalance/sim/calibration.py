@@ -71,6 +71,29 @@ def fit_capacity(target: float, model: str = "resnet50") -> float:
     return (low + high) / 2
 
 
+GAVEL_BATCHES = (16, 32, 64, 128)
+
+
+def write_gavel_rates(path: Path | None = None) -> Path:
+    """Fit every pair of (model, batch) workloads of ``MODEL_PROFILES`` x ``GAVEL_BATCHES`` and
+    store the rates with the shares they reproduce."""
+    from drbalance.sim.interference import RATES, GavelTable, fit_pair, measured_shares
+
+    table = GavelTable.load()
+    workloads = [(model, batch) for model in MODEL_PROFILES for batch in GAVEL_BATCHES]
+    pairs = []
+    for index, first in enumerate(workloads):
+        for second in workloads[index:]:
+            rates = fit_pair(table, first, second)
+            pairs.append({"first": list(first), "second": list(second), "rates": list(rates),
+                          "gavel_shares": list(measured_shares(table, first, second))})
+    target = path or RATES
+    target.write_text(json.dumps({"what": "service rates of co-active chunks fitted so that each simulated pair "
+                                  "keeps Gavel's measured speed shares (drbalance/sim/interference.py)",
+                                  "pairs": pairs}, indent=0))
+    return target
+
+
 def rows(gavel: Path | None) -> list[tuple[str, str, str, str]]:
     table = []
     for model, (_t1, t2, t4) in TITAN_RTX_MS.items():
@@ -102,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gavel", type=Path, default=None, help="gavel_throughputs.json, to recompute its median")
     parser.add_argument("--fit", action="store_true", help="also fit the co-location capacity to the pair speed")
+    parser.add_argument("--fit-gavel", action="store_true",
+                        help="refit the gavel interference model's pair rates for our models at batch 16-128 and "
+                        "rewrite drbalance/sim/gavel_rates.json")
     args = parser.parse_args(argv)
+    if args.fit_gavel:
+        path = write_gavel_rates()
+        print(f"wrote {path}")
+        return 0
     print(f"fixed share of the 12-image time (from Pollux): {FIXED_FRACTION_AT_12:.3f}")
     print("| quantity | measured | model | error |\n|---|---|---|---|")
     for row in rows(args.gavel):

@@ -1,7 +1,8 @@
 """``drbalance simulate SCENARIO``: simulate under a policy (or every baseline), print the report table.
 
-    drbalance simulate a --policy paper                 # one run
-    drbalance simulate a --compare                      # paper, observe, DataParallel, themis + the bound
+    drbalance simulate a                                # one run of the default policy (fair)
+    drbalance simulate a --compare                      # fair, f-sched, paper, observe, DataParallel, themis + bound
+    drbalance simulate a --interference gavel           # Gavel's measured pair interference instead of one capacity
     drbalance simulate a --policy paper --out runs/sim  # also write logs that 'drbalance report' plots
 """
 
@@ -14,12 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.policy import POLICIES
+from drbalance.policy import DEFAULT_POLICY, POLICIES, PolicyConfig
 from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
 from drbalance.scenarios import PLACEMENTS, Scenario, load_scenario
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.engine import SimConfig, SimResult, simulate
+from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,12 @@ class Variant:
 
 
 def baselines(base: SimConfig) -> list[Variant]:
-    """The comparison set: the paper's policy and what a user could pick instead."""
+    """The comparison set: our policies and the paper's from the chosen placement, and what a user
+    could pick instead."""
     return [
-        Variant("paper", replace(base, policy="paper", placement=None, scheduler=None)),
+        Variant("fair", replace(base, policy="fair", scheduler=None)),
+        Variant("f-sched", replace(base, policy="f-sched", scheduler=None)),
+        Variant("paper", replace(base, policy="paper", scheduler=None)),
         Variant("observe (1 GPU/app, round-robin)", replace(base, policy="observe", placement="round-robin",
                                                             scheduler=None)),
         Variant("DataParallel (even over all GPUs)", replace(base, policy="observe", placement="spread",
@@ -42,15 +47,23 @@ def baselines(base: SimConfig) -> list[Variant]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
-    parser.add_argument("--policy", default="paper", choices=list(POLICIES), help="DR policy (default paper)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="DR policy")
     parser.add_argument("--scheduler", choices=["themis"], default=None,
                         help="time-slice whole GPUs by finish-time fairness instead of a DR policy")
     parser.add_argument("--placement", choices=PLACEMENTS, default=None,
                         help="initial DRs: round-robin (1 GPU per app) or spread (plain DataParallel)")
-    parser.add_argument("--compare", action="store_true", help="run paper and every baseline, plus the bound")
-    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
-    parser.add_argument("--sd-threshold", type=float, default=0.1, help="SD_th (default 0.1)")
-    parser.add_argument("--util-threshold", type=float, default=20.0, help="Util_th in percent points (default 20)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run fair, f-sched and paper from the placement, and every baseline, plus the bound")
+    parser.add_argument("--interference", choices=list(INTERFERENCE_MODELS), default="calibrated",
+                        help="how co-located apps slow each other: one fitted capacity for every pair "
+                        "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
+    parser.add_argument("--dr-total", type=int, default=None,
+                        help="DR granularity (shares per mini-batch; default: the scenario's, 10)")
+    parser.add_argument("--decide-every", type=int, default=None,
+                        help="iterations between decisions besides epoch ends (default: the policy's choice)")
+    parser.add_argument("--sd-threshold", type=float, default=PolicyConfig.sd_threshold, help="SD_th (paper policy)")
+    parser.add_argument("--util-threshold", type=float, default=PolicyConfig.util_threshold,
+                        help="Util_th in percent points (paper policy)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -81,9 +94,11 @@ def write_run_dir(result: SimResult, label: str, scenario: Scenario, out: Path) 
 
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
+    if args.dr_total is not None:
+        scenario = scenario.with_dr_total(args.dr_total)
     base = SimConfig(policy=args.policy, placement=args.placement, scheduler=args.scheduler,
                      decide_every=args.decide_every, sd_threshold=args.sd_threshold,
-                     util_threshold=args.util_threshold)
+                     util_threshold=args.util_threshold, contention=make_interference(args.interference))
     variants = baselines(base) if args.compare else [Variant(args.scheduler or args.policy, base)]
     summaries, report = [], {}
     for variant in variants:
@@ -92,16 +107,20 @@ def run(args: argparse.Namespace) -> int:
         spent = time.perf_counter() - started
         run_data = to_run(result, variant.label, scenario)
         summaries.append(summarise(run_data, step=max(1.0, result.makespan / 2000)))
+        summary = summaries[-1]
         report[variant.label] = {"final_sd": result.final_sd, "makespan": result.makespan, "seconds": spent,
-                                 "events": result.events}
+                                 "events": result.events, "max_sd": result.max_sd, "mean_sd": result.mean_sd,
+                                 "sd_spread": result.sd_spread, "mean_util": summary.mean_util,
+                                 "mean_sd_time_avg": summary.mean_sd, "decisions": result.decisions}
         if args.out:
             safe = variant.label.split(" ")[0]
             write_run_dir(result, variant.label, scenario, args.out / safe)
-    bound = lower_bound(scenario)
+    bound = lower_bound(scenario, base.contention)
     if args.json:
-        print(json.dumps({"scenario": scenario.name, "bound_max_sd": bound, "runs": report}, indent=2))
+        print(json.dumps({"scenario": scenario.name, "interference": args.interference, "bound_max_sd": bound,
+                          "runs": report}, indent=2))
         return 0
-    print(f"scenario {scenario.name}: {scenario.description}")
+    print(f"scenario {scenario.name}: {scenario.description} (interference: {args.interference})")
     print(format_table(summaries))
     print("max SD: " + ", ".join(f"{s.label.split(' ')[0]} {max(v for v in s.final_sd.values()):.3f}"
                                   for s in summaries) + f"; lower bound for any DR policy {bound:.3f}")

@@ -15,25 +15,33 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from drbalance.manager.utilization import UtilizationWindow
 from drbalance.models import ModelProfile, model_profile
-from drbalance.policy import POLICIES, AppView, Policy, PolicyConfig, Snapshot
+from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot
 from drbalance.ratio import DataRatio
 from drbalance.scenarios import AppSpec, Scenario
-from drbalance.sim.model import ContentionModel
-from drbalance.slowdown import IterationPlan, SlowdownTracker
+from drbalance.sim.model import ContentionModel, Interference, Workload
+from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
-ARRIVAL, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(6)
+ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(7)
+
+
+class ChunkTiming(NamedTuple):
+    """What the client's ``last_replica_timings()`` reports for one chunk: slot, samples, seconds."""
+
+    slot: int
+    samples: int
+    seconds: float
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """How to simulate. Periods in seconds; thresholds as for the manager."""
 
-    policy: str = "paper"
+    policy: str = DEFAULT_POLICY
     placement: str | None = None  # override the scenario's initial placement
     sd_threshold: float = 0.1
     util_threshold: float = 20.0
@@ -42,7 +50,7 @@ class SimConfig:
     sample_period: float = 0.5
     window: int = 6
     util_log_period: float = 1.0
-    contention: ContentionModel = field(default_factory=ContentionModel)
+    contention: Interference = field(default_factory=ContentionModel)
     scheduler: str | None = None  # "themis": time-slicing finish-time fairness instead of a DR policy
     round_seconds: float = 60.0
     switch_seconds: float = 5.0
@@ -50,30 +58,47 @@ class SimConfig:
     max_time: float = 1e7
 
 
-class _Gpu:
-    __slots__ = ("index", "active", "heap", "vclock", "last", "rate", "version", "busy", "busy_since", "served",
-                 "sampled_busy")
+class _Chunk:
+    """One chunk of an app's iteration on one GPU: work left (seconds at rate 1) and its rate now."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.active = 0
-        self.heap: list[tuple[float, int, _App, float]] = []
-        self.vclock = 0.0
-        self.last = 0.0
+    __slots__ = ("app", "slot", "samples", "work", "remaining", "rate", "started")
+
+    def __init__(self, app: _App, slot: int, samples: int, work: float, started: float) -> None:
+        self.app = app
+        self.slot = slot
+        self.samples = samples
+        self.work = work
+        self.remaining = work
         self.rate = 0.0
+        self.started = started
+
+
+class _Gpu:
+    __slots__ = ("index", "speed", "chunks", "last", "version", "busy", "busy_since", "served", "sampled_busy")
+
+    def __init__(self, index: int, speed: float) -> None:
+        self.index = index
+        self.speed = speed
+        self.chunks: list[_Chunk] = []
+        self.last = 0.0
         self.version = 0
         self.busy = 0.0
         self.busy_since = 0.0
         self.served = 0.0
         self.sampled_busy = 0.0
 
+    @property
+    def active(self) -> int:
+        return len(self.chunks)
+
     def busy_at(self, now: float) -> float:
-        return self.busy + (now - self.busy_since if self.active else 0.0)
+        return self.busy + (now - self.busy_since if self.chunks else 0.0)
 
 
 class _App:
     __slots__ = ("spec", "profile", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
-                 "alive", "arrived", "running", "suspend", "records", "gpu")
+                 "alive", "arrived", "running", "suspend", "records", "gpu", "workload", "host_end", "timings",
+                 "slot_window", "published", "cadence", "boundary_due", "pushed")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
@@ -92,6 +117,14 @@ class _App:
         self.suspend = False
         self.records: list[dict[str, Any]] = []
         self.gpu: int | None = None
+        self.workload: Workload = (spec.model, spec.batch)
+        self.host_end = 0.0
+        self.timings: list[ChunkTiming] = []  # this iteration's chunks finished so far
+        self.slot_window = SlotWindow(len(ratio))
+        self.published: AppView | None = None  # what the app's record holds, as the manager would read it
+        self.cadence: float | None = None  # seconds between boundaries the policy asked for
+        self.boundary_due: float | None = None
+        self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied at the next report
 
 
 @dataclass
@@ -136,7 +169,7 @@ class Simulation:
         self.policy = policy
         self.policy_config = PolicyConfig(self.scenario.gpus, self.scenario.dr_total, self.config.sd_threshold,
                                           self.config.util_threshold)
-        self.gpus = [_Gpu(g) for g in range(self.scenario.gpus)]
+        self.gpus = [_Gpu(g, self.scenario.speed(g)) for g in range(self.scenario.gpus)]
         self.apps = [_App(spec, i, self.scenario.initial_ratio(i)) for i, spec in enumerate(self.scenario.apps)]
         self.window = UtilizationWindow(self.scenario.gpus, self.config.window)
         self.now = 0.0
@@ -158,8 +191,8 @@ class Simulation:
         self.push(0.0, SAMPLE)
         if self.config.scheduler == "themis":
             self.push(0.0, TICK)
-        handlers = {ARRIVAL: self._arrive, HOST_END: self._host_end, SAMPLE: self._sample, TICK: self._tick,
-                    RESUME: self._resume}
+        handlers = {ARRIVAL: self._arrive, REGISTER: self._register, HOST_END: self._host_end, SAMPLE: self._sample,
+                    TICK: self._tick, RESUME: self._resume}
         events = self.events
         while events and self.remaining:
             time, _, kind, a, b = heapq.heappop(events)
@@ -174,53 +207,67 @@ class Simulation:
                 handlers[kind](a)
         return self._result()
 
-    # --- GPUs: processor sharing with a virtual clock per GPU ---------------------------------
+    # --- GPUs: shared by their active chunks at the interference model's rates ----------------
     def _advance(self, gpu: _Gpu) -> None:
-        if gpu.active:
-            gpu.vclock += gpu.rate * (self.now - gpu.last)
+        """Serve every active chunk for the time since the GPU's last event."""
+        elapsed = self.now - gpu.last
+        if elapsed > 0:
+            for chunk in gpu.chunks:
+                chunk.remaining -= chunk.rate * elapsed
         gpu.last = self.now
 
     def _reschedule(self, gpu: _Gpu) -> None:
-        gpu.rate = self.config.contention.rate(gpu.active)
+        """New rates for the chunks now active; the next completion as an event."""
         gpu.version += 1
-        if gpu.heap:
-            delay = max(0.0, (gpu.heap[0][0] - gpu.vclock) / gpu.rate)
-            self.push(self.now + delay, GPU_DONE, gpu, gpu.version)
+        chunks = gpu.chunks
+        if not chunks:
+            return
+        rates = self.config.contention.rates([chunk.app.workload for chunk in chunks])
+        for chunk, rate in zip(chunks, rates):
+            chunk.rate = rate * gpu.speed
+        delay = min(max(0.0, chunk.remaining) / chunk.rate for chunk in chunks)
+        self.push(self.now + delay, GPU_DONE, gpu, gpu.version)
 
-    def _add_chunk(self, gpu: _Gpu, app: _App, work: float) -> None:
+    def _add_chunk(self, gpu: _Gpu, chunk: _Chunk) -> None:
         self._advance(gpu)
-        if gpu.active == 0:
+        if not gpu.chunks:
             gpu.busy_since = self.now
-        heapq.heappush(gpu.heap, (gpu.vclock + work, next(self._seq), app, work))
-        gpu.active += 1
+        gpu.chunks.append(chunk)
         self._reschedule(gpu)
 
     def _gpu_done(self, gpu: _Gpu) -> None:
         self._advance(gpu)
-        done = []
-        limit = gpu.vclock + 1e-9 * max(1.0, gpu.vclock)
-        while gpu.heap and gpu.heap[0][0] <= limit:
-            _, _, app, work = heapq.heappop(gpu.heap)
-            gpu.active -= 1
-            gpu.served += work
-            done.append(app)
-        if gpu.active == 0:
+        done = [chunk for chunk in gpu.chunks if chunk.remaining <= 1e-9 * max(1.0, chunk.work)]
+        if not done:  # rounding: the earliest chunk is due now
+            done = [min(gpu.chunks, key=lambda chunk: chunk.remaining)]
+        for chunk in done:
+            gpu.chunks.remove(chunk)
+            gpu.served += chunk.work
+        if not gpu.chunks:
             gpu.busy += self.now - gpu.busy_since
         self._reschedule(gpu)
-        for app in done:
+        for chunk in done:
+            app = chunk.app
+            app.timings.append(ChunkTiming(chunk.slot, chunk.samples, self.now - app.host_end))
             app.chunks_left -= 1
             if app.chunks_left == 0:
                 self._iteration_done(app)
 
     # --- apps --------------------------------------------------------------------------------
     def _arrive(self, app: _App) -> None:
+        """An app starts. It registers after every app arriving at the same instant has started,
+        so apps launched together see each other (as jobs started together reach the manager)."""
         app.arrived = app.alive = True
         self._record(app, "start")
+        self._publish(app)
         if self.config.scheduler is None:
-            self._decide(app, "register")
-            self._start_iteration(app)
+            self.push(self.now, REGISTER, app)
         else:
             self.push(self.now, TICK)  # a newcomer: the scheduler may give it a free GPU now
+
+    def _register(self, app: _App) -> None:
+        self._decide(app, "register")
+        self._start_iteration(app)
 
     def _start_iteration(self, app: _App) -> None:
         batch = app.spec.batch
@@ -233,9 +280,11 @@ class Simulation:
 
     def _host_end(self, app: _App) -> None:
         device = app.profile.device_seconds
+        app.host_end = self.now
+        app.timings = []
         for gpu, size in zip(self.gpus, app.sizes):
             if size:
-                self._add_chunk(gpu, app, device(size))
+                self._add_chunk(gpu, _Chunk(app, gpu.index, size, device(size), self.now))
 
     def _iteration_done(self, app: _App) -> None:
         tracker = app.tracker
@@ -250,14 +299,21 @@ class Simulation:
                 self.push(self.now, TICK)
             return
         decide_every = self.config.decide_every
-        if done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0):
-            app.reported_sd = tracker.slowdown(self.now)
+        if (done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0)
+                or (app.boundary_due is not None and self.now >= app.boundary_due)):
+            app.boundary_due = None if app.cadence is None else self.now + app.cadence
+            self._apply_push(app)
+            app.slot_window.add(app.timings)
+            self._publish(app)
             self._record(app, "boundary")
             if self.config.scheduler is None:
                 self._decide(app, "boundary")
             tracker.new_window()
+            app.slot_window.new_window()
         elif done % self.config.report_every == 0:
-            app.reported_sd = tracker.slowdown(self.now)
+            self._apply_push(app)
+            app.slot_window.add(app.timings)
+            self._publish(app)
             self._record(app, "report")
         if app.suspend:
             app.running = app.suspend = False
@@ -265,29 +321,61 @@ class Simulation:
         self._start_iteration(app)
 
     # --- the policy, called as the daemon calls it --------------------------------------------
-    def _snapshot(self) -> Snapshot:
-        views = tuple(
-            AppView(a.name, a.ratio, a.reported_sd, iteration=a.tracker.done, iterations_total=a.tracker.plan.total,
-                    iteration_time=a.tracker.mean_iteration_time, solo_time=a.tracker.solo_time)
-            for a in self.apps if a.alive
+    def _publish(self, app: _App) -> None:
+        """What the client writes into its record at a report or boundary, as the manager reads it."""
+        tracker = app.tracker
+        app.reported_sd = tracker.slowdown(self.now)
+        means = app.slot_window.means()
+        app.published = AppView(
+            app.name, app.ratio, app.reported_sd, epoch=tracker.epoch, iteration=tracker.done,
+            iterations_total=tracker.plan.total,
+            iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time,
+            chunk_seconds=tuple(mean[0] if mean else None for mean in means),
+            chunk_samples=tuple(mean[1] if mean else 0.0 for mean in means), batch=app.spec.batch,
         )
-        return Snapshot(views, self.window.values(), self.policy_config)
+
+    def _apply_push(self, app: _App) -> None:
+        """The client applies a pushed DR at its report, before publishing."""
+        if app.pushed is not None:
+            old, app.ratio, app.pushed = app.ratio, app.pushed, None
+            if old != app.ratio:
+                self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch="push")
+
+    def _snapshot(self) -> Snapshot:
+        """Every live app as its record last showed it, with the DR the manager last gave it."""
+        views = []
+        for app in self.apps:
+            if app.alive:
+                view = app.published
+                ratio = app.pushed or app.ratio
+                views.append(view if view.ratio == ratio else replace(view, ratio=ratio))
+        return Snapshot(tuple(views), self.window.values(), self.policy_config)
 
     def _decide(self, app: _App, trigger: str) -> None:
         snapshot = self._snapshot()
         decision = self.policy.decide(app.name, trigger, snapshot)
         self.decisions += 1
+        app.cadence = decision.next_boundary
+        app.boundary_due = None if app.cadence is None else self.now + app.cadence
         if self.config.record:
             self.manager_records.append({
                 "t": self.now, "event": "decision", "app": app.name, "trigger": trigger, "branch": decision.branch,
                 "old_dr": app.ratio.to_list(), "new_dr": decision.ratio.to_list(),
                 "sd": {view.name: view.slowdown for view in snapshot.apps}, "util": list(snapshot.utilization),
+                "iter_time": snapshot.app(app.name).iteration_time, "details": dict(decision.details),
             })
         if decision.ratio != app.ratio:
             if len(decision.ratio) != self.scenario.gpus:
                 raise ValueError(f"policy {self.policy.name!r} returned {decision.ratio} for {self.scenario.gpus} GPUs")
             old, app.ratio = app.ratio, decision.ratio
+            app.pushed = None
             self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=decision.branch)
+        by_name = {other.name: other for other in self.apps if other.alive}
+        for name, ratio in decision.others.items():  # pushed now, applied at each one's next report
+            other = by_name.get(name)
+            if other is None or len(ratio) != self.scenario.gpus:
+                raise ValueError(f"policy {self.policy.name!r} pushed {ratio} to {name!r}, which cannot take it")
+            other.pushed = ratio
 
     # --- utilisation sampling (as the manager samples NVML) ------------------------------------
     def _sample(self, _: Any) -> None:
@@ -348,9 +436,9 @@ class Simulation:
 
     def _result(self) -> SimResult:
         for gpu in self.gpus:
-            if gpu.active:
+            if gpu.chunks:
                 gpu.busy += self.now - gpu.busy_since
-                gpu.active = 0
+                gpu.chunks.clear()
         finals = {a.name: a.tracker.slowdown(self.now) for a in self.apps}
         if any(v is None or not math.isfinite(v) for v in finals.values()):
             raise RuntimeError("simulation ended with apps that never ran")

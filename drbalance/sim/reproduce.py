@@ -1,30 +1,65 @@
-"""Reproduce the paper's Fig. 5-7 numbers in the simulator: ``python -m drbalance.sim.reproduce``.
+"""Reproduce the paper's experiments in the simulator and compare every policy and baseline.
+
+    python -m drbalance.sim.reproduce                 # the paper's table (observe vs paper), calibrated model
+    python -m drbalance.sim.reproduce --policies      # fair / f-sched / paper / observe / themis, both models
+    python -m drbalance.sim.reproduce --policies --markdown > table.md
 
 For each scenario (a), (b), (c) and each starting placement (one GPU per app round-robin, and
-plain DataParallel over all GPUs) it simulates the run without the algorithm (observe) and with
-it (paper), and prints a markdown table beside the paper's reported values.
+plain DataParallel over all GPUs) the first table simulates the run without the algorithm
+(observe) and with the paper's, beside the paper's reported values. The second gives, under both
+interference models (``calibrated``: one fitted co-location capacity; ``gavel``: Gavel's measured
+pairs), each policy's final SD spread / max / mean, time-averaged GPU utilisation, and the
+reference: ``observe`` from round-robin (each job alone on its GPU, nothing moved).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from drbalance.report.metrics import summarise
 from drbalance.scenarios import SCENARIOS
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.command import to_run
 from drbalance.sim.engine import SimConfig, simulate
+from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+
+POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
 
 
-def measure(scenario_name: str, placement: str, policy: str, decide_every: int | None) -> dict:
+@dataclass(frozen=True)
+class Outcome:
+    """Final SDs and time averages of one simulated run."""
+
+    spread: float
+    max_sd: float
+    mean_sd: float
+    util: float
+    mean_sd_time: float
+    start: float
+
+
+def measure(scenario_name: str, placement: str, policy: str, interference: str = "calibrated",
+            decide_every: int | None = None) -> Outcome:
+    """Simulate one run (``policy`` "themis" is the time-slicing scheduler)."""
     scenario = SCENARIOS[scenario_name]
-    result = simulate(scenario, SimConfig(policy=policy, placement=placement, decide_every=decide_every))
+    scheduler = "themis" if policy == "themis" else None
+    config = SimConfig(policy="observe" if scheduler else policy, scheduler=scheduler, placement=placement,
+                       decide_every=decide_every, contention=make_interference(interference))
+    result = simulate(scenario, config)
     summary = summarise(to_run(result, policy, scenario), step=max(1.0, result.makespan / 2000))
-    return {"start": summary.start_sd_diff, "final": summary.final_sd_diff, "mean_sd": summary.mean_sd,
-            "final_mean_sd": summary.final_mean_sd, "util": summary.mean_util, "max_sd": result.max_sd}
+    return Outcome(result.sd_spread, result.max_sd, result.mean_sd, summary.mean_util, summary.mean_sd,
+                   summary.start_sd_diff)
 
 
-def table(decide_every: int | None = None) -> str:
+def _measure(args: tuple) -> Outcome:
+    return measure(*args)
+
+
+def paper_table(decide_every: int | None = None) -> str:
+    """observe vs paper from both placements, beside the paper's reported changes (calibrated model)."""
     lines = [
         "| scenario | start placement | SD_max^diff start: paper / ours (w/o, with) | SD_max^diff end: paper / ours "
         "(w/o, with) | mean SD change: paper / ours | mean util change: paper / ours | max SD with / bound |",
@@ -35,25 +70,51 @@ def table(decide_every: int | None = None) -> str:
         paper = scenario.paper
         bound = lower_bound(scenario)
         for placement in ("round-robin", "spread"):
-            without = measure(name, placement, "observe", decide_every)
-            with_ = measure(name, placement, "paper", decide_every)
-            sd_change = (with_["mean_sd"] - without["mean_sd"]) / without["mean_sd"]
-            util_change = (with_["util"] - without["util"]) / without["util"]
+            without = measure(name, placement, "observe", decide_every=decide_every)
+            with_ = measure(name, placement, "paper", decide_every=decide_every)
+            sd_change = (with_.mean_sd_time - without.mean_sd_time) / without.mean_sd_time
+            util_change = (with_.util - without.util) / without.util
             lines.append(
-                f"| ({name}) | {placement} | {paper['sd_diff_start']:.2f} / {without['start']:.2f}, "
-                f"{with_['start']:.2f} | {paper['sd_diff_end']:.2f} / {without['final']:.2f}, {with_['final']:.2f} "
+                f"| ({name}) | {placement} | {paper['sd_diff_start']:.2f} / {without.start:.2f}, "
+                f"{with_.start:.2f} | {paper['sd_diff_end']:.2f} / {without.spread:.2f}, {with_.spread:.2f} "
                 f"| {100 * paper['mean_sd_change']:+.0f}% / {100 * sd_change:+.0f}% | "
                 f"{100 * paper['util_change']:+.0f}% / {100 * util_change:+.0f}% "
-                f"({without['util']:.0f}% -> {with_['util']:.0f}%) | {with_['max_sd']:.2f} / {bound:.2f} |"
+                f"({without.util:.0f}% -> {with_.util:.0f}%) | {with_.max_sd:.2f} / {bound:.2f} |"
             )
     return "\n".join(lines)
 
 
+def policy_table(policies: Iterable[str] = POLICY_ROWS, workers: int = 2) -> str:
+    """Every policy from both placements under both interference models (final values)."""
+    policies = list(policies)
+    jobs = [(name, placement, policy, interference)
+            for interference in INTERFERENCE_MODELS for name in ("a", "b", "c")
+            for placement in ("round-robin", "spread") for policy in policies]
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        outcomes = dict(zip(jobs, pool.map(_measure, jobs)))
+    lines = ["| interference | scenario | placement | " + " | ".join(policies) + " |",
+             "|---|---|---|" + "---|" * len(policies)]
+    for interference in INTERFERENCE_MODELS:
+        for name in ("a", "b", "c"):
+            for placement in ("round-robin", "spread"):
+                cells = []
+                for policy in policies:
+                    o = outcomes[(name, placement, policy, interference)]
+                    cells.append(f"{o.spread:.3f} / {o.max_sd:.3f} / {o.mean_sd:.3f} / {o.util:.0f}%")
+                lines.append(f"| {interference} | ({name}) | {placement} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Cells: final SD spread / max SD / mean SD / time-averaged GPU utilisation.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions (paper table)")
+    parser.add_argument("--policies", action="store_true",
+                        help="print the policy comparison under both interference models instead")
+    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
     args = parser.parse_args(argv)
-    print(table(args.decide_every))
+    print(policy_table(workers=args.workers) if args.policies else paper_table(args.decide_every))
     return 0
 
 

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--exchange-timeout", type=float, default=0.5)
     parser.add_argument("--hang-after", type=int, default=None, help="sleep forever after N iterations")
     parser.add_argument("--fail-after", type=int, default=None, help="raise after N iterations")
+    parser.add_argument("--extra-iterations", type=int, default=0, help="iterations past the plan")
     args = parser.parse_args()
     solo = float(args.solo) if args.solo.replace(".", "", 1).isdigit() else args.solo
     torch.manual_seed(0)
@@ -38,7 +39,7 @@ def main() -> None:
     print(json.dumps({"iteration": 0, "ratio": model.ratio.to_list(), "attached": session.attached}), flush=True)
     started = time.monotonic()
     with session:
-        for iteration in range(1, args.epochs * args.iterations + 1):
+        for iteration in range(1, args.epochs * args.iterations + args.extra_iterations + 1):
             optimizer.zero_grad()
             model(torch.randn(8, 4)).pow(2).mean().backward()
             optimizer.step()

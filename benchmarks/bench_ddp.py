@@ -1,0 +1,154 @@
+"""Per-step overhead of BalancedDistributedDataParallel against plain DDP with equal shares.
+
+Ranks are spawned processes (gloo on the CPU; NCCL on CUDA GPUs when there are enough) that
+train side by side, interleaved step by step (A B C A B C ...), each candidate on its own copy of
+the model and the same local batches:
+
+- ``plain``: ``torch.nn.parallel.DistributedDataParallel``, each rank a fixed 1/W of the batch.
+- ``balanced``: ``BalancedDistributedDataParallel`` with equal shares on the same slices
+  (the sample-count exchange and the weighting hook; bit-identical gradients).
+- ``balanced_session``: the same, fed by ``BalancedBatchSampler`` and with a ``Session`` on every
+  rank (no manager; a manager's DR would ride on the same per-step exchange).
+
+One step = zero_grad, forward, cross-entropy, backward, optimizer step. Target: <= 2% median
+overhead. Also: the sampler and ``Session.step()`` alone (no model), per step. Medians and
+ratios are rank 0's; results in benchmarks/results/ddp_overhead_*.json.
+
+Usage: python -m benchmarks.bench_ddp [--model resnet18] [--batch 32] [--ranks 2] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from benchmarks.bench_parallel import build, make_batch
+from benchmarks.timing import add_no_write, interleaved_medians, save, summary
+
+
+def rank_main(rank: int, args: argparse.Namespace, folder: str, cuda: bool) -> None:
+    os.environ.update({"DRBALANCE_NO_MANAGER": "1", "DRBALANCE_LOG_DIR": folder})
+    torch.set_num_threads(args.threads)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=args.ranks)
+    from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
+
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    ids = [rank] if cuda else None
+    torch.manual_seed(0)
+    x, y = make_batch(args.model, args.batch * 8, args.image, str(device))
+    local = args.batch // args.ranks
+    mine = list(range(rank * local, (rank + 1) * local))  # index lists, as any sampler gives
+
+    def copy() -> nn.Module:
+        torch.manual_seed(0)
+        return build(args.model).to(device)
+
+    plain = nn.parallel.DistributedDataParallel(copy(), device_ids=ids)
+    balanced = BalancedDistributedDataParallel(copy(), device_ids=ids)
+    managed = BalancedDistributedDataParallel(copy(), device_ids=ids)
+    sampler = BalancedBatchSampler(args.batch * 8, args.batch, model=managed, shuffle=False)
+    session = Session(managed, "bench-ddp", 10**6, len(sampler), 1.0, sd_log=False, handle_sigterm=False)
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.01)
+                  for name, model in (("plain", plain), ("balanced", balanced), ("balanced_session", managed))}
+    batches = iter(())
+
+    def step(name: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        optimizer = optimizers[name]
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def with_session() -> None:
+        nonlocal batches
+        indices = next(batches, None)
+        if indices is None:
+            batches = iter(sampler)
+            indices = next(batches)
+        step("balanced_session", managed, x[indices], y[indices])
+        session.step()
+
+    samples = interleaved_medians({
+        "plain": lambda: step("plain", plain, x[mine], y[mine]),
+        "balanced": lambda: step("balanced", balanced, x[mine], y[mine]),
+        "balanced_session": with_session,
+    }, repeats=args.repeats, warmup=args.warmup)
+    samples["sampler_session_alone"] = [sampler_and_session_seconds(sampler, session)]
+    session.close()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(samples))
+    dist.destroy_process_group()
+
+
+def sampler_and_session_seconds(sampler, session, steps: int = 2000) -> float:
+    """Seconds per step of taking this rank's next batch and ``session.step()``, without a model."""
+    batches = iter(sampler)
+    started = time.perf_counter()
+    for _ in range(steps):
+        if next(batches, None) is None:
+            batches = iter(sampler)
+            next(batches)
+        session.step()
+    return (time.perf_counter() - started) / steps
+
+
+def ratios(samples: dict[str, list[float]]) -> dict:
+    samples = dict(samples)
+    alone = samples.pop("sampler_session_alone", None)
+    stats = {name: summary(values) for name, values in samples.items()}
+    base = stats["plain"]["median"]
+    candidates = ("balanced", "balanced_session")
+    return {
+        "seconds": stats,
+        "median_ratio": {name: stats[name]["median"] / base for name in candidates},
+        "overhead_percent": {name: 100 * (stats[name]["median"] / base - 1) for name in candidates},
+        "sampler_session_alone_us": None if alone is None else alone[0] * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18", help="torchvision model name, or 'mlp' (default resnet18)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per global batch (default 32)")
+    parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps per candidate (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per candidate first (default 5)")
+    add_no_write(parser)
+    args = parser.parse_args(argv)
+    if args.batch % args.ranks:
+        parser.error(f"--batch {args.batch} must be a multiple of --ranks {args.ranks} (equal shares)")
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks
+    with tempfile.TemporaryDirectory(prefix="drbalance-bench-ddp-") as folder:
+        mp.spawn(rank_main, args=(args, folder, cuda), nprocs=args.ranks, join=True)
+        per_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    result = ratios(per_rank[0])
+    payload = {"args": vars(args), "backend": "nccl" if cuda else "gloo (CPU)", "rank0": result,
+               "other_ranks_median_ratio": [ratios(s)["median_ratio"] for s in per_rank[1:]]}
+    where = f"{args.ranks} ranks, {'NCCL on CUDA' if cuda else 'gloo on the CPU'}"
+    plain = result["seconds"]["plain"]["median"]
+    print(f"{args.model}, global batch {args.batch}, {where}: plain DDP median step {plain * 1000:.2f} ms")
+    for name in ("balanced", "balanced_session"):
+        print(f"  {name} / plain = {result['median_ratio'][name]:.4f} "
+              f"(overhead {result['overhead_percent'][name]:+.2f}%, target <= 2%)")
+    print(f"  sampler + Session.step() alone: {result['sampler_session_alone_us']:.1f} us per step")
+    suffix = "gpu" if cuda else "cpu"
+    save(f"ddp_overhead_{args.model}_{suffix}", "benchmarks.bench_ddp", argv, payload, args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Measure what a model's GPU cost depends on, on the CPU: FLOPs, saved activations, operators.
+
+:func:`measure_features` runs one forward of the real model on a real (or example) batch and
+counts, per sample: forward FLOPs (``torch.utils.flop_counter``), bytes of tensors autograd saves
+for the backward (``torch.autograd.graph.saved_tensors_hooks``; the model's own parameters and
+buffers are not counted), and the number of operator calls (kernel launches on a GPU, roughly).
+``drbalance.models.estimate_profile`` turns these into an emulated-GPU timing and memory profile.
+
+    python -m drbalance.client.costs resnet50 densenet121 --image 224
+
+prints the features of torchvision models (how the constants in ``drbalance.models`` were
+obtained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from drbalance.models import ModelFeatures
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts operator calls that reach the dispatcher (views and metadata-only ops included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure_features(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None, samples: int) -> tuple[
+        ModelFeatures, Any]:
+    """Run ``module(*args, **kwargs)`` once, counting; return (features per sample, the output).
+
+    The forward is the caller's real forward (its output is returned for use), so measuring
+    costs no extra computation beyond the counting itself. ``samples`` is the batch size of
+    ``args``. Gradients must be enabled for saved activations to be counted.
+    """
+    if samples < 1:
+        raise ValueError(f"need a batch of at least one sample to measure; got {samples}")
+    own = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in own:
+            saved[pointer] = storage.nbytes()
+        return tensor
+
+    counter = _OperatorCount()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with FlopCounterMode(display=False) as flops, counter:
+            output = module(*args, **(kwargs or {}))
+    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    features = ModelFeatures(
+        flops_per_sample=flops.get_total_flops() / samples,
+        saved_bytes_per_sample=sum(saved.values()) / samples,
+        operators=counter.calls,
+        parameter_bytes=parameter_bytes,
+        modules=sum(1 for _ in module.modules()),
+    )
+    return features, output
+
+
+def measure_torchvision(name: str, image: int = 224, batch: int = 2, classes: int = 1000) -> ModelFeatures:
+    """Features of a torchvision model (no weights) on a random ``batch`` of ``image``-pixel images."""
+    import torchvision
+
+    builder = getattr(torchvision.models, name, None)
+    if builder is None or not callable(builder):
+        raise ValueError(f"torchvision has no model {name!r}")
+    torch.manual_seed(0)
+    model = builder(weights=None, num_classes=classes)
+    model.train()
+    features, _ = measure_features(model, (torch.randn(batch, 3, image, image),), None, batch)
+    return features
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+", help="torchvision model names")
+    parser.add_argument("--image", type=int, default=224, help="image side in pixels (default 224)")
+    parser.add_argument("--batch", type=int, default=2, help="batch size of the measured forward (default 2)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    for name in args.models:
+        print(json.dumps({"model": name, **measure_torchvision(name, args.image, args.batch).__dict__}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""One DDP rank on an emulated GPU: its module's forward also holds the emulated GPU for the modelled time.
+
+The DataParallel backend (``drbalance.client.emulated``) runs every replica of one process; a DDP
+job has one process per rank, each on its own GPU. ``EmulatedRankDevice.attach(module)`` adds a
+forward hook to the rank's module that, after the real forward on the CPU, (1) waits out the
+model's *host time* for this rank's chunk (the real CPU work since the last device phase counts
+towards it) and (2) occupies the rank's emulated GPU for the model's *device time* of the chunk
+(forward + backward), waiting while another job holds that GPU. There is no DataParallel
+overhead (no scatter, replicate or gather); the gradient all-reduce is real (gloo), so a rank
+slowed by a crowded emulated GPU holds up every rank of its job, as a straggler does on real GPUs.
+Times are multiplied by ``time_scale``; each real sample counts as ``sample_scale`` modelled ones.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from drbalance.client.scatter_gather import batch_size_of
+from drbalance.emu.gpus import EmulatedGpu
+from drbalance.ipc.names import IpcNames
+from drbalance.models import ModelProfile
+
+
+class EmulatedRankDevice:
+    """Emulated GPU ``index`` of the namespace, as one DDP rank's device."""
+
+    def __init__(self, index: int, profile: ModelProfile, time_scale: float = 1.0, sample_scale: float = 1.0,
+                 namespace: str | None = None) -> None:
+        if not time_scale > 0 or not sample_scale > 0:
+            raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
+        self.index = index
+        self.gpu = EmulatedGpu(IpcNames.current(namespace), index)
+        self.profile = profile
+        self.time_scale = float(time_scale)
+        self.sample_scale = float(sample_scale)
+        self._last_device_end: float | None = None
+        self.waited = 0.0  # seconds spent waiting for the emulated GPU, in total
+
+    @property
+    def label(self) -> str:
+        """How timings name this device (``emu:<index>``)."""
+        return f"emu:{self.index}"
+
+    @property
+    def uuid(self) -> str:
+        """The emulated GPU's UUID when emulated GPUs have one, else ""."""
+        return str(getattr(self.gpu, "uuid", "") or "")
+
+    def attach(self, module: nn.Module) -> Any:
+        """Add the emulated host and device time to every forward of ``module``; returns the hook handle."""
+        return module.register_forward_hook(self._after_forward, with_kwargs=True)
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        samples = (batch_size_of(args, kwargs, 0) or 0) * self.sample_scale
+        if samples <= 0:
+            return
+        with torch.autograd.profiler.record_function("EmulatedRankDevice"):
+            target = self.time_scale * self.profile.host_seconds(samples)
+            now = time.monotonic()
+            spent = now - self._last_device_end if self._last_device_end is not None else 0.0
+            if target > spent:
+                time.sleep(target - spent)
+            self.waited += self.gpu.occupy(self.time_scale * self.profile.device_seconds(samples))
+            self._last_device_end = time.monotonic()
+
+    def close(self) -> None:
+        self.gpu.close()

@@ -1,0 +1,253 @@
+"""Train a torchvision model with BalancedDistributedDataParallel under torchrun, steered by drbalance.
+
+One process per rank, started by torchrun; each rank trains on its share of every global batch
+(BalancedBatchSampler), and rank 0 talks to the drbalance manager. Devices: one CUDA GPU per rank
+with NCCL (``--devices cuda``), one emulated GPU per rank with gloo (``--devices emulated:N``; no
+GPU needed), or the CPU with gloo. Data: FakeData (default) or an ImageFolder path.
+
+    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --model resnet50 --solo-time 120
+    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --devices emulated:4 --gpus 2,3 \\
+        --model alexnet --batch-size 16 --time-scale 10 --solo-time auto
+
+``--batch-size`` is the global batch (all ranks together); ``--ratio`` the initial DR over the
+ranks (default: equal shares). ``--gpus`` maps local rank i to device ``gpus[i]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from drbalance import env
+from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
+from drbalance.examples.train import MODELS
+
+PROGRAM = "train_ddp.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
+    parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
+    parser.add_argument("--classes", type=int, default=10, help="classes of FakeData (default 10)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="global batches per epoch (default: the whole dataset; FakeData then has 20)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per global batch, all ranks (default 16)")
+    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--devices", default="auto",
+                        help="'cuda' (NCCL), 'emulated:N' (gloo), 'cpu' (gloo), or 'auto' (CUDA if present, else "
+                        "DRBALANCE_EMULATED_GPUS, else the CPU)")
+    parser.add_argument("--gpus", default=None,
+                        help="device of each local rank, e.g. 2,3 (default: local rank i on device i)")
+    parser.add_argument("--ratio", default=None, help="initial DR over the ranks, e.g. 3,7 (sums to 10; default even)")
+    parser.add_argument("--solo-time", default=None,
+                        help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
+                        "timing profile). Required.")
+    parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
+    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
+    parser.add_argument("--decide-every", type=int, default=None,
+                        help="iterations between DR decisions (default: epoch ends only)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="emulated GPUs: multiply modelled times by this (default 1)")
+    parser.add_argument("--sample-scale", type=float, default=1.0,
+                        help="emulated GPUs: modelled samples per real sample (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch per rank (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0; the same on every rank)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective may wait for another rank before failing (default 300)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def fail(message: str) -> SystemExit:
+    return SystemExit(f"{PROGRAM}: {message}")
+
+
+def torchrun_environment() -> tuple[int, int, int]:
+    """(rank, local rank, world size) from the variables torchrun sets."""
+    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if not os.environ.get(name)]
+    if missing:
+        raise fail(f"{', '.join(missing)} not set: start it with torchrun, e.g. "
+                   f"'torchrun --standalone --nproc_per_node 2 examples/train_ddp.py ...'")
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def choose_devices(spec: str) -> tuple[str, int | None]:
+    """('cuda'|'emulated'|'cpu', emulated GPU count)."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return "cuda", None
+        emulated = env.emulated_gpus()
+        spec = f"emulated:{emulated}" if emulated else "cpu"
+    kind, _, count = spec.partition(":")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise fail("--devices cuda, but CUDA is not available; try --devices emulated:4 or cpu")
+        return "cuda", None
+    if kind == "emulated":
+        if not count.isdigit() or int(count) < 1:
+            raise fail(f"--devices emulated:N needs a GPU count; got {spec!r}")
+        return "emulated", int(count)
+    if kind == "cpu":
+        return "cpu", None
+    raise fail(f"unknown --devices {spec!r}; use cuda, emulated:N, cpu or auto")
+
+
+def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated_gpus: int | None) -> int | None:
+    """The device index of this rank (CUDA or emulated GPU), None on the CPU."""
+    if kind == "cpu":
+        return None
+    available = torch.cuda.device_count() if kind == "cuda" else emulated_gpus
+    try:
+        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else list(range(available))
+    except ValueError:
+        raise fail(f"--gpus must be comma-separated device indices; got {args.gpus!r}") from None
+    if local_rank >= len(gpus):
+        raise fail(f"local rank {local_rank} has no device: --gpus gives {len(gpus)} for more ranks on this node")
+    gpu = gpus[local_rank]
+    if not 0 <= gpu < available:
+        raise fail(f"device {gpu} of --gpus does not exist ({available} {kind} GPUs)")
+    return gpu
+
+
+def build_loader(args: argparse.Namespace, model: BalancedDistributedDataParallel, pin: bool):
+    tensor = transforms.ToTensor()
+    if args.data == "fake":
+        batches = args.iterations or 20
+        dataset = torchvision.datasets.FakeData(size=batches * args.batch_size, image_size=(3, args.image_size,
+                                                args.image_size), num_classes=args.classes, transform=tensor)
+    else:
+        if not os.path.isdir(args.data):
+            raise fail(f"--data {args.data!r} is neither 'fake' nor a directory")
+        size = args.image_size
+        resize = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), tensor])
+        dataset = torchvision.datasets.ImageFolder(args.data, transform=resize)
+    sampler = BalancedBatchSampler(dataset, args.batch_size, model=model, seed=args.seed)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.workers, pin_memory=pin)
+    return loader, sampler
+
+
+def classes_of(args: argparse.Namespace) -> int:
+    if args.data == "fake":
+        return args.classes
+    return len(torchvision.datasets.folder.find_classes(args.data)[0])
+
+
+def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
+    value = args.solo_time
+    if value is None:
+        raise fail("give --solo-time SECONDS, a profile name (see 'drbalance profile'), or 'auto' with emulated GPUs")
+    if value == "auto":
+        if kind != "emulated":
+            raise fail("--solo-time auto needs emulated GPUs (their timing model is known)")
+        from drbalance.models import model_profile
+
+        per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
+        return iterations * args.epochs * per_iteration * args.time_scale
+    try:
+        seconds = float(value)
+    except ValueError:
+        return value  # a profile name
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise fail(f"--solo-time must be > 0 seconds; got {value!r}")
+    return seconds
+
+
+def app_name(args: argparse.Namespace, rank: int) -> str:
+    """The app name, the same on every rank (rank 0's pid goes to the others through the process group)."""
+    if args.app:
+        return args.app
+    names = [f"{args.model}-ddp-{os.getpid()}"]
+    dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank, local_rank, world_size = torchrun_environment()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    kind, emulated_gpus = choose_devices(args.devices)
+    gpu = rank_device(args, kind, local_rank, emulated_gpus)
+    timeout = timedelta(seconds=args.timeout)
+    if kind == "cuda":
+        torch.cuda.set_device(gpu)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", gpu))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes_of(args))
+    ratio = [int(x) for x in args.ratio.split(",")] if args.ratio else None
+    emulated = None
+    if kind == "cuda":
+        model = BalancedDistributedDataParallel(network.cuda(gpu), device_ids=[gpu], ratio=ratio)
+        device = torch.device("cuda", gpu)
+    elif kind == "emulated":
+        from drbalance.client.emulated_rank import EmulatedRankDevice
+        from drbalance.models import model_profile
+
+        emulated = EmulatedRankDevice(gpu, model_profile(args.model), args.time_scale, args.sample_scale)
+        emulated.attach(network)
+        model = BalancedDistributedDataParallel(network, ratio=ratio, device_label=emulated.label,
+                                                device_uuid=emulated.uuid)
+        device = torch.device("cpu")
+    else:
+        model = BalancedDistributedDataParallel(network, ratio=ratio)
+        device = torch.device("cpu")
+    loader, sampler = build_loader(args, model, pin=kind == "cuda")
+    iterations = min(args.iterations or len(loader), len(loader))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()  # the mean over this rank's samples: the hook weights it by its share
+    app = app_name(args, rank)
+    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
+                      report_every=args.report_every, decide_every=args.decide_every)
+    progress = None
+    if rank == 0 and not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=iterations * args.epochs, desc=app, unit="it")
+    started = time.monotonic()
+    with session:
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for index, (images, labels) in enumerate(loader):
+                if index >= iterations:
+                    break
+                output = model(images.to(device, non_blocking=True))
+                loss = criterion(output, labels.to(device, non_blocking=True))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                session.step()
+                if progress is not None:
+                    sd = session.slowdown
+                    progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}",
+                                         sd="-" if sd is None else f"{sd:.2f}", dr=str(model.ratio))
+                    progress.update()
+    if progress is not None:
+        progress.close()
+    if rank == 0:
+        print(f"{app}: {iterations * args.epochs} iterations on {world_size} ranks in "
+              f"{time.monotonic() - started:.1f} s, final DR {model.ratio}", file=sys.stderr)
+    if emulated is not None:
+        emulated.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

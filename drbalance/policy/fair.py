@@ -1,0 +1,463 @@
+"""``fair``: predict every app's slow-down under candidate DRs and pick the change that lowers the
+largest predicted SD at finish (then the mean), with rules against thrashing (docs/policy.md).
+
+The policy keeps state between decisions (what it learned, when it last moved each app, moves it
+still owes other apps); it sees only snapshots, as every policy does. At app i's decision:
+
+1. Learn from the snapshot (``Predictor.observe``).
+2. If i's last move has now been measured for a whole decision window, check it: the corrected
+   predictor compares i's current DR with the one before the move; a move that made things worse
+   by at least ``min_gain`` is undone (branch ``revert``) and that DR is not tried again for
+   ``ban_windows`` windows.
+3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
+   used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
+   (one unit, half, or all of it) moved between two GPUs (which also takes a replica away), i's
+   DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
+   (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
+   the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``.
+
+Every candidate respects the app's constraints (allowed GPUs, minimum and maximum shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from drbalance.policy.base import AppView, Decision, PolicyConfig, Snapshot, current_ratio, violations
+from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
+from drbalance.ratio import DataRatio
+
+
+@dataclass(frozen=True)
+class FairConfig:
+    """Anti-thrash rules and search breadth. Gains are in SD units (predicted SD at finish)."""
+
+    min_gain: float = 0.02
+    noise: float = 0.03  # predicted SD differences below this count as ties when they go against a change
+    mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
+    idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
+    protect_windows: int = 1
+    max_moves_per_epoch: int = 4
+    ban_windows: int = 4
+    destinations: int = 4  # least-loaded GPUs tried as destinations
+    swap_partners: int = 6  # apps tried as swap partners
+    window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
+    window_iterations: int = 20  # ...but at least this many of its iterations
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+
+    def __post_init__(self) -> None:
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain must be >= 0; got {self.min_gain}")
+        for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+
+
+class Verdict(NamedTuple):
+    """A policy's judgement of a change that pays: its gain (for the log) and a key to rank it
+    against other such changes (larger is better)."""
+
+    gain: float
+    key: tuple[float, ...]
+
+
+@dataclass
+class _Move:
+    """A change the policy made to one app, kept until it has been measured."""
+
+    before: DataRatio
+    after: DataRatio
+    iteration: int
+    predicted: float  # iteration time predicted for ``after`` (seconds)
+    quiet: int = 0  # the app's next decisions during which it stays put
+    checked: bool = False  # measured for a whole window and judged
+
+
+@dataclass
+class _Track:
+    """Per app: decision windows, recent moves, DRs not to retry."""
+
+    last_decision: int | None = None
+    window: int = 0  # iterations between the app's decisions
+    last_move: _Move | None = None
+    moves: dict[int, int] = field(default_factory=dict)  # epoch -> moves made in it
+    banned: dict[tuple[int, ...], int] = field(default_factory=dict)  # shares -> banned until this iteration
+
+
+class FairPolicy:
+    """See the module docstring."""
+
+    name = "fair"
+
+    def __init__(self, config: FairConfig | None = None) -> None:
+        self.config = config or FairConfig()
+        self.predictor: Predictor | None = None
+        self.tracks: dict[str, _Track] = {}
+
+    # --- the decision ----------------------------------------------------------------------------
+    def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        """The app's new DR, and when it should ask again (its decision window, in seconds)."""
+        decision = self._choose(app, trigger, snapshot)
+        return replace(decision, next_boundary=self.window_seconds(snapshot.app(app)))
+
+    def window_seconds(self, view: AppView) -> float:
+        """How long the app's decision (and measurement) window lasts."""
+        per_iteration = view.iteration_time or view.solo_time / max(1, view.iterations_total)
+        return max(self.config.window_fraction * view.solo_time, self.config.window_iterations * per_iteration)
+
+    def _choose(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        config = snapshot.config
+        me = snapshot.app(app)
+        ratio = current_ratio(me, config)
+        if ratio is None:
+            return _decision(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
+        predictor = self._predictor(snapshot, app)
+        track = self.tracks.setdefault(app, _Track())
+        self._note_window(track, me)
+        if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
+            return _decision(app, me.ratio, "no-measurement")
+        search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app))
+        checked = self._check_last_move(me, ratio, track, search)
+        if checked is not None:
+            return checked
+        move = track.last_move
+        if move is not None and move.quiet > 0:
+            move.quiet -= 1
+            return _decision(app, me.ratio, "protected", decisions_left=move.quiet)
+        if track.moves.get(me.epoch, 0) >= self.config.max_moves_per_epoch:
+            return _decision(app, me.ratio, "move-cap", epoch=me.epoch)
+        best = search.best(ratio, track)
+        if best is None:
+            return _decision(app, me.ratio, "keep", locked=sorted(search.locked))
+        changes, gain = best
+        others = {other: their for other, their in changes.items() if other != app}
+        for other, their in others.items():  # pushed to them now: each is a move of theirs too
+            view = snapshot.app(other)
+            partner = self.tracks.setdefault(other, _Track())
+            partner.last_move = _Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
+                                      quiet=self.config.protect_windows)
+            partner.moves[view.epoch] = partner.moves.get(view.epoch, 0) + 1
+        branch = "move" if not others else "swap" if len(others) == 1 else "plan"
+        decision = self._move(me, ratio, changes[app], branch, search, track, gain, partners=sorted(others))
+        return replace(decision, others=MappingProxyType(others))
+
+    def _locked_gpus(self, snapshot: Snapshot, app: str) -> set[int]:
+        """GPUs that another app's recent move added load to, and whose effect is not measured yet.
+        No more load goes there meanwhile."""
+        locked: set[int] = set()
+        for view in snapshot.apps:
+            track = self.tracks.get(view.name)
+            if view.name == app or track is None:
+                continue
+            move = track.last_move
+            if move is not None and not move.checked:
+                locked.update(_gained(move.before, move.after))
+        return locked
+
+    def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float]) -> Verdict | None:
+        """How much a change pays, from the predicted times of the apps it affects; None if not enough.
+
+        Leximax over their predicted SDs at finish (the other apps do not change): the largest are
+        compared first; at the first that is lower by at least min_gain the change wins and the
+        difference is the gain, unless an earlier one is higher by ``noise`` or more (differences
+        below that are within the predictor's error, and count as ties). If none differs, a fall
+        of the mean by at least min_gain is the gain. A gain is refused if the SDs of all apps
+        would rise, in sum, by more than ``mean_slack`` times it per app plus ``noise``. Ranked by
+        gain, then by the fall of the mean.
+        """
+        old_sds, new_sds = search.sds(before), search.sds(after)
+        config = self.config
+        needed = config.min_gain
+        mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
+        for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
+            if old - now >= needed:
+                allowed = config.mean_slack * (old - now) + config.noise / search.app_count
+                return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= allowed else None
+            if now - old >= config.noise:
+                return None
+        return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+    def _predictor(self, snapshot: Snapshot, app: str) -> Predictor:
+        if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
+            self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
+        live = [view.name for view in snapshot.apps]
+        self.predictor.forget(live)
+        for name in [name for name in self.tracks if name not in live]:
+            del self.tracks[name]
+        self.predictor.observe(snapshot.apps, learn_from=(app,))
+        return self.predictor
+
+    @staticmethod
+    def _note_window(track: _Track, me: AppView) -> None:
+        if track.last_decision is not None and me.iteration > track.last_decision:
+            track.window = me.iteration - track.last_decision
+        track.last_decision = me.iteration
+
+    def protected(self, name: str) -> bool:
+        """Whether the app is in the protected period after a move (``protect_windows`` of its
+        decisions, the first of which judges the move)."""
+        track = self.tracks.get(name)
+        move = None if track is None else track.last_move
+        return move is not None and (move.quiet > 0 or not move.checked)
+
+    def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
+              gain: float, **details: Any) -> Decision:
+        predicted = search.predicted_time(me.name, {me.name: new})
+        track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows)
+        track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
+        return _decision(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
+
+    def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
+        """Undo the app's last move if, measured for a whole window, it made things worse: going
+        back pays by the policy's judgement, or lowers the SDs of the apps it affects by
+        ``min_gain`` in sum (a move meant to be fair that turned out to cost everyone)."""
+        move = track.last_move
+        if move is None or move.checked or ratio != move.after or me.iteration <= move.iteration:
+            return None
+        move.checked = True
+        measured = me.iteration_time
+        details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
+        if violations(me, move.before, search.config):
+            return None
+        found = search.gain({me.name: move.before})
+        if found is None:
+            found = search.mean_gain({me.name: move.before})
+        if found is None:
+            return None
+        track.banned[move.after.shares] = me.iteration + self.config.ban_windows * max(1, track.window)
+        track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
+        track.last_move = _Move(move.after, move.before, me.iteration, 0.0, quiet=self.config.protect_windows,
+                                checked=True)
+        return _decision(me.name, move.before, "revert", gain=found.gain, **details)
+
+
+class _Search:
+    """Scores changes to the configuration by the predicted SDs at finish of the apps they affect.
+
+    The configuration is the snapshot's (with DRs pushed to apps but not yet applied). Candidates
+    never add load to a locked GPU.
+    """
+
+    def __init__(self, policy: FairPolicy, snapshot: Snapshot, predictor: Predictor, me: AppView,
+                 locked: set[int]) -> None:
+        self.policy = policy
+        self.config: PolicyConfig = snapshot.config
+        self.predictor = predictor
+        self.me = me
+        self.locked = locked
+        self.views = {view.name: view for view in snapshot.apps}
+        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio) == self.config.gpu_count}
+        self.neighbourhood = predictor.neighbourhood(self.ratios, self.views)
+        self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
+        self._all_sds: dict[str, float] | None = None
+
+    def predicted_time(self, name: str, changes: Mapping[str, DataRatio]) -> float:
+        return self.neighbourhood.solve(self.neighbourhood.affected(changes), changes).get(name, 0.0)
+
+    def _sds(self, times: Mapping[str, float]) -> dict[str, float]:
+        sds = {}
+        for name, seconds in times.items():
+            sd = predicted_slowdown(self.views[name], seconds)
+            if sd is not None:
+                sds[name] = sd
+        return sds
+
+    def sds(self, times: Mapping[str, float]) -> dict[str, float]:
+        """Predicted SDs at finish for these predicted iteration times (apps with an SD so far)."""
+        return self._sds(times)
+
+    def all_sds(self) -> dict[str, float]:
+        """Predicted SDs at finish of every app in the current configuration (solved once)."""
+        if self._all_sds is None:
+            self._all_sds = self._sds(self.neighbourhood.solve(list(self.neighbourhood.ratios), {}))
+        return self._all_sds
+
+    def mean_gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
+        """A change that lowers the predicted SDs at finish by ``min_gain`` in sum, or None."""
+        before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+        fall = sum(before.values()) - sum(after.values())
+        if fall < self.policy.config.min_gain:
+            return None
+        return Verdict(fall / self.app_count, (fall,))
+
+    def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
+        """The policy's judgement of a change, or None if it does not pay."""
+        before, after = self.neighbourhood.compare(changes)
+        return self.policy.judge(self, before, after)
+
+    def best(self, ratio: DataRatio, track: _Track) -> tuple[dict[str, DataRatio], float] | None:
+        best: tuple[Verdict, dict[str, DataRatio]] | None = None
+        candidates = list(self._candidates(ratio, track))
+        plan = self._consolidation_plan()
+        if plan is not None and self.me.name in plan:
+            candidates.append(plan)
+        idle_users = []
+        for changes in candidates:
+            found = self.gain(changes)
+            if found is not None and (best is None or found.key > best[0].key):
+                best = (found, changes)
+            elif found is None and self._fills_idle_gpu(changes):
+                idle_users.append(changes)
+        if best is None:
+            return self._use_idle_gpu(idle_users)
+        return best[1], best[0].gain
+
+    def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
+        """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
+        before: set[int] = set()
+        for ratio in self.ratios.values():
+            before.update(ratio.used)
+        after: set[int] = set()
+        for ratio in {**self.ratios, **changes}.values():
+            after.update(ratio.used)
+        return len(after) > len(before)
+
+    def _use_idle_gpu(self, candidates: list[dict[str, DataRatio]]) -> tuple[dict[str, DataRatio], float] | None:
+        """A GPU nobody uses is worth taking even without a predicted gain, as long as no app's
+        predicted SD rises by more than ``idle_tolerance``: it keeps the server busy and its
+        measurements teach the predictor (utilisation is the paper's second goal)."""
+        best: tuple[float, dict[str, DataRatio]] | None = None
+        tolerance = self.policy.config.idle_tolerance
+        for changes in candidates:
+            before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+            if any(after.get(name, 0.0) - sd > tolerance for name, sd in before.items()):
+                continue
+            fall = sum(before.values()) - sum(after.values())
+            if fall >= 0 and (best is None or fall > best[0]):
+                best = (fall, changes)
+        return None if best is None else (best[1], best[0] / self.app_count)
+
+    def _touches_lock(self, before: DataRatio, after: DataRatio) -> bool:
+        return any(g in self.locked for g in _gained(before, after))
+
+    def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
+        me, config = self.me, self.config
+        seen = {ratio.shares}
+        banned = {shares for shares, until in track.banned.items() if me.iteration < until}
+        for candidate in self._own_candidates(ratio):
+            if candidate.shares in seen or candidate.shares in banned:
+                continue
+            seen.add(candidate.shares)
+            if not self._touches_lock(ratio, candidate) and not violations(me, candidate, config):
+                yield {me.name: candidate}
+        for partner in self._partners():
+            other = self.views[partner]
+            mine = self.ratios[partner].rescale(config.dr_total)
+            theirs = ratio
+            if mine.shares == ratio.shares or mine.shares in banned:
+                continue
+            if self._touches_lock(ratio, mine) or self._touches_lock(self.ratios[partner], theirs):
+                continue
+            if violations(me, mine, config) or violations(other, theirs, config):
+                continue
+            yield {me.name: mine, partner: theirs}
+
+    def _consolidation_plan(self) -> dict[str, DataRatio] | None:
+        """Every app that may move on one GPU, the most slowed choosing first (greedy).
+
+        Proposed only at a crowded start (a quarter of the apps or more spread over at least half
+        the GPUs, as plain DataParallel does), where no single move improves: moving one app out
+        of a crowd of spread apps still leaves it in the crowd on its new GPU.
+        """
+        wide = max(2, (self.config.gpu_count + 1) // 2)
+        spread = sum(1 for ratio in self.ratios.values() if len(ratio.used) >= wide)
+        if spread * 4 < len(self.ratios) or self.config.gpu_count < 2:
+            return None
+        plan = self._plan()
+        return plan or None
+
+    def _plan(self) -> dict[str, DataRatio]:
+        config = self.config
+        predictor = self.predictor
+        settings = predictor.config
+        movable = []
+        for name in self.ratios:
+            view = self.views[name]
+            busy = name != self.me.name and self.policy.protected(name)
+            if view.slowdown is not None and not busy and view.min_share == 0:
+                movable.append((-(view.slowdown or 0.0), name))
+        if self.me.name not in {name for _, name in movable}:
+            return {}
+        moving = {name for _, name in movable}
+        # per GPU, the apps staying put and their duty alone (device share of their solo iteration)
+        load: list[list[tuple[str, float]]] = [[] for _ in range(config.gpu_count)]
+        for name, ratio in self.ratios.items():
+            if name not in moving:
+                model = predictor.apps[name]
+                duty = model.work(settings) / model.solo_iteration
+                for gpu in ratio.used:
+                    load[gpu].append((name, duty))
+        plan: dict[str, DataRatio] = {}
+        for _, name in sorted(movable):
+            view = self.views[name]
+            model = predictor.apps[name]
+            work, host = model.work(settings), model.host_time(settings)
+            best: tuple[float, int] | None = None
+            for gpu in range(config.gpu_count):
+                candidate = DataRatio.single(config.gpu_count, gpu, config.dr_total)
+                if gpu in self.locked and self.ratios[name][gpu] == 0 or violations(view, candidate, config):
+                    continue
+                stretch = 1.0 + sum(predictor.pair_kappa(name, other) * duty for other, duty in load[gpu])
+                seconds = host + work / predictor.speed[gpu] * stretch
+                if best is None or seconds < best[0]:
+                    best = (seconds, gpu)
+            if best is None:
+                continue
+            chosen = DataRatio.single(config.gpu_count, best[1], config.dr_total)
+            load[best[1]].append((name, work / model.solo_iteration))
+            if chosen != self.ratios[name]:
+                plan[name] = chosen
+        return plan
+
+    def _own_candidates(self, ratio: DataRatio) -> Iterator[DataRatio]:
+        total, gpus = self.config.dr_total, self.config.gpu_count
+        destinations = self._quiet_gpus()
+        for gpu in destinations:
+            yield DataRatio.single(gpus, gpu, total)
+        used = ratio.used
+        for source in used:
+            for gpu in sorted(set(destinations) | set(used)):
+                if gpu == source:
+                    continue
+                for amount in sorted({1, ratio[source] // 2, ratio[source]}):
+                    if 0 < amount <= ratio[source]:
+                        shares = list(ratio.shares)
+                        shares[source] -= amount
+                        shares[gpu] += amount
+                        yield DataRatio(shares, total)
+
+    def _quiet_gpus(self) -> list[int]:
+        """Unlocked GPUs that carry less than the average load of the other apps by at least half
+        an app (their shares summed), quietest first: moving there balances load, where moving
+        to an averagely loaded GPU would only shuffle it."""
+        gpus = self.config.gpu_count
+        load = [0.0] * gpus
+        for name, ratio in self.ratios.items():
+            if name != self.me.name:
+                for gpu in ratio.used:
+                    load[gpu] += ratio[gpu] / ratio.total
+        average = sum(load) / gpus
+        quiet = [g for g in range(gpus) if g not in self.locked and (load[g] == 0 or load[g] <= average - 0.5)]
+        return sorted(quiet, key=lambda g: (load[g], g))[: self.policy.config.destinations]
+
+    def _partners(self) -> list[str]:
+        """Apps worth trying to swap with: not moving already, the least slowed first."""
+        candidates = []
+        for name in self.ratios:
+            if name != self.me.name and not self.policy.protected(name):
+                candidates.append((self.views[name].slowdown or 0.0, name))
+        return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
+
+
+def _gained(before: DataRatio, after: DataRatio) -> list[int]:
+    """GPUs whose share grows from ``before`` to ``after`` (compared as fractions of the batch)."""
+    return [g for g, (a, b) in enumerate(zip(before.shares, after.shares)) if b * before.total > a * after.total]
+
+
+def _decision(app: str, ratio: DataRatio, branch: str, **details: Any) -> Decision:
+    return Decision(app, ratio, branch, MappingProxyType(details))

@@ -1,0 +1,407 @@
+"""Predict each app's iteration time under any DRs, from what the apps' records show (no torch).
+
+Used by the ``fair`` and ``f-sched`` policies. Everything it knows comes from snapshots, that is
+from the apps' records and NVML: each app's solo iteration time (solo-run time / planned
+iterations), its measured iteration time, and per GPU its replica's measured chunk time and
+chunk size (``AppView.chunk_seconds`` / ``chunk_samples``). Nothing comes from the simulator.
+
+The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs used):
+
+    T_i = host_i + overhead_i * (k - 1) + max_g  work_i * (phi + (1 - phi) * n_g / B_i) / speed_g * dilation_ig
+    dilation_ig = 1 + sum over the other apps j on g of  kappa_ij * duty_jg
+
+- ``host_i`` (host seconds per iteration: data loading, optimizer, Python) is measured as the
+  iteration time minus the longest chunk while the app runs on one GPU; ``overhead_i`` (seconds
+  per extra replica: scatter, replicate, gather) likewise while it runs on several.
+- ``work_i`` is the full batch's device time on a speed-1 GPU: the solo iteration time minus the
+  host time (the solo run is, by definition, alone on one reference GPU). ``phi`` is the part of
+  a chunk's time that does not shrink with its size (prior 0.3; from the linear fits in
+  docs/calibration.md).
+- ``speed_g`` is learned from apps alone on GPU g with their whole batch (default 1).
+- ``duty_jg`` is the fraction of time app j keeps GPU g busy (its chunk time there over its
+  iteration time), and ``kappa_ij`` how much app i's chunk stretches per unit of that: learned
+  per pair of apps, by a normalised least-mean-squares step, from every measured chunk time of
+  an app that shares its GPU. A pair never seen together gets the app's mean sensitivity times
+  the other's mean aggressiveness over the pairs learned so far, relative to the overall mean
+  (``interference_prior`` while nothing is learned).
+- A per-app correction factor (measured / predicted iteration time for the configuration the
+  app was measured in) absorbs what the model misses.
+
+Times in seconds. Predicted SD at finish follows Eq. 2 with the predicted iteration time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from drbalance.policy.base import AppView
+from drbalance.ratio import DataRatio
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    """Priors and learning rates. Shares are of the app's solo iteration time."""
+
+    fixed_fraction: float = 0.3  # phi: part of a full-batch chunk's time that does not depend on its size
+    host_prior: float = 0.25  # host share of the solo iteration until measured
+    overhead_prior: float = 0.25  # cost of each extra replica until measured
+    overhead_floor: float = 0.02  # seconds: the least an extra replica is assumed to cost until measured
+    duty_prior: float = 0.7  # share of time an app without measurements keeps its GPUs busy
+    interference_prior: float = 1.0  # kappa of a pair never seen together: time slicing
+    smoothing: float = 0.5  # weight of a new observation in the running estimates
+    interference_step: float = 0.5  # NLMS step for kappa
+    correction_bounds: tuple[float, float] = (0.67, 1.5)
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_fraction", "host_prior", "smoothing", "interference_step"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be within 0..1; got {value!r}")
+        if self.overhead_prior < 0 or self.interference_prior < 0:
+            raise ValueError("overhead_prior and interference_prior must be >= 0")
+
+
+@dataclass
+class AppModel:
+    """What the predictor has learned about one app (seconds)."""
+
+    solo_iteration: float
+    batch: int
+    host: float | None = None
+    overhead: float | None = None
+    correction: float = 1.0
+    measured_iteration: int = -1  # the app's iteration count at the last observation used
+
+    def host_time(self, config: PredictorConfig) -> float:
+        return self.host if self.host is not None else config.host_prior * self.solo_iteration
+
+    def overhead_time(self, config: PredictorConfig) -> float:
+        if self.overhead is not None:
+            return self.overhead
+        return max(config.overhead_floor, config.overhead_prior * self.solo_iteration)
+
+    def work(self, config: PredictorConfig) -> float:
+        """Full-batch device seconds on a speed-1 GPU (at least a tenth of the solo iteration)."""
+        return max(0.1 * self.solo_iteration, self.solo_iteration - self.host_time(config))
+
+
+Placement = Mapping[str, Sequence[int]]
+"""Samples per GPU of each app's mini-batch."""
+
+
+def samples(ratio: DataRatio, batch: int) -> tuple[int, ...]:
+    """Samples per GPU of a batch split by the DR."""
+    return _split(ratio.shares, ratio.total, batch)
+
+
+@lru_cache(maxsize=65536)
+def _split(shares: tuple[int, ...], total: int, batch: int) -> tuple[int, ...]:
+    return DataRatio(shares, total).split(batch)
+
+
+class Predictor:
+    """Learns from snapshots (``observe``) and predicts iteration times (``iteration_times``)."""
+
+    def __init__(self, gpu_count: int, config: PredictorConfig | None = None) -> None:
+        self.gpu_count = gpu_count
+        self.config = config or PredictorConfig()
+        self.apps: dict[str, AppModel] = {}
+        self.speed = [1.0] * gpu_count
+        self._speed_measured = [False] * gpu_count
+        self.kappa: dict[tuple[str, str], float] = {}
+        # running sums for pairs never seen together: per app, kappa suffered and caused (sum, count)
+        self._suffered: dict[str, list[float]] = {}
+        self._caused: dict[str, list[float]] = {}
+        self._total = [0.0, 0]
+
+    # --- learning ---------------------------------------------------------------------------------
+    def forget(self, live: Iterable[str]) -> None:
+        """Drop what was learned about apps that are gone."""
+        keep = set(live)
+        for name in [name for name in self.apps if name not in keep]:
+            del self.apps[name]
+        for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
+            self._set_kappa(pair, None)
+
+    def model(self, view: AppView) -> AppModel:
+        model = self.apps.get(view.name)
+        batch = view.batch or 1
+        solo = view.solo_time / max(1, view.iterations_total)
+        if model is None:
+            model = self.apps[view.name] = AppModel(solo, batch)
+        model.solo_iteration, model.batch = solo, batch
+        return model
+
+    def observe(self, views: Sequence[AppView], learn_from: Iterable[str] | None = None) -> None:
+        """Learn from the apps in ``learn_from`` (default: all) whose record shows a new window,
+        and from every app never learned from yet.
+
+        The daemon calls a policy at an app's decision boundary, right after the app published a
+        whole window's measurements: learning from that app alone uses every window once.
+        """
+        for view in views:
+            self.model(view)
+        wanted = None if learn_from is None else set(learn_from)
+        for view in views:
+            if wanted is not None and view.name not in wanted and self.apps[view.name].measured_iteration >= 0:
+                continue  # not deciding now, and learned from before
+            model = self.apps[view.name]
+            placement = _measured_samples(view)
+            if placement is None or view.iteration == model.measured_iteration:
+                continue
+            model.measured_iteration = view.iteration
+            others = self._co_runners(view, placement, views)
+            self._learn_host(view, model, placement)
+            self._learn_gpus(view, model, placement, others)
+            self._learn_correction(view, model, self._measured_configuration_time(view, model, placement, others))
+
+    def _co_runners(self, view: AppView, placement: Sequence[int],
+                    views: Sequence[AppView]) -> dict[int, dict[str, float]]:
+        """For each GPU the app used: the other apps there and their duty (measured, else a prior)."""
+        used = [g for g, n in enumerate(placement) if n > 0]
+        found: dict[int, dict[str, float]] = {g: {} for g in used}
+        for other in views:
+            if other.name == view.name:
+                continue
+            measured = other.chunk_seconds is not None and bool(other.iteration_time)
+            for gpu in used:
+                if measured:
+                    seconds = other.chunk_seconds[gpu]
+                    if seconds is not None:
+                        found[gpu][other.name] = min(1.0, seconds / other.iteration_time)
+                elif gpu < len(other.ratio) and other.ratio[gpu] > 0:
+                    found[gpu][other.name] = self.config.duty_prior
+        return found
+
+    def _measured_configuration_time(self, view: AppView, model: AppModel, placement: Sequence[int],
+                                     others: Mapping[int, Mapping[str, float]]) -> float:
+        """The model's iteration time for the configuration the app was measured in."""
+        config = self.config
+        work = model.work(config)
+        longest = 0.0
+        for gpu, duties in others.items():
+            stretch = 1.0 + sum(self.pair_kappa(view.name, name) * duty for name, duty in duties.items())
+            longest = max(longest, work * self.size_factor(placement[gpu], model.batch) / self.speed[gpu] * stretch)
+        return model.host_time(config) + model.overhead_time(config) * (len(others) - 1) + longest
+
+    def _learn_host(self, view: AppView, model: AppModel, placement: Sequence[int]) -> None:
+        config = self.config
+        longest = max(s for s in view.chunk_seconds if s is not None)
+        host = max(0.0, view.iteration_time - longest)
+        used = sum(1 for n in placement if n > 0)
+        if used == 1:
+            model.host = _blend(model.host, host, config.smoothing)
+        else:
+            per_replica = max(0.0, (host - model.host_time(config)) / (used - 1))
+            model.overhead = _blend(model.overhead, per_replica, config.smoothing)
+
+    def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
+                    co_runners: Mapping[int, Mapping[str, float]]) -> None:
+        config = self.config
+        work = model.work(config)
+        used = list(co_runners)
+        for gpu in used:
+            seconds = view.chunk_seconds[gpu]
+            if not seconds:
+                continue
+            others = co_runners[gpu]
+            unstretched = work * self.size_factor(placement[gpu], model.batch)
+            if not others:
+                if len(used) == 1:  # alone with the whole batch: this GPU's speed
+                    known = self.speed[gpu] if self._speed_measured[gpu] else None
+                    self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
+                    self._speed_measured[gpu] = True
+                continue
+            stretch = seconds * self.speed[gpu] / unstretched - 1.0
+            predicted = sum(self.pair_kappa(view.name, name) * duty for name, duty in others.items())
+            norm = sum(duty * duty for duty in others.values()) + 1e-3
+            step = config.interference_step * (stretch - predicted) / norm
+            for name, duty in others.items():
+                pair = (view.name, name)
+                self._set_kappa(pair, min(10.0, max(0.0, self.pair_kappa(*pair) + step * duty)))
+
+    def _set_kappa(self, pair: tuple[str, str], value: float | None) -> None:
+        """Set (or with None forget) one pair's kappa, keeping the running sums in step."""
+        old = self.kappa.pop(pair, None)
+        for table, name in ((self._suffered, pair[0]), (self._caused, pair[1])):
+            entry = table.setdefault(name, [0.0, 0])
+            if old is not None:
+                entry[0] -= old
+                entry[1] -= 1
+            if value is not None:
+                entry[0] += value
+                entry[1] += 1
+            if entry[1] == 0:
+                del table[name]
+        if old is not None:
+            self._total[0] -= old
+            self._total[1] -= 1
+        if value is not None:
+            self.kappa[pair] = value
+            self._total[0] += value
+            self._total[1] += 1
+
+    def _learn_correction(self, view: AppView, model: AppModel, predicted: float) -> None:
+        if predicted > 0:
+            low, high = self.config.correction_bounds
+            ratio = min(high, max(low, view.iteration_time / predicted))
+            model.correction = _blend(model.correction, ratio, self.config.smoothing)
+
+    def pair_kappa(self, app: str, other: str) -> float:
+        """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU."""
+        learned = self.kappa.get((app, other))
+        if learned is not None:
+            return learned
+        total, count = self._total
+        if count == 0:
+            return self.config.interference_prior
+        overall = total / count
+        if overall <= 0:
+            return 0.0
+        suffered = self._suffered.get(app)
+        caused = self._caused.get(other)
+        sensitivity = suffered[0] / suffered[1] if suffered else overall
+        aggressiveness = caused[0] / caused[1] if caused else overall
+        return sensitivity * aggressiveness / overall
+
+    # --- prediction -------------------------------------------------------------------------------
+    def size_factor(self, size: float, batch: int) -> float:
+        """Device time of a chunk of ``size`` samples as a share of the full batch's."""
+        phi = self.config.fixed_fraction
+        return phi + (1.0 - phi) * size / max(1, batch) if size > 0 else 0.0
+
+    def neighbourhood(self, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> Neighbourhood:
+        """What-if evaluations around the configuration ``ratios`` (see ``Neighbourhood``)."""
+        return Neighbourhood(self, ratios, views)
+
+    def iteration_times(self, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> dict[str, float]:
+        """Predicted seconds per iteration of every app if each used the DR given for it."""
+        return self.neighbourhood(ratios, views).solve(list(ratios), {})
+
+
+class Neighbourhood:
+    """Predicted iteration times for changes around one configuration, solved locally.
+
+    A change of some apps' DRs affects those apps and the apps sharing a GPU with them (before or
+    after); only those are solved (a fixed point: duties depend on the times they stretch). An
+    app outside that set counts on the GPUs it shares with the set by its measured duty (chunk
+    time over iteration time; a prior before it is measured). Comparing the affected apps before
+    and after a change is then cheap, whatever the number of apps.
+    """
+
+    ROUNDS = 3
+
+    def __init__(self, predictor: Predictor, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> None:
+        self.predictor = predictor
+        self.ratios = {name: ratio for name, ratio in ratios.items() if name in predictor.apps}
+        self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
+        for name, ratio in self.ratios.items():
+            for gpu in ratio.used:
+                self.on_gpu[gpu].append(name)
+        self.measured_duty: dict[tuple[str, int], float] = {}
+        prior = predictor.config.duty_prior
+        for name, ratio in self.ratios.items():
+            view = views.get(name)
+            seconds = view.chunk_seconds if view is not None else None
+            for gpu in ratio.used:
+                value = seconds[gpu] if seconds is not None and view.iteration_time else None
+                self.measured_duty[(name, gpu)] = min(1.0, value / view.iteration_time) if value else prior
+
+    def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
+        """The changed apps and every app on a GPU they use before or after the change."""
+        gpus: set[int] = set()
+        for name, ratio in changes.items():
+            gpus.update(ratio.used)
+            current = self.ratios.get(name)
+            if current is not None:
+                gpus.update(current.used)
+        names = set(changes)
+        for gpu in gpus:
+            names.update(self.on_gpu[gpu])
+        return sorted(names)
+
+    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
+        """Predicted (corrected) times of the affected apps without and with the change."""
+        names = self.affected(changes)
+        return self.solve(names, {}), self.solve(names, changes)
+
+    def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
+        """Predicted (corrected) seconds per iteration of ``names`` with ``changes`` applied."""
+        predictor = self.predictor
+        config = predictor.config
+        apps = predictor.apps
+        speed = predictor.speed
+        kappa = predictor.pair_kappa
+        ratios = self.ratios
+        inside = set(names)
+        chunks: dict[str, list[tuple[int, float]]] = {}
+        fixed: dict[str, float] = {}
+        occupants: dict[int, list[str]] = {}
+        for name in names:
+            model = apps[name]
+            ratio = changes.get(name) or ratios[name]
+            sizes = samples(ratio, model.batch)
+            work = model.work(config)
+            placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
+            chunks[name] = placed
+            fixed[name] = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
+            for gpu, _ in placed:
+                if gpu not in occupants:
+                    occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in inside]
+                    occupants[gpu] += [other for other in names if (changes.get(other) or ratios[other])[gpu]]
+        duty = self.measured_duty
+        # per chunk: the stretch from apps outside the set (fixed) and (kappa, other) for those inside
+        plans = []
+        for name in names:
+            for gpu, chunk in chunks[name]:
+                outside = 1.0
+                partners = []
+                for other in occupants[gpu]:
+                    if other == name:
+                        continue
+                    if other in inside:
+                        partners.append((kappa(name, other), (other, gpu), other))
+                    else:
+                        outside += kappa(name, other) * duty[(other, gpu)]
+                plans.append((name, gpu, chunk, outside, partners))
+        stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
+        times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
+        for _ in range(self.ROUNDS):
+            longest = dict.fromkeys(names, 0.0)
+            for name, gpu, chunk, outside, partners in plans:
+                stretch = outside
+                for factor, key, other in partners:
+                    stretch += factor * min(1.0, stretched[key] / times[other])
+                value = chunk * stretch
+                stretched[(name, gpu)] = value
+                if value > longest[name]:
+                    longest[name] = value
+            for name in names:
+                times[name] = fixed[name] + longest[name]
+        return {name: times[name] * apps[name].correction for name in names}
+
+
+def predicted_slowdown(view: AppView, iteration_time: float) -> float | None:
+    """Eq. 2 at finish if the app ran every remaining iteration in ``iteration_time`` seconds."""
+    if view.slowdown is None or view.iteration_time is None:
+        return None
+    left = max(0, view.iterations_total - view.iteration)
+    elapsed = view.slowdown * view.solo_time - left * view.iteration_time
+    return (elapsed + left * iteration_time) / view.solo_time
+
+
+def _measured_samples(view: AppView) -> tuple[int, ...] | None:
+    """Samples per GPU in the app's measured window, or None without a usable measurement."""
+    if view.chunk_seconds is None or view.chunk_samples is None or not view.iteration_time:
+        return None
+    sizes = tuple(int(round(n)) if s is not None else 0 for s, n in zip(view.chunk_seconds, view.chunk_samples))
+    return sizes if any(sizes) else None
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    if old is None or not math.isfinite(old):
+        return new
+    return (1.0 - weight) * old + weight * new

@@ -1,0 +1,171 @@
+"""Rank functions for tests/test_ddp.py, run with ``torch.multiprocessing.spawn`` over gloo on the CPU.
+
+Each writes its findings as JSON to ``<out>/<name>-rank<r>.json``; the tests assert on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional
+
+from drbalance.client.distributed import BalancedDistributedDataParallel
+from drbalance.client.sampler import BalancedBatchSampler
+from drbalance.ratio import DataRatio
+
+
+def init(rank: int, world: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+
+
+def write(out: str, name: str, rank: int, data: dict) -> None:
+    Path(out, f"{name}-rank{rank}.json").write_text(json.dumps(data))
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def dataset(samples: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(samples, 6, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def gradients(rank: int, world: int, out: str) -> None:
+    """Uneven DRs, a local DR change mid-epoch and an agreed one: compare with one process on the whole batch."""
+    init(rank, world, out)
+    x, y = dataset()
+    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 7])
+    reference = copy.deepcopy(small_net())
+    sampler = BalancedBatchSampler(len(x), 12, model=model, seed=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    steps, seen = [], {}
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen[epoch] = []
+        for step, indices in enumerate(sampler):
+            if epoch == 0 and step == 2:
+                model.set_ratio([5, 3, 2])  # every rank alike, mid-epoch
+            if epoch == 1 and step == 1:
+                # rank 0's proposal wins; the others' are ignored
+                model.agree_ratio(DataRatio([2, 2, 6]) if rank == 0 else DataRatio([8, 1, 1]))
+            everyone = [None] * world
+            dist.all_gather_object(everyone, indices)
+            batch = [i for part in everyone for i in part]
+            seen[epoch].extend(batch)
+            optimizer.zero_grad()
+            functional.cross_entropy(model(x[indices]), y[indices]).backward()
+            reference_optimizer.zero_grad()
+            functional.cross_entropy(reference(x[batch]), y[batch]).backward()
+            index, ratio, sizes = sampler.last
+            steps.append({"epoch": epoch, "step": step, "index": index, "ratio": ratio.to_list(),
+                          "sizes": list(sizes), "local": len(indices), "counts": list(model.last_chunk_sizes),
+                          "error": max_difference(grads(model.module), grads(reference)),
+                          "scale": max(float(g.abs().max()) for g in grads(reference))})
+            optimizer.step()
+            reference_optimizer.step()
+    parameters = max(float((p - q).abs().max()) for p, q in zip(model.module.parameters(), reference.parameters()))
+    timings = [[t.slot, t.samples, t.seconds] for t in model.last_replica_timings()]
+    write(out, "gradients", rank, {"steps": steps, "seen": seen, "parameters": parameters, "timings": timings,
+                                   "batches_per_epoch": len(sampler)})
+    dist.destroy_process_group()
+
+
+def plain_ddp(rank: int, world: int, out: str) -> None:
+    """Equal shares match plain DDP bit for bit; unequal batches under plain DDP do not match the full-batch mean."""
+    init(rank, world, out)
+    x, y = dataset(48)
+    balanced = BalancedDistributedDataParallel(small_net())  # even: [1, 1, 1]
+    plain = nn.parallel.DistributedDataParallel(small_net())
+    sampler = BalancedBatchSampler(len(x), 12, model=balanced, shuffle=False)
+    identical = []
+    for indices in sampler:
+        for model in (balanced, plain):
+            model.zero_grad()
+            functional.cross_entropy(model(x[indices]), y[indices]).backward()
+        identical.append(max_difference(grads(balanced.module), grads(plain.module)))
+    # plain DDP fed uneven local batches (the wrong gradient this library exists to fix)
+    sizes = [2, 3, 7][:world]
+    start = sum(sizes[:rank])
+    local = list(range(start, start + sizes[rank]))
+    plain.zero_grad()
+    functional.cross_entropy(plain(x[local]), y[local]).backward()
+    reference = small_net()
+    whole = list(range(sum(sizes)))
+    functional.cross_entropy(reference(x[whole]), y[whole]).backward()
+    write(out, "plain", rank, {"identical": identical,
+                               "naive_error": max_difference(grads(plain.module), grads(reference))})
+    dist.destroy_process_group()
+
+
+def agreement(rank: int, world: int, out: str) -> None:
+    """agree_ratio when the ranks' loaders ran ahead by different amounts; mismatched ratios; no_sync."""
+    init(rank, world, out)
+    found: dict = {}
+    try:
+        BalancedDistributedDataParallel(small_net(), ratio=[7, 1, 1, 1] if rank == 2 else [1, 1, 1, 7])
+    except ValueError as error:
+        found["mismatch"] = str(error)
+    try:  # a DR that starves a rank, given to rank 3 only: every rank raises, none waits for the others
+        BalancedDistributedDataParallel(small_net(), ratio=[10, 0, 0, 0] if rank == 3 else [1, 1, 1, 7])
+    except ValueError as error:
+        found["starved"] = str(error)
+    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4])
+    found["uuids"] = list(model.device_uuids())
+    found["labels"] = list(model.device_labels)
+    sampler = BalancedBatchSampler(400, 20, model=model)
+    batches = iter(sampler)
+    for _ in range(2 + rank):  # rank r has produced 2 + r batches (deeper prefetch on higher ranks)
+        next(batches)
+    ratio, start = model.agree_ratio(DataRatio([4, 3, 2, 1]) if rank == 0 else DataRatio([1, 1, 1, 7]))
+    found["agreed"] = [ratio.to_list(), start]
+    used = {}
+    while sampler.last[0] < start + 1:
+        next(batches)
+        used[sampler.last[0]] = sampler.last[1].to_list()
+    found["used"] = sorted(used.items())
+    found["kept"] = list(model.agree_ratio(None))[1]  # nothing proposed: no change
+    # propose_ratio on every rank (only rank 0's counts); it travels with the next step's sample counts
+    model.propose_ratio([2, 2, 3, 3] if rank == 0 else [1, 1, 1, 7])
+    for _ in range(rank):  # every rank had produced up to batch 6; now rank r up to 6 + r
+        next(batches)
+    x, y = dataset(40)
+    functional.cross_entropy(model(x[:3]), y[:3]).backward()
+    found["proposed"] = [[r.to_list(), start] for r, start in model.take_agreed()]
+    found["after_proposal"] = model.ratio.to_list()
+    # gradient accumulation: two micro-batches per rank under no_sync, then a synchronising one
+    sizes = [2, 4, 6, 8]
+    start_at = sum(sizes[:rank])
+    mine = list(range(start_at, start_at + sizes[rank]))
+    halves = [mine[: len(mine) // 2], mine[len(mine) // 2:]]
+    model.zero_grad()
+    with model.no_sync():
+        functional.cross_entropy(model(x[halves[0]]), y[halves[0]], reduction="sum").div(len(mine)).backward()
+    functional.cross_entropy(model(x[halves[1]]), y[halves[1]], reduction="sum").div(len(mine)).backward()
+    reference = small_net()
+    whole = list(range(sum(sizes)))
+    functional.cross_entropy(reference(x[whole]), y[whole]).backward()
+    found["accumulated_counts"] = list(model.last_chunk_sizes)
+    found["accumulated_error"] = max_difference(grads(model.module), grads(reference))
+    # loss_reduction="sum": each rank's loss is a sum over its samples
+    summed = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4], loss_reduction="sum")
+    functional.cross_entropy(summed(x[mine]), y[mine], reduction="sum").backward()
+    found["sum_error"] = max_difference(grads(summed.module), grads(reference))
+    write(out, "agreement", rank, found)
+    dist.destroy_process_group()

@@ -1,0 +1,238 @@
+"""BalancedDistributedDataParallel across real processes: gloo on the CPU, 2-4 ranks.
+
+The gradient tests run ranks with ``torch.multiprocessing.spawn`` (tests/helpers/ddp_workers.py);
+the manager tests run a real job under ``torchrun`` (tests/helpers/ddp_app.py) beside a real
+manager over real POSIX IPC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from drbalance.jsonlog import read_json_lines
+from drbalance.manager.daemon import Manager, ManagerSettings
+from drbalance.manager.utilization import ScriptedSource
+from drbalance.policy.base import Decision
+from drbalance.ratio import DataRatio
+from tests.conftest import leftovers, python_process
+from tests.helpers import ddp_workers
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spawn(name: str, world: int, tmp_path: Path) -> list[dict]:
+    """Run ``ddp_workers.<name>`` on ``world`` ranks; each rank's JSON findings, in rank order."""
+    mp.spawn(getattr(ddp_workers, name), args=(world, str(tmp_path)), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"{name.split('_')[0]}-rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_gradients_equal_the_full_batch_mean_for_uneven_and_changing_ratios(tmp_path):
+    ranks = spawn("gradients", 3, tmp_path)
+    steps = ranks[0]["steps"]
+    # what ran: [1, 2, 7], then [5, 3, 2] set mid-epoch 0, then rank 0's [2, 2, 6] agreed mid-epoch 1
+    assert [s["ratio"] for s in steps] == [[1, 2, 7]] * 3 + [[5, 3, 2]] * 3 + [[2, 2, 6]] * 2
+    assert [s["sizes"] for s in steps][:4] == [[1, 2, 9]] * 3 + [[7, 4, 3]]  # 50 samples: the tail of 2 folded in
+    for rank, found in enumerate(ranks):
+        for step, mine in zip(steps, found["steps"]):
+            assert (mine["index"], mine["ratio"], mine["sizes"]) == (step["index"], step["ratio"], step["sizes"])
+            assert mine["local"] == step["sizes"][rank] and mine["counts"] == step["sizes"]
+            # the gradient after DDP's all-reduce is the gradient of the mean loss over the global batch
+            assert mine["error"] <= 1e-6 * max(1.0, mine["scale"]), (rank, mine)
+        assert found["parameters"] < 1e-5  # and 8 SGD steps later the weights still agree
+        for epoch, seen in found["seen"].items():
+            assert sorted(seen) == list(range(50)), epoch  # every sample once per epoch
+        timings = found["timings"]
+        assert [t[0] for t in timings] == [0, 1, 2] and [t[1] for t in timings] == steps[-2]["sizes"]
+        assert all(t[2] > 0 for t in timings)
+
+
+def test_equal_shares_match_plain_ddp_bit_for_bit_and_plain_ddp_gets_uneven_batches_wrong(tmp_path):
+    ranks = spawn("plain_ddp", 2, tmp_path)
+    for found in ranks:
+        assert found["identical"] == [0.0] * 4  # max |difference| of every gradient, four steps
+        assert found["naive_error"] > 1e-3  # plain DDP's average of unequal local means: the wrong gradient
+
+
+def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
+    ranks = spawn("agreement", 4, tmp_path)
+    for rank, found in enumerate(ranks):
+        assert "rank 2 was given ratio [7, 1, 1, 1]/10" in found["mismatch"] or rank == 2
+        assert "give every rank" in found["mismatch"]
+        assert found["starved"].startswith("rank 3 of the job: ratio [10, 0, 0, 0]/10 gives rank(s) [1, 2, 3] less")
+        # rank r had produced 2 + r batches: the agreed DR starts after the furthest one, batch 5
+        assert found["agreed"] == [[4, 3, 2, 1], 5]
+        used = {index: ratio for index, ratio in found["used"]}
+        assert used[5] == used[6] == [4, 3, 2, 1] and all(used[i] == [1, 2, 3, 4] for i in used if i < 5)
+        assert found["kept"] is None
+        # propose_ratio: rank 0's DR rides on the next step's counts; rank 3 had produced up to batch 9
+        assert found["proposed"] == [[[2, 2, 3, 3], 10]] and found["after_proposal"] == [2, 2, 3, 3]
+        assert found["uuids"] == [""] * 4 and found["labels"] == ["cpu"] * 4  # CPU ranks have no GPU UUID
+        assert found["accumulated_counts"] == [2, 4, 6, 8]  # no_sync micro-batches counted together
+        assert found["accumulated_error"] < 1e-6 and found["sum_error"] < 1e-6
+
+
+# --- with a manager, under torchrun -----------------------------------------------------------------
+
+class ScriptPolicy:
+    """A real policy object for the daemon: at each boundary of ``app`` the next DR of a script."""
+
+    name = "script"
+
+    def __init__(self, app: str, ratios: list[list[int]]) -> None:
+        self.app = app
+        self.ratios = [DataRatio(r) for r in ratios]
+        self.views = []
+
+    def decide(self, app, trigger, snapshot):
+        view = snapshot.app(app)
+        self.views.append(view)
+        if app == self.app and trigger == "boundary" and self.ratios:
+            return Decision(app, self.ratios.pop(0), "script")
+        return Decision(app, view.ratio, "keep")
+
+
+def torchrun(ranks: int, *args: str):
+    return python_process("torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                          "-m", "tests.helpers.ddp_app", *args)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env, tmp_path):
+    util = tmp_path / "util.json"
+    util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}))
+    settings = ManagerSettings(log_path=tmp_path / "manager.jsonl", sample_period=0.2)
+    policy = ScriptPolicy("ddpjob", [[2, 8], [0, 10], [7, 3], [6, 4]])  # [0, 10] would starve rank 0
+    manager = Manager(settings, ScriptedSource(util), policy=policy)
+    manager.start()
+    loop = threading.Thread(target=manager.run, daemon=True)
+    loop.start()
+    try:
+        job = torchrun(2, "--app", "ddpjob", "--ratio", "5,5", "--epochs", "2", "--iterations", "6",
+                       "--decide-every", "2", "--report-every", "1")
+        out, err = job.communicate(timeout=150)
+    finally:
+        manager.request_stop("test over")
+        loop.join(timeout=30)
+        manager.stop()
+    assert job.returncode == 0, err[-3000:]
+    lines = json_lines(out)
+    steps = {rank: [line for line in lines if line.get("rank") == rank and "step" in line] for rank in (0, 1)}
+    assert len(steps[0]) == len(steps[1]) == 12
+    used = [(s["batch"], s["ratio"], s["sizes"]) for s in steps[0]]
+    assert used == [(s["batch"], s["ratio"], s["sizes"]) for s in steps[1]]  # the same DR for every batch
+    for s in steps[0] + steps[1]:
+        assert s["counts"] == s["sizes"] and s["local"] == s["sizes"][s["rank"]]
+    # decisions at the boundaries after steps 2, 6 and 8 travel with the next step's sample counts and
+    # apply from the next global batch not yet produced then (steps 4, 8, 10); the daemon refused the
+    # policy's [0, 10] at step 4 (the job's minimum share is 1), so [2, 8] stayed
+    assert [ratio for _, ratio, _ in used] == [[5, 5]] * 3 + [[2, 8]] * 4 + [[7, 3]] * 2 + [[6, 4]] * 3
+    events = list(read_json_lines(settings.log_path))
+    added = [e for e in events if e["event"] == "app_added"]
+    assert [(e["app"], e["pid"]) for e in added] == [("ddpjob", steps[0][0]["pid"])]  # one app: rank 0's record
+    decided = [(e["branch"], e["new_dr"]) for e in events if e["event"] == "decision" and e["trigger"] == "boundary"]
+    assert decided[:4] == [("script", [2, 8]), ("policy-error", [2, 8]), ("script", [7, 3]), ("script", [6, 4])]
+    sd_log = list(read_json_lines(Path(os.environ["DRBALANCE_LOG_DIR"]) / "ddpjob.sd.jsonl"))
+    applied = [e for e in sd_log if e["event"] == "applied"]
+    assert [(e["from_batch"], e["applied_dr"]) for e in applied] == [(3, [2, 8]), (7, [7, 3]), (9, [6, 4])]
+    # what the manager saw: one app, every rank at least 1 unit, the global batch, per-rank chunk times
+    late = policy.views[-1]
+    assert late.min_share == 1 and late.batch == 10
+    assert late.chunk_samples is not None and len(late.chunk_samples) == 2 and min(late.chunk_samples) > 0
+    assert all(seconds is not None and seconds > 0 for seconds in late.chunk_seconds)
+    assert {e["pid"] for e in sd_log} == {steps[0][0]["pid"]}  # only rank 0 writes the SD log
+    assert [e["reason"] for e in events if e["event"] == "app_removed"] == ["finished"]
+    assert leftovers(ipc_env) == []
+
+
+class ManagerProcess:
+    """``python -m drbalance.manager.cli`` on 2 scripted GPUs in the test's namespace."""
+
+    def __init__(self, tmp_path: Path, names, policy: str = "observe") -> None:
+        util = tmp_path / "util.json"
+        util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [60, 40]}]}))
+        self.log_path = tmp_path / "manager.jsonl"
+        self.process = python_process("drbalance.manager.cli", "--source", f"scripted:{util}", "--policy", policy,
+                                      "--log", str(self.log_path), "--sample-period", "0.1")
+        wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None, 60)
+        assert self.process.poll() is None, self.process.communicate()
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in read_json_lines(self.log_path) if e["event"] == kind] if self.log_path.exists() else []
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.communicate(timeout=30)
+        return self.process.returncode
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def read_ready(process, ranks: int, timeout: float) -> dict[int, int]:
+    """Read the job's stdout until every rank has said it is ready and trained a step: {rank: pid}."""
+    pids: dict[int, int] = {}
+    stepped: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(stepped) < ranks:
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise AssertionError(f"the job did not start: {process.poll()}")
+        line = process.stdout.readline()
+        if line.startswith("{"):
+            fields = json.loads(line)
+            pids[fields["rank"]] = fields["pid"]
+            if "step" in fields:
+                stepped.add(fields["rank"])
+    return pids
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(ipc_env, tmp_path, victim):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    job = torchrun(2, "--app", "ddpjob", "--epochs", "50", "--iterations", "10", "--sleep", "0.05",
+                   "--decide-every", "2")
+    neighbour = None
+    try:
+        pids = read_ready(job, 2, timeout=90)
+        wait_for(lambda: [e for e in manager.events("app_added") if e["app"] == "ddpjob"], 30)
+        neighbour = python_process("tests.helpers.toy_app", "--app", "neighbour", "--gpus", "2", "--epochs", "60",
+                                   "--iterations", "2", "--sleep", "0.05")
+        wait_for(lambda: [e for e in manager.events("decision") if e["app"] == "neighbour"], 60)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed = time.time()
+        job.communicate(timeout=90)  # torchrun notices, stops the other rank and exits
+        assert job.returncode != 0
+        removed = wait_for(lambda: [e for e in manager.events("app_removed") if e["app"] == "ddpjob"], 30)
+        # rank 0 killed: its record is collected as "process gone"; rank 1 killed: rank 0 is stopped
+        # by torchrun (SIGTERM) or fails in its next collective, and says goodbye ("finished")
+        assert removed[0]["reason"] in ({"process gone"} if victim == 0 else {"finished", "process gone"})
+        out, err = neighbour.communicate(timeout=120)
+        assert neighbour.returncode == 0, err[-2000:]
+        late = [e for e in manager.events("decision") if e["app"] == "neighbour" and e["t"] > killed]
+        assert late, "the manager did not answer the other job after the kill"
+        assert json_lines(out)[-1]["done"]
+    finally:
+        for process in (job, neighbour):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.communicate(timeout=30)
+        assert manager.stop() == 0
+    assert leftovers(ipc_env) == []

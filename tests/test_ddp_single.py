@@ -1,0 +1,80 @@
+"""BalancedDistributedDataParallel in one process (a 1-rank gloo group): validation, and what its Session publishes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from drbalance.client import BalancedBatchSampler, BalancedDataParallel, BalancedDistributedDataParallel, Session
+from drbalance.client.distributed import JobSync
+from drbalance.ipc.endpoint import AppChannel
+from drbalance.ipc.link import DetachedLink
+from drbalance.ratio import DataRatio
+from tests.conftest import leftovers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_model_validates_its_arguments_and_keeps_a_usable_ratio(one_rank):
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        BalancedDistributedDataParallel(nn.Linear(3, 1), loss_reduction="max")
+    with pytest.raises(ValueError, match="has 2 entries but the job has 1 rank"):
+        BalancedDistributedDataParallel(nn.Linear(3, 1), ratio=[5, 5])
+    model = BalancedDistributedDataParallel(nn.Linear(3, 1))
+    assert model.ratio == DataRatio([10]) and model.min_share == 1 and (model.rank, model.world_size) == (0, 1)
+    with pytest.raises(ValueError, match="has 2 entries"):
+        model.set_ratio([3, 7])
+    assert model.ratio == DataRatio([10])  # unchanged
+    assert model.set_ratio(DataRatio([1], 1)) == 0 and model.ratio == DataRatio([10])  # kept in tenths
+    assert model.last_chunk_sizes == (0,) and model.last_replica_timings() == []
+    model(torch.randn(4, 3)).sum().backward()
+    model(torch.randn(6, 3)).sum().backward()
+    assert model.last_chunk_sizes == (6,)
+    (timing,) = model.last_replica_timings()  # the step before the last one
+    assert (timing.slot, timing.device, timing.samples) == (0, "cpu", 4) and timing.seconds > 0
+    with torch.no_grad():
+        model(torch.randn(9, 3))  # an evaluation forward neither counts nor exchanges anything
+    assert model.last_chunk_sizes == (6,)
+    assert JobSync.of(model) is not None and JobSync.of(BalancedDataParallel(nn.Linear(3, 1))) is None
+
+
+def test_a_ddp_session_publishes_one_app_with_its_minimum_share_batch_and_rank_slots(one_rank, ipc_env):
+    model = BalancedDistributedDataParallel(nn.Linear(3, 1))
+    sampler = BalancedBatchSampler(40, 8, model=model)
+    data = torch.randn(40, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Session(model, "single", 2, len(sampler), 1.0, report_every=2) as session:
+        channel = AppChannel(ipc_env, "single")
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for step, indices in enumerate(sampler):
+                optimizer.zero_grad()
+                model(data[indices]).pow(2).mean().backward()
+                optimizer.step()
+                if epoch == 1 and step == 3:
+                    status = channel.read_status()  # written at the report after step 2 of epoch 1
+                session.step()
+        assert session.job is not None and session.job.leader
+        channel.close()
+    assert status.min_share == 1 and status.batch == 8 and status.ratio == DataRatio([10])
+    (slot,) = status.slots
+    assert slot.uuid == "" and slot.chunk_samples == 8 and slot.chunk_seconds is not None and slot.chunk_seconds > 0
+    assert leftovers(ipc_env) == []
+
+
+def test_a_one_rank_ddp_job_can_be_profiled(one_rank, ipc_env, tmp_path, monkeypatch):
+    """``drbalance profile`` measures one process on one GPU: a one-rank job is that (more ranks are refused)."""
+    monkeypatch.setenv("DRBALANCE_PROFILE_OUTPUT", str(tmp_path / "profile.json"))
+    model = BalancedDistributedDataParallel(nn.Linear(3, 1))
+    session = Session(model, "profiled", 1, 4, "unused")
+    assert isinstance(session.link, DetachedLink) and model.ratio == DataRatio([10])
+    session.close()

@@ -1,0 +1,122 @@
+"""Issue 11, items 7 and 8: emulated GPUs for an unchanged script from the environment alone, a
+per-model cost for any model, and the one-line swap in an ImageNet-style script."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from drbalance.client import BalancedDataParallel, CpuBackend
+from drbalance.client.costs import measure_features
+from drbalance.client.emulated import EmulatedBackend
+from drbalance.emu.gpus import EmulatedGpu, emulated_spec, remove_emulated_gpus
+from drbalance.models import MODEL_PROFILES, TABLE_FEATURES, estimate_profile, model_profile
+from tests.conftest import HELPERS, ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def emu(ipc_env):
+    yield ipc_env
+    remove_emulated_gpus(ipc_env, 4)
+
+
+def test_item7_the_environment_variable_alone_gives_emulated_gpus(emu, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "3:8GiB")
+    model = BalancedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    assert isinstance(model.backend, EmulatedBackend) and model.device_ids == [0, 1, 2]
+    assert model.backend.memory_bytes == 8 * 2**30 and model.backend.profile is None
+    out = model(torch.randn(9, 8))
+    assert out.shape == (9, 2) and model.last_chunk_sizes == (3, 3, 3)
+    profile = model.backend.profile  # estimated from the first chunk
+    assert profile is not None and profile.fixed > 0 and profile.per_sample > 0 and profile.memory_fixed > 0
+    assert [t.device for t in model.last_replica_timings()] == ["emu:0", "emu:1", "emu:2"]
+    assert all(EmulatedGpu(emu, i).read().acquisitions >= 1 for i in range(3))
+    model.backend.close()
+    monkeypatch.delenv("DRBALANCE_EMULATED_GPUS")
+    assert isinstance(BalancedDataParallel(nn.Linear(2, 2)).backend, CpuBackend)
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "3:lots")
+    with pytest.raises(ValueError, match="'lots' is not a size"):
+        BalancedDataParallel(nn.Linear(2, 2))
+
+
+def test_item7_the_estimate_reproduces_the_published_timings_of_the_six_models():
+    for name, features in TABLE_FEATURES.items():
+        table, estimate = MODEL_PROFILES[name], estimate_profile(name, features)
+        ratio = estimate.device_seconds(12) / table.device_seconds(12)
+        assert 0.8 < ratio < 1.2, (name, ratio)  # the fit's documented accuracy: 0.85x to 1.13x
+    assert emulated_spec("4").count == 4 and emulated_spec("2:512MiB").memory_bytes == 512 * 2**20
+
+
+def test_item7_model_profile_measures_any_torchvision_model():
+    profile = model_profile("resnet18")
+    # ResNet-18 has fewer FLOPs and operators than ResNet-50: it must come out cheaper on both counts
+    resnet50 = estimate_profile("resnet50", TABLE_FEATURES["resnet50"])
+    assert 0 < profile.per_sample < resnet50.per_sample and 0 < profile.fixed < resnet50.fixed
+    parameters = sum(p.numel() for p in torchvision.models.resnet18().parameters())
+    assert profile.memory_fixed == pytest.approx(3 * 4 * parameters)  # weights, gradients, one optimizer state
+    with pytest.raises(ValueError, match="no timing profile for model 'no_such_net'.*cannot be measured"):
+        model_profile("no_such_net")
+
+
+def test_measured_features_count_flops_saved_activations_and_operators():
+    module = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
+    features, output = measure_features(module, (torch.randn(4, 100),), None, 4)
+    assert output.shape == (4, 10)
+    assert features.flops_per_sample == 2 * (100 * 50 + 50 * 10)  # a matmul's multiply-adds, counted twice
+    # saved for the backward per sample: the input (100 floats), the ReLU's output (50) — not the weights
+    assert 50 * 4 <= features.saved_bytes_per_sample <= (100 + 50 + 50) * 4
+    assert features.parameter_bytes == 4 * (100 * 50 + 50 + 50 * 10 + 10) and features.modules == 4
+    assert features.operators >= 5
+
+
+def swapped_script(tmp_path, cpu_line: str) -> str:
+    """The ImageNet-style script with its CPU line swapped (and the import added at the top)."""
+    source = (HELPERS / "imagenet_like.py").read_text()
+    original = '        print("using CPU, this will be slow")  # drop-in: CPU line\n'
+    assert source.count(original) == 1
+    source = source.replace(original, f"        {cpu_line}\n")
+    source = source.replace("import torch\n", "import torch\nfrom drbalance.client import BalancedDataParallel\n", 1)
+    path = tmp_path / "imagenet_swapped.py"
+    path.write_text(source)
+    return str(path)
+
+
+def run_script(path, tmp_path, *args, emulated="2"):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DRBALANCE_EMULATED_GPUS=emulated)
+    return subprocess.run([sys.executable, path, "--checkpoint", str(tmp_path / "ck.pth"), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_item8_a_one_line_swap_runs_an_imagenet_style_script_on_emulated_gpus(emu, tmp_path):
+    path = swapped_script(tmp_path, "model = BalancedDataParallel(model)")
+    result = run_script(path, tmp_path, "--epochs", "2")
+    assert result.returncode == 0, result.stderr
+    assert "epoch 1 acc1" in result.stdout
+    assert "model BalancedDataParallel keys module.conv1.weight" in result.stdout  # DataParallel's state dict keys
+    assert all(EmulatedGpu(emu, i).read().acquisitions >= 6 for i in range(2))  # both emulated GPUs ran chunks
+    # resume and evaluate from the checkpoint the wrapper saved
+    resumed = run_script(path, tmp_path, "--epochs", "3", "--resume", str(tmp_path / "ck.pth"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "=> resumed from" in resumed.stdout and "epoch 2 acc1" in resumed.stdout
+    assert "epoch 1 acc1" not in resumed.stdout
+    evaluated = run_script(path, tmp_path, "--evaluate", "--resume", str(tmp_path / "ck.pth"))
+    assert evaluated.returncode == 0 and "eval acc1" in evaluated.stdout
+    # the checkpoint loads into a bare model after stripping "module." as with nn.DataParallel
+    state = torch.load(tmp_path / "ck.pth", weights_only=False)["state_dict"]
+    bare = torchvision.models.resnet18(num_classes=10)
+    bare.load_state_dict({key.removeprefix("module."): value for key, value in state.items()})
+
+
+def test_item8_without_the_swap_the_script_never_wraps_on_a_cpu_machine(emu, tmp_path):
+    source = (HELPERS / "imagenet_like.py").read_text()
+    path = tmp_path / "unchanged.py"
+    path.write_text(source)
+    result = run_script(str(path), tmp_path, "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "using CPU" in result.stdout and "model ResNet keys conv1.weight" in result.stdout

@@ -1,0 +1,257 @@
+"""Issue 11: GPUs named by UUID. A job's DR slots are mapped to the manager's GPUs by UUID, DRs are
+translated both ways, and memory (OOM limits, free memory) caps the shares a policy may give."""
+
+import os
+import sys
+import time
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from drbalance import DataRatio
+from drbalance.client import BalancedDataParallel, Session
+from drbalance.client.emulated import EmulatedBackend
+from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, emulated_uuid, remove_emulated_gpus
+from drbalance.ipc.layout import AppState, AppStatus, Notice, NoticeKind, SlotStatus
+from drbalance.jsonlog import read_json_lines
+from drbalance.manager.daemon import Manager, ManagerSettings
+from drbalance.manager.nvml import MemoryInfo, Nvml, normalize_uuid
+from drbalance.manager.table import AppEntry, ServerGpus, Unmapped, max_share_for
+from drbalance.manager.utilization import NvmlSource, ScriptedSource, UtilizationUnavailable
+from drbalance.models import ModelProfile
+from drbalance.policy import Decision, PolicyConfig, violations
+
+pytestmark = pytest.mark.timeout(120)
+
+UUIDS = ("GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000",
+         "GPU-cccccccc-0000-0000-0000-000000000000", "GPU-dddddddd-0000-0000-0000-000000000000")
+GIB = 2**30
+
+
+def status(ratio, slots=(), batch=0):
+    ratio = DataRatio(ratio)
+    return AppStatus(pid=os.getpid(), app="job", state=AppState.RUNNING, ratio=ratio, epoch=0, epochs=1,
+                     iteration=3, iterations_total=10, iterations_per_epoch=10, notice_seq=1, slowdown=1.5,
+                     iteration_time=0.2, solo_time=10.0, start_wall=0.0, updated_wall=0.0, updated_mono=0.0,
+                     batch=batch, slots=tuple(slots))
+
+
+def entry(ratio, slots=(), batch=0):
+    return AppEntry("job", channel=None, status=status(ratio, slots, batch), added_mono=0.0)
+
+
+def test_slots_map_to_the_servers_gpus_by_uuid_whatever_the_numbering():
+    server = ServerGpus(4, UUIDS)
+    # CUDA_VISIBLE_DEVICES=3,1 (or Slurm): the job's slot 0 is the server's GPU 3, slot 1 is GPU 1
+    job = entry([7, 3], [SlotStatus(UUIDS[3], 0.4, 14.0), SlotStatus(UUIDS[1].upper(), 0.2, 6.0)])
+    view = job.view(10, server)
+    assert view.ratio == DataRatio([0, 3, 0, 7]) and view.allowed == (1, 3)
+    assert view.chunk_seconds == (None, 0.2, None, 0.4) and view.chunk_samples == (0.0, 6.0, 0.0, 14.0)
+    assert job.to_app_ratio(DataRatio([0, 6, 0, 4]), server) == DataRatio([4, 6])  # back in slot order
+    with pytest.raises(ValueError, match="puts shares on GPUs that app 'job' has no device on"):
+        job.to_app_ratio(DataRatio([5, 5, 0, 0]), server)
+    config = PolicyConfig(4)
+    assert violations(view, DataRatio([0, 0, 0, 10]), config) == []
+    assert "cannot use" in violations(view, DataRatio([10, 0, 0, 0]), config)[0]
+
+
+def test_torch_style_uuids_match_nvml_ones_and_unknown_devices_are_handled():
+    assert normalize_uuid("cccccccc-0000-0000-0000-000000000000") == UUIDS[2].lower()
+    assert normalize_uuid(b"GPU-ABC") == "gpu-abc" and normalize_uuid("MIG-x") == "mig-x"
+    assert normalize_uuid(None) == normalize_uuid("") == ""
+    server = ServerGpus(4, UUIDS)
+    bare = entry([5, 5], [SlotStatus(UUIDS[2][4:]), SlotStatus(UUIDS[0][4:])])
+    assert bare.view(10, server).ratio == DataRatio([5, 0, 5, 0])
+    stranger = "GPU-eeeeeeee-0000-0000-0000-000000000000"
+    # a device the manager does not see, with no share: the job is steered among the rest
+    partial = entry([10, 0], [SlotStatus(UUIDS[1]), SlotStatus(stranger)])
+    view = partial.view(10, server)
+    assert view.ratio == DataRatio([0, 10, 0, 0]) and view.allowed == (1,)
+    with pytest.raises(Unmapped, match=r"does not see: slot 1 \(gpu-eeeeeeee"):
+        entry([5, 5], [SlotStatus(UUIDS[1]), SlotStatus(stranger)]).view(10, server)
+    with pytest.raises(Unmapped, match="one GPU for two of its slots"):
+        entry([5, 5], [SlotStatus(UUIDS[1]), SlotStatus(UUIDS[1])]).view(10, server)
+    # no UUIDs anywhere: slot g is GPU g when the counts agree (the pre-v2 behaviour)
+    assert entry([1, 2, 3, 4]).view(10, ServerGpus(4)).ratio == DataRatio([1, 2, 3, 4])
+    assert entry([1, 2, 3, 4]).view(10, server).allowed is None
+    with pytest.raises(Unmapped, match="2 GPU slots without UUIDs; the manager has 4"):
+        entry([5, 5]).view(10, server)
+
+
+def test_memory_caps_come_from_oom_limits_and_free_memory():
+    mb = 10**6
+    server = ServerGpus(4, UUIDS, (MemoryInfo(24 * GIB, 0, 24 * GIB), MemoryInfo(16 * GIB, 15 * GIB, 1000 * mb),
+                                   None, MemoryInfo(24 * GIB, 24 * GIB, 0)))
+    slots = [SlotStatus(UUIDS[0], memory_per_sample=100 * mb, max_samples=10),  # OOM at more than 10
+             SlotStatus(UUIDS[1], memory_per_sample=100 * mb),
+             SlotStatus(UUIDS[2]),  # nothing known
+             SlotStatus(UUIDS[3])]  # no replica yet: the largest known bytes/sample stands in
+    view = entry([2, 3, 5, 0], slots, batch=40).view(10, server)
+    # GPU 0: 10 samples of 40 -> 2.5 tenths -> 2; GPU 1: its 12 samples + 0.9 x 1000 MB / 100 MB = 21 -> 5;
+    # GPU 2: no cap; GPU 3: no free memory and no replica -> 0
+    assert view.max_share == (2, 5, None, 0)
+    assert violations(view, DataRatio([2, 3, 5, 0]), PolicyConfig(4)) == []
+    assert "exceeds its memory cap 2" in violations(view, DataRatio([3, 2, 5, 0]), PolicyConfig(4))[0]
+    assert max_share_for(10, 40, 10) == 2 and max_share_for(10, 40, 100) == 25 and max_share_for(99, 10, 10) == 10
+    assert max_share_for(2, 8, 10, keeps=3) == 3  # rounding never caps a share the app already holds within the limit
+    assert entry([2, 3, 5, 0], slots, batch=0).view(10, server).max_share is None  # batch unknown: no caps
+
+
+class ToOneGpu:
+    """A test policy that ignores every constraint: the whole batch on one fixed server GPU."""
+
+    name = "to-one"
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def decide(self, app, trigger, snapshot):
+        return Decision(app, DataRatio.single(snapshot.config.gpu_count, self.gpu), "to-one")
+
+
+PROFILE = ModelProfile("tiny", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
+                       memory_fixed=1000, memory_per_sample=100)
+
+
+@pytest.fixture
+def emu(ipc_env):
+    yield ipc_env
+    remove_emulated_gpus(ipc_env, 4)
+
+
+def run_decision(names, tmp_path, policy, device_ids, source_gpus=None, memory=24 * GIB, ratio=None, prepare=None):
+    """A job on emulated GPUs ``device_ids`` and an in-process manager over real IPC: one decision.
+
+    Returns the command the job received and the manager's decision log entry.
+    """
+    source = EmulatedSource(names, source_gpus if source_gpus is not None else range(4), memory_bytes=memory)
+    log = tmp_path / f"m{time.monotonic_ns()}.jsonl"
+    manager = Manager(ManagerSettings(namespace=names.namespace, log_path=log), source, policy=policy)
+    manager.start()
+    backend = EmulatedBackend(4, PROFILE, memory_bytes=memory)
+    model = BalancedDataParallel(nn.Linear(4, 2), device_ids=device_ids, ratio=ratio, backend=backend)
+    session = Session(model, "mapped", epochs=1, iterations_per_epoch=50, solo_time=1.0, sd_log=False,
+                      exchange_timeout=0.0, report_every=1)
+    try:
+        if prepare is not None:
+            prepare(model, session)
+        manager._sample(0.0)  # read the GPUs' memory now
+        session.link.publish(session._status(session.clock.monotonic()))
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 99, "mapped", 0.0))
+        command = session.link.poll_command(99)
+    finally:
+        session.close()
+        manager.stop()
+        backend.close()
+    decision = [e for e in read_json_lines(log) if e["event"] == "decision"][-1]
+    return command, decision
+
+
+def test_the_manager_steers_a_job_by_its_own_gpus_and_answers_in_its_slot_order(emu, tmp_path):
+    # the job runs on emulated GPUs 2 and 3 as its slots 0 and 1; the policy moves everything to GPU 3
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(3), device_ids=[2, 3])
+    assert command.ratio == DataRatio([0, 10]) and command.branch == "to-one"
+    assert decision["old_dr"] == [0, 0, 1, 1] and decision["new_dr"] == [0, 0, 0, 10]  # the server's order
+    assert decision["details"]["app_dr"] == [0, 10]
+    # a DR on a GPU the job has no device on is never sent: the daemon keeps the job's DR
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(0), device_ids=[2, 3])
+    assert command.ratio == DataRatio([1, 1], total=2) and command.branch == "policy-error"
+    assert "which the app cannot use" in decision["details"]["error"]
+    # a manager that sees only GPUs 0 and 1 leaves a job on GPUs 2 and 3 alone
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(1), device_ids=[2, 3], source_gpus=[0, 1])
+    assert command.ratio == DataRatio([1, 1], total=2) and command.branch == "unmapped"
+    assert "does not see" in decision["details"]["error"]
+
+
+def train(steps, move_to=None):
+    """Train 12-sample batches; before the last step, move the whole batch to slot ``move_to``."""
+
+    def prepare(model, session):
+        for step in range(steps):
+            if move_to is not None and step == steps - 1:
+                model.set_ratio(DataRatio.single(2, move_to))
+            model.train_step(lambda: model(torch.randn(12, 4)).sum().backward())
+            session.step()
+
+    return prepare
+
+
+def test_the_manager_never_gives_a_job_more_than_fits_in_memory(emu, tmp_path):
+    # plenty of memory: moving the whole batch to GPU 1 is fine
+    command, _ = run_decision(emu, tmp_path, ToOneGpu(1), device_ids=[0, 1], ratio=[5, 5], prepare=train(3))
+    assert command.ratio == DataRatio([0, 10])
+    # 2000-byte GPUs: 6 samples per GPU fit (1600 bytes at the backward's peak), 12 on one do not
+    # (2200); the job tried, ran out of memory, reverted, and reported 6 as its limit on slot 1
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(1), device_ids=[0, 1], ratio=[5, 5], memory=2000,
+                                     prepare=train(3, move_to=1))
+    assert command.ratio == DataRatio([5, 5]) and command.branch == "policy-error"  # never the [0, 10] that failed
+    assert "exceeds its memory cap 5" in decision["details"]["error"]  # 6 of 12 samples: 5 tenths fit
+    # free memory alone caps too: the job never failed, but GPU 1 has no room for 12 samples
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(1), device_ids=[0, 1], ratio=[5, 5], memory=2000,
+                                     prepare=train(3))
+    assert command.branch == "policy-error" and "memory cap" in decision["details"]["error"]
+
+
+def test_emulated_sources_report_uuids_and_memory_like_nvml(emu):
+    gpu = EmulatedGpu(emu, 2, memory_bytes=5000)
+    gpu.reserve(1, 1200)
+    source = EmulatedSource(emu, [0, 2], memory_bytes=5000)
+    assert source.gpu_uuids() == (emulated_uuid(emu, 0), emulated_uuid(emu, 2))
+    assert source.gpu_uuids()[1] == gpu.uuid and gpu.uuid.startswith("GPU-") and len(gpu.uuid) == 40
+    assert source.memory() == (MemoryInfo(5000, 0, 5000), MemoryInfo(5000, 1200, 3800))
+    gpu.reserve(1, 0)
+    gpu.close()
+    source.close()
+
+
+def test_scripted_sources_can_carry_uuids_and_free_memory(tmp_path):
+    path = tmp_path / "util.json"
+    path.write_text('{"gpus": 2, "uuids": ["GPU-a", null], "memory_total": [1000, null], '
+                    '"steps": [{"at": 0, "util": [10, 20], "free": [400, null]}]}')
+    source = ScriptedSource(path)
+    assert source.gpu_uuids() == ("GPU-a", None)
+    assert source.memory() == (MemoryInfo(1000, 600, 400), None)
+    path.write_text('{"gpus": 2, "uuids": ["GPU-a"], "steps": [{"at": 0, "util": [10, 20]}]}')
+    with pytest.raises(UtilizationUnavailable, match="'uuids' must be a list of 2"):
+        ScriptedSource(path)
+
+
+class StandInNvml(types.ModuleType):
+    """An NVML stand-in with the real nvidia-ml-py function names, to exercise our adapter only."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        super().__init__("pynvml")
+        self.memory = types.SimpleNamespace(total=8 * GIB, used=GIB, free=7 * GIB)
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUUID(self, handle):
+        if handle == 1:
+            raise self.NVMLError("Not Supported")
+        return b"GPU-1234"  # older bindings return bytes
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return self.memory
+
+
+def test_nvml_uuids_and_memory_go_through_the_one_nvml_function(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", StandInNvml())
+    source = NvmlSource(nvml=Nvml())
+    assert source.gpu_uuids() == ("GPU-1234", None)  # an NVML error is "unknown", not a crash
+    assert source.memory() == (MemoryInfo(8 * GIB, GIB, 7 * GIB), MemoryInfo(8 * GIB, GIB, 7 * GIB))
+    source.close()

@@ -1,0 +1,181 @@
+"""The ``fair`` and ``f-sched`` policies on hand-written snapshots, and properties on random ones.
+
+Times are seconds. An app "measured" here is one whose record carries an iteration time and
+per-GPU chunk times, as BalancedDataParallel's timings give them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
+from drbalance.policy.fair import FairConfig, FairPolicy
+from drbalance.policy.fsched import FSchedPolicy
+from drbalance.policy.predictor import Predictor, predicted_slowdown
+from drbalance.ratio import DataRatio
+
+SOLO_ITERATION = 0.15  # host 0.05 + device work 0.10 alone on a speed-1 GPU
+ITERATIONS = 1000
+
+
+def app(name, shares, chunks, iteration_time, iteration=100, sd=None, batch=32, **extra):
+    """An app of 1000 planned iterations, solo 0.15 s each, measured with these chunk times."""
+    ratio = DataRatio(shares)
+    sizes = ratio.split(batch)
+    elapsed = iteration * iteration_time
+    if sd is None:
+        sd = (elapsed + (ITERATIONS - iteration) * iteration_time) / (ITERATIONS * SOLO_ITERATION)
+    return AppView(name, ratio, sd, iteration=iteration, iterations_total=ITERATIONS, iteration_time=iteration_time,
+                   solo_time=ITERATIONS * SOLO_ITERATION, batch=batch,
+                   chunk_seconds=tuple(c if n else None for c, n in zip(chunks, sizes)),
+                   chunk_samples=tuple(float(n) for n in sizes), **extra)
+
+
+def snapshot(*apps, gpus=2, util=None):
+    return Snapshot(tuple(apps), tuple(util or [50.0] * gpus), PolicyConfig(gpus))
+
+
+def test_an_app_on_a_slow_gpu_moves_to_an_idle_fast_one():
+    policy = FairPolicy()
+    # GPU 1 runs at half speed: the app's chunk takes 0.2 s instead of 0.1 s
+    decision = policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25)))
+    assert decision.ratio == DataRatio([10, 0]) and decision.branch == "move"
+    assert policy.predictor.speed[1] == pytest.approx(0.5, rel=0.05)  # learned from what it measured
+    assert decision.details["predicted_iteration"] == pytest.approx(SOLO_ITERATION, rel=0.05)
+    assert decision.next_boundary is not None and decision.next_boundary > 0
+
+
+def test_a_move_that_gains_too_little_is_refused():
+    policy = FairPolicy()
+    # a on the slightly slower GPU 1 (0.11 s chunks, not 0.10), b alone on GPU 0: joining b gains nothing
+    views = (app("a", [0, 10], [0, 0.11], 0.16), app("b", [10, 0], [0.1, 0], 0.15))
+    decision = policy.decide("a", "boundary", snapshot(*views))
+    assert decision.ratio == DataRatio([0, 10]) and decision.branch == "keep"
+    strict = FairPolicy(FairConfig(min_gain=1.0))  # a GPU of half the speed is then not worth leaving either
+    decision = strict.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25),
+                                                       app("b", [10, 0], [0.1, 0], 0.15, iteration=900)))
+    assert decision.branch == "keep"
+
+
+def test_a_split_whose_replicas_cost_more_than_they_save_is_consolidated():
+    policy = FairPolicy()
+    # 16 samples per GPU take 0.065 s each, but the iteration takes 0.22 s: replicas cost 0.11 s
+    decision = policy.decide("a", "boundary", snapshot(app("a", [5, 5], [0.065, 0.065], 0.22)))
+    assert decision.branch == "move" and len(decision.ratio.used) == 1
+    assert policy.predictor.apps["a"].overhead == pytest.approx(0.22 - 0.065 - 0.0375, rel=0.01)
+
+
+def test_a_move_that_turned_out_worse_is_undone_and_the_predictor_corrected():
+    policy = FairPolicy()
+    first = policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25, iteration=100)))
+    assert first.ratio == DataRatio([10, 0])
+    # a window later: GPU 0 turned out slower still (another user's process, say): 0.4 s chunks
+    measured = app("a", [10, 0], [0.4, 0], 0.45, iteration=140)
+    second = policy.decide("a", "boundary", snapshot(measured))
+    assert second.branch == "revert" and second.ratio == DataRatio([0, 10])
+    assert policy.predictor.speed[0] == pytest.approx(0.25, rel=0.1)
+    # and the bad DR is not tried again right away
+    third = policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25, iteration=180)))
+    assert third.ratio == DataRatio([0, 10])
+
+
+def test_swaps_rotate_the_lone_gpu_to_the_most_slowed_app():
+    policy = FairPolicy()
+    # GPU 0: a and b together (0.2 s chunks instead of 0.1); GPU 1: c alone. Half-way through the
+    # run a and b have suffered; giving a the lone GPU and c a's place lowers the largest SD.
+    views = (app("a", [10, 0], [0.2, 0], 0.25, iteration=500), app("b", [10, 0], [0.2, 0], 0.25, iteration=500),
+             app("c", [0, 10], [0, 0.1], 0.15, iteration=500))
+    decision = policy.decide("a", "boundary", snapshot(*views))
+    assert decision.branch == "swap" and decision.ratio == DataRatio([0, 10])
+    assert decision.details["partners"] == ["c"]
+    assert dict(decision.others) == {"c": DataRatio([10, 0])}  # c's half, pushed to c at once
+    # c's next decision judges its part of the swap (its protected period), it does not move again
+    later = (app("a", [0, 10], [0, 0.1], 0.15, iteration=510), app("b", [10, 0], [0.2, 0], 0.25, iteration=510),
+             app("c", [10, 0], [0.2, 0], 0.25, iteration=510))
+    assert policy.decide("c", "boundary", snapshot(*later)).branch in {"protected", "revert"}
+
+
+def test_constraints_are_respected_by_every_candidate():
+    policy = FairPolicy()
+    # the fast GPU 0 is capped at 3 of 10 for this app (memory), and GPU 2 is not among its GPUs
+    view = app("a", [0, 10, 0], [0, 0.2, 0], 0.25, allowed=(0, 1), max_share=(3, None, None))
+    decision = policy.decide("a", "boundary", snapshot(view, gpus=3))
+    assert violations(view, decision.ratio, PolicyConfig(3)) == []
+    assert decision.ratio[0] <= 3 and decision.ratio[2] == 0
+
+
+def test_without_measurements_nothing_moves():
+    policy = FairPolicy()
+    bare = AppView("a", DataRatio([0, 10]), None, iterations_total=100, solo_time=15.0)
+    for trigger in ("register", "boundary"):
+        assert policy.decide("a", trigger, snapshot(bare)).branch == "no-measurement"
+
+
+def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
+    predictor = Predictor(2)
+    views = [app("a", [10, 0], [0.2, 0], 0.25), app("b", [10, 0], [0.2, 0], 0.25), app("c", [0, 10], [0, 0.1], 0.15)]
+    predictor.observe(views)
+    lookup = {view.name: view for view in views}
+    now = predictor.iteration_times({view.name: view.ratio for view in views}, lookup)
+    assert now["a"] == pytest.approx(0.25, rel=0.05) and now["c"] == pytest.approx(0.15, rel=0.05)
+    moved = predictor.iteration_times({"a": DataRatio([0, 10]), "b": DataRatio([10, 0]), "c": DataRatio([0, 10])},
+                                      lookup)
+    assert moved["b"] == pytest.approx(0.15, rel=0.1)  # alone now
+    assert moved["a"] > 0.2 and moved["c"] > 0.2  # a and c now share GPU 1
+    assert predicted_slowdown(lookup["c"], 0.3) > lookup["c"].slowdown
+
+
+def test_f_sched_takes_the_throughput_gain_that_keeps_the_variance_bounded():
+    policy = FSchedPolicy()
+    decision = policy.decide("a", "boundary", snapshot(app("a", [5, 5], [0.065, 0.065], 0.22)))
+    assert decision.branch == "move" and len(decision.ratio.used) == 1
+    assert "f-sched" in POLICIES and "fair" in POLICIES
+
+
+measured_app = st.builds(
+    lambda shares, chunk, extra, iteration: (shares, chunk, extra, iteration),
+    st.lists(st.integers(0, 10), min_size=3, max_size=3).filter(lambda s: sum(s) > 0),
+    st.floats(0.02, 0.5), st.floats(0.0, 0.3), st.integers(10, 900),
+)
+
+
+def random_views(raw):
+    views = []
+    for index, (shares, chunk, extra, iteration) in enumerate(raw):
+        ratio = DataRatio.from_weights(shares)
+        sizes = ratio.split(32)
+        views.append(app(f"x{index}", ratio.shares, [chunk * (0.3 + 0.7 * n / 32) for n in sizes],
+                         0.05 + chunk + extra, iteration=iteration))
+    return views
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(measured_app, min_size=1, max_size=5), st.integers(0, 4))
+def test_every_decision_is_a_valid_dr_and_nothing_moves_while_protected(raw, deciding):
+    policy = FairPolicy()
+    config = PolicyConfig(3)
+    views = random_views(raw)
+    name = views[deciding % len(views)].name
+    first = policy.decide(name, "boundary", Snapshot(tuple(views), (50.0, 50.0, 50.0), config))
+    assert len(first.ratio) == 3 and sum(first.ratio.shares) == first.ratio.total
+    me = next(view for view in views if view.name == name)
+    assert first.ratio == me.ratio or not violations(me, first.ratio, config)
+    if first.ratio != me.ratio:
+        # the next decision (the protected period's, protect_windows = 1) keeps it or undoes it
+        moved = [view if view.name != name else
+                 app(name, first.ratio.shares, [0.1, 0.1, 0.1], me.iteration_time, iteration=me.iteration + 1)
+                 for view in views]
+        later = policy.decide(name, "boundary", Snapshot(tuple(moved), (50.0, 50.0, 50.0), config))
+        assert (later.branch, later.ratio) in {("protected", first.ratio), ("revert", me.ratio)}
+
+
+def test_the_papers_policy_keeps_a_dr_that_would_break_the_apps_constraints():
+    from drbalance.policy.paper import PaperPolicy
+
+    # exclusive mode would give the DDP job (ranks on GPUs 0 and 1, >= 1 unit each) one GPU of its own
+    ddp = AppView("ddp", DataRatio([5, 5, 0]), 1.2, allowed=(0, 1), min_share=1)
+    decision = PaperPolicy().decide("ddp", "register", Snapshot((ddp,), (10.0, 10.0, 10.0), PolicyConfig(3)))
+    assert decision.branch == "constrained" and decision.ratio == ddp.ratio
+    assert decision.details["wanted_branch"] == "exclusive" and decision.details["problems"]

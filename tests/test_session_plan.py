@@ -1,0 +1,121 @@
+"""Issue 11, item 2: a session's plan — from the loader, resumed at a later epoch, and run past."""
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from drbalance.client import BalancedDataParallel, Session
+from drbalance.jsonlog import read_json_lines
+from tests.conftest import leftovers
+from tests.test_manager_daemon import ManagerProcess, toy_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def alone(ipc_env, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")
+    return ipc_env
+
+
+def model():
+    return BalancedDataParallel(nn.Linear(2, 1), device_ids=[0, 1])
+
+
+def events(tmp_path, app):
+    return list(read_json_lines(tmp_path / "logs" / f"{app}.sd.jsonl"))
+
+
+def test_running_past_the_plan_extends_it_and_warns_once(alone, tmp_path, caplog):
+    session = Session(model(), "past", epochs=2, iterations_per_epoch=3, solo_time=1.0)
+    with caplog.at_level(logging.WARNING, logger="drbalance.client"), session:
+        for _ in range(10):  # the plan says 6
+            session.step()
+        assert session.tracker.done == 10 and session.plan.epochs == 4 and session.plan.total == 12
+        status = session._status(session.clock.monotonic())
+        assert status.iteration == 10 and status.iterations_total == 12 and status.epoch == 3
+    warnings = [r.getMessage() for r in caplog.records if "ran past its plan" in r.getMessage()]
+    assert len(warnings) == 1 and "2 epochs x 3 iterations" in warnings[0]
+    kinds = [e["event"] for e in events(tmp_path, "past")]
+    assert kinds.count("finish") == 2 and kinds.count("extended") == 2 and kinds[-1] == "closed"  # at 6 and 9
+    assert [e["epochs"] for e in events(tmp_path, "past") if e["event"] == "extended"] == [3, 4]
+    assert leftovers(alone) == []
+
+
+def test_step_after_close_warns_once_and_does_nothing(alone, caplog):
+    session = Session(model(), "closed-early", epochs=1, iterations_per_epoch=2, solo_time=1.0)
+    session.close()
+    with caplog.at_level(logging.WARNING, logger="drbalance.client"):
+        session.step()
+        session.step()
+    assert sum("is closed" in r.getMessage() for r in caplog.records) == 1
+    assert session.tracker.done == 0
+
+
+def test_the_plan_can_come_from_the_loader(alone):
+    loader = DataLoader(TensorDataset(torch.randn(20, 2)), batch_size=4, drop_last=True)
+    session = Session(model(), "from-loader", epochs=3, iterations_per_epoch=loader, solo_time=1.0)
+    assert session.plan.iterations_per_epoch == 5 and session.plan.total == 15
+    session.close()
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([torch.zeros(2)])
+
+    with pytest.raises(ValueError, match="has none .*IterableDataset.*give the number of iterations"):
+        Session(model(), "stream", epochs=1, iterations_per_epoch=DataLoader(Stream()), solo_time=1.0)
+    empty = DataLoader(TensorDataset(torch.randn(2, 2)), batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match="has 0 batches"):
+        Session(model(), "empty", epochs=1, iterations_per_epoch=empty, solo_time=1.0)
+
+
+def test_a_resumed_session_starts_at_its_epoch_and_measures_the_rest(alone, tmp_path):
+    class Ticks:
+        def __init__(self):
+            self.now = 100.0
+
+        def monotonic(self):
+            return self.now
+
+        def wall(self):
+            return 1e9 + self.now
+
+    clock = Ticks()
+    session = Session(model(), "resumed", epochs=4, iterations_per_epoch=5, solo_time=40.0, start_epoch=3,
+                      clock=clock)
+    assert session.tracker.done == 15 and session.tracker.epoch == 3
+    for _ in range(5):  # the last epoch only; 1 s per iteration, the first is warm-up
+        clock.now += 1.0
+        session.step()
+    # the resumed part (5 of 20 iterations) alone takes 40 * 5 / 20 = 10 s; it took 5 s: SD 0.5
+    assert session.tracker.finished and session.slowdown == pytest.approx(0.5)
+    assert [e["event"] for e in events(tmp_path, "resumed")][-1] == "finish"
+    start = events(tmp_path, "resumed")[0]
+    assert start["start_epoch"] == 3 and start["iteration"] == 15
+    session.close()
+    for bad in (4, -1, 1.5):
+        with pytest.raises(ValueError, match=r"start_epoch must be an integer in 0..3"):
+            Session(model(), "bad-start", epochs=4, iterations_per_epoch=5, solo_time=1.0, start_epoch=bad)
+
+
+def test_past_the_plan_with_a_real_manager_the_job_finishes_and_comes_back(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
+    try:
+        app = toy_app("overrun", "--epochs", "2", "--iterations", "3", "--extra-iterations", "4", "--sleep", "0.02")
+        out, err = app.communicate(timeout=90)
+        assert app.returncode == 0, err
+    finally:
+        code, manager_err = manager.stop()
+    assert code == 0, manager_err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines[-1]["done"] and lines[-2]["iteration"] == 10
+    assert err.count("ran past its plan") == 1
+    removed = [e["reason"] for e in manager.events("app_removed") if e["app"] == "overrun"]
+    added = [e["via"] for e in manager.events("app_added") if e["app"] == "overrun"]
+    # plan 6: FINISH at 6, back at 7 (plan 9), FINISH at 9, back at 10 (plan 12), FINISH at close
+    assert removed == ["finished"] * 3 and added == ["notice"] * 3
+    assert leftovers(ipc_env) == []
