@@ -22,7 +22,12 @@ def write_util(path: Path, util) -> None:
 
 
 class ManagerProcess:
-    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM."""
+    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM.
+
+    The policy is the paper's unless ``extra`` names one: these tests are about the daemon's
+    mechanics, and the paper's answers (exclusive placement, the utilisation branch) follow from
+    the scripted utilisation alone.
+    """
 
     def __init__(self, tmp_path: Path, names: IpcNames, util=(90, 80, 20, 50), *extra: str,
                  wait: bool = True, env: dict | None = None, **popen) -> None:
@@ -34,6 +39,8 @@ class ManagerProcess:
         self.err_path = tmp_path / f"manager-{stamp}.err"
         self._err = open(self.err_path, "w")
         args = ["--source", f"scripted:{self.util_file}", "--sample-period", "0.1", *extra]
+        if "--policy" not in extra:  # the paper's answers follow from the scripted utilisation alone
+            args += ["--policy", "paper"]
         if "--log" not in extra:
             args += ["--log", str(self.log_path)]
         self.process = python_process("drbalance.manager.cli", *args, env=env, stdout=subprocess.DEVNULL,
