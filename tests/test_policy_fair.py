@@ -179,3 +179,17 @@ def test_the_papers_policy_keeps_a_dr_that_would_break_the_apps_constraints():
     decision = PaperPolicy().decide("ddp", "register", Snapshot((ddp,), (10.0, 10.0, 10.0), PolicyConfig(3)))
     assert decision.branch == "constrained" and decision.ratio == ddp.ratio
     assert decision.details["wanted_branch"] == "exclusive" and decision.details["problems"]
+
+
+def test_a_share_too_small_for_any_sample_of_a_small_batch_is_no_replica():
+    policy = FairPolicy()
+    # batch 4 split [1, 9] puts no sample on GPU 0: the app has no replica there to stretch or be stretched
+    tiny = app("tiny", [1, 9], [0.0, 0.1], 0.15, batch=4)
+    assert tiny.chunk_samples == (0.0, 4.0) and tiny.chunk_seconds[0] is None
+    other = app("other", [10, 0], [0.1, 0], 0.15)
+    for name in ("tiny", "other"):
+        decision = policy.decide(name, "boundary", snapshot(tiny, other))
+        assert decision.branch != "policy-error" and sum(decision.ratio.shares) == 10
+    times = policy.predictor.iteration_times({"tiny": tiny.ratio, "other": other.ratio},
+                                             {"tiny": tiny, "other": other})
+    assert times["other"] == pytest.approx(0.15, rel=0.05)  # nothing of tiny's runs on GPU 0

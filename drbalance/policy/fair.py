@@ -37,6 +37,8 @@ class FairConfig:
 
     min_gain: float = 0.02
     noise: float = 0.03  # predicted SD differences below this count as ties when they go against a change
+    error_prior: float = 0.05  # relative error of predicted iteration times before any move is measured
+    error_smoothing: float = 0.2  # weight of each measured move in that error
     mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
     idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
     protect_windows: int = 1
@@ -97,6 +99,7 @@ class FairPolicy:
         self.config = config or FairConfig()
         self.predictor: Predictor | None = None
         self.tracks: dict[str, _Track] = {}
+        self.error = self.config.error_prior  # relative error of the iteration times it predicted
 
     # --- the decision ----------------------------------------------------------------------------
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
@@ -171,15 +174,28 @@ class FairPolicy:
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
-        needed = config.min_gain
+        margin = self.uncertainty(search, after)
+        needed, noise = max(config.min_gain, margin), max(config.noise, margin)
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
         for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
             if old - now >= needed:
-                allowed = config.mean_slack * (old - now) + config.noise / search.app_count
+                allowed = config.mean_slack * (old - now) + noise / search.app_count
                 return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= allowed else None
-            if now - old >= config.noise:
+            if now - old >= noise:
                 return None
         return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
+
+    def uncertainty(self, search: _Search, times: Mapping[str, float]) -> float:
+        """How far predicted SDs at finish can be off: the policy's measured relative error of
+        iteration-time predictions times the part of the SD still to come (iterations left x
+        predicted iteration time / solo-run time), averaged over the apps a change affects.
+        Short or noisy windows (large errors) and long remaining runs call for larger gains."""
+        parts = []
+        for name, seconds in times.items():
+            view = search.views[name]
+            if view.slowdown is not None:
+                parts.append(max(0, view.iterations_total - view.iteration) * seconds / view.solo_time)
+        return self.error * (sum(parts) / len(parts)) if parts else 0.0
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def _predictor(self, snapshot: Snapshot, app: str) -> Predictor:
@@ -222,6 +238,9 @@ class FairPolicy:
         move.checked = True
         measured = me.iteration_time
         details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
+        if move.predicted > 0 and measured:
+            miss = min(1.0, abs(measured / move.predicted - 1.0))
+            self.error += self.config.error_smoothing * (miss - self.error)
         if violations(me, move.before, search.config):
             return None
         found = search.gain({me.name: move.before})

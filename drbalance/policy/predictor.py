@@ -299,25 +299,30 @@ class Neighbourhood:
         self.ratios = {name: ratio for name, ratio in ratios.items() if name in predictor.apps}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
         for name, ratio in self.ratios.items():
-            for gpu in ratio.used:
+            for gpu in self.gpus_of(name, ratio):
                 self.on_gpu[gpu].append(name)
         self.measured_duty: dict[tuple[str, int], float] = {}
         prior = predictor.config.duty_prior
         for name, ratio in self.ratios.items():
             view = views.get(name)
             seconds = view.chunk_seconds if view is not None else None
-            for gpu in ratio.used:
+            for gpu in self.gpus_of(name, ratio):
                 value = seconds[gpu] if seconds is not None and view.iteration_time else None
                 self.measured_duty[(name, gpu)] = min(1.0, value / view.iteration_time) if value else prior
+
+    def gpus_of(self, name: str, ratio: DataRatio) -> list[int]:
+        """The GPUs that get samples of the app's batch under ``ratio`` (a small share of a small
+        batch can round to none)."""
+        return [gpu for gpu, size in enumerate(samples(ratio, self.predictor.apps[name].batch)) if size]
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
         """The changed apps and every app on a GPU they use before or after the change."""
         gpus: set[int] = set()
         for name, ratio in changes.items():
-            gpus.update(ratio.used)
+            gpus.update(self.gpus_of(name, ratio))
             current = self.ratios.get(name)
             if current is not None:
-                gpus.update(current.used)
+                gpus.update(self.gpus_of(name, current))
         names = set(changes)
         for gpu in gpus:
             names.update(self.on_gpu[gpu])
@@ -348,10 +353,11 @@ class Neighbourhood:
             placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
             chunks[name] = placed
             fixed[name] = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
-            for gpu, _ in placed:
+        for name in names:
+            for gpu, _ in chunks[name]:
                 if gpu not in occupants:
                     occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in inside]
-                    occupants[gpu] += [other for other in names if (changes.get(other) or ratios[other])[gpu]]
+                occupants[gpu].append(name)
         duty = self.measured_duty
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, other) for those inside
         plans = []
