@@ -18,7 +18,7 @@ setup(
     install_requires=["torch", "numpy", "posix-ipc>=1.1", "nvidia-ml-py"],
     extras_require={
         "examples": ["torchvision", "tqdm", "matplotlib"],
-        "test": ["pytest", "hypothesis", "torchvision", "tqdm", "matplotlib", "ruff"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "torchvision", "tqdm", "matplotlib", "ruff"],
     },
     entry_points={
         "console_scripts": [

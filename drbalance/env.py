@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
@@ -51,12 +52,31 @@ def profiles_path() -> Path:
 
 
 def runtime_dir() -> Path:
-    """``DRBALANCE_RUNTIME_DIR``: where the manager keeps its lock and status files.
+    """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
+    file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``/tmp/drbalance-<uid>`` (created with mode 0700).
+    Default: ``$XDG_RUNTIME_DIR/drbalance`` when ``XDG_RUNTIME_DIR`` is set (an absolute path);
+    else ``/run/user/<uid>/drbalance`` when that folder exists (what ``XDG_RUNTIME_DIR`` would be:
+    jobs started without a login session, e.g. from cron, then still meet a manager started from
+    one); else ``/tmp/drbalance-<uid>``. Jobs and their manager must see the same folder. It is
+    created with mode 0700 and checked before use (``drbalance.ipc.private``): never reached
+    through another user's symbolic link, never another user's or writable by others.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
-    return Path(value) if value else Path(f"/tmp/drbalance-{os.getuid()}")
+    if value:
+        return Path(value)
+    uid = os.getuid()
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "drbalance"
+    login_dir = Path(f"/run/user/{uid}")
+    try:
+        info = login_dir.lstat()
+    except OSError:
+        info = None
+    if info is not None and info.st_uid == uid and stat.S_ISDIR(info.st_mode):
+        return login_dir / "drbalance"
+    return Path(f"/tmp/drbalance-{uid}")
 
 
 def profile_output() -> Path | None:

@@ -1,12 +1,30 @@
-"""JSON Lines logs (SD logs, the manager log): one JSON object per line, appended."""
+"""JSON Lines logs (SD logs, the manager log): one JSON object per line, appended.
+
+Files are created with mode 0600 and missing folders with 0700, whatever the umask; a log is
+never opened through a symbolic link nor appended to when it is another user's (see
+``drbalance.ipc.private``). A full disk or a vanished folder does not raise from ``write``:
+lines wait in memory (at most ``MAX_PENDING_LINES``, the oldest dropped beyond that, counted)
+and are written when the fault goes away, after a ``log_gap`` record when any were lost.
+With ``max_bytes`` the file is rotated by size: ``x.jsonl`` becomes ``x.jsonl.1``, the older
+ones shift up, and at most ``keep`` old files are kept.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
+import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from drbalance.ipc.private import make_dirs, open_private
+
+MAX_PENDING_LINES = 10_000
+RETRY_SECONDS = 1.0  # after a failed write, wait this long before trying the file again
 
 
 def _clean(value: Any) -> Any:
@@ -20,43 +38,156 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class JsonLinesWriter:
-    """Append records to a file; ``flush_every`` lines are buffered at most."""
+def encode_line(record: dict[str, Any]) -> bytes:
+    try:
+        line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN or infinity somewhere: write null instead
+        line = json.dumps(_clean(record), separators=(",", ":"))
+    return (line + "\n").encode("utf-8")
 
-    def __init__(self, path: str | Path, flush_every: int = 1) -> None:
+
+class JsonLinesWriter:
+    """Append records to a file; ``flush_every`` lines are buffered at most.
+
+    ``max_bytes`` (None = never) rotates the file when the next line would make it larger;
+    ``keep`` old files are kept. The constructor raises ``OSError`` (``UnsafePath`` included)
+    when the file cannot be opened at all; later faults only set ``error`` (the last one, or
+    None once writing works again) and count ``dropped`` lines.
+    """
+
+    def __init__(self, path: str | Path, flush_every: int = 1, max_bytes: int | None = None, keep: int = 5) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive or None; got {max_bytes}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0; got {keep}")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self.max_bytes = max_bytes
+        self.keep = keep
         self._flush_every = max(1, flush_every)
-        self._pending = 0
+        self._pending: deque[bytes] = deque()
+        self.dropped = 0  # lines lost since the last successful write (reported in a log_gap record)
+        self.dropped_total = 0
+        self.error: OSError | None = None
+        self._retry_at = 0.0
+        self._size = 0
+        self._fd: int | None = None
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        make_dirs(self.path.parent)
+        fd, _ = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._fd, self._size = fd, os.fstat(fd).st_size
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
+        if self._closed:
             return
-        try:
-            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
-        except ValueError:  # a NaN or infinity somewhere: write null instead
-            line = json.dumps(_clean(record), separators=(",", ":"))
-        self._file.write(line + "\n")
-        self._pending += 1
-        if self._pending >= self._flush_every:
+        self._pending.append(encode_line(record))
+        if len(self._pending) > MAX_PENDING_LINES:
+            self._pending.popleft()
+            self.dropped += 1
+            self.dropped_total += 1
+        if len(self._pending) >= self._flush_every:
             self.flush()
 
     def flush(self) -> None:
-        if self._file is not None and self._pending:
-            self._file.flush()
-            self._pending = 0
+        """Write what is pending; on a fault keep it for later and set ``error``."""
+        if not self._pending or self._closed:
+            return
+        now = time.monotonic()
+        if self.error is not None and now < self._retry_at:
+            return
+        try:
+            if self._fd is None:
+                self._open()
+            if self.dropped:
+                self._pending.appendleft(encode_line({"t": time.time(), "event": "log_gap", "dropped": self.dropped}))
+                self.dropped = 0
+            while self._pending:
+                batch = self._batch()
+                if not batch:  # the next line does not fit: a new file first
+                    self._rotate()
+                    batch = self._batch() or 1
+                self._write_lines(batch)
+        except OSError as error:
+            self.error, self._retry_at = error, now + RETRY_SECONDS
+            return
+        self.error = None
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            self._file.close()
-            self._file = None
+    def _batch(self) -> int:
+        """How many pending lines fit in the current file (all of them when not rotating)."""
+        if self.max_bytes is None:
+            return len(self._pending)
+        room, count = self.max_bytes - self._size, 0
+        for line in self._pending:
+            if len(line) > room and (count or self._size):
+                break
+            room -= len(line)
+            count += 1
+        return count
+
+    def _write_lines(self, count: int) -> None:
+        """Write the first ``count`` pending lines in one go; after a partial write, only the rest
+        stays pending (a line cut by a full disk is completed, not repeated)."""
+        data = b"".join(itertools.islice(self._pending, count)) if count > 1 else self._pending[0]
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        finally:
+            self._size += done
+            while done and self._pending:
+                line = self._pending[0]
+                if len(line) <= done:
+                    done -= len(line)
+                    self._pending.popleft()
+                else:
+                    self._pending[0] = line[done:]
+                    done = 0
+
+    def _rotate(self) -> None:
+        """x.jsonl -> x.jsonl.1 -> ... -> x.jsonl.<keep>; the oldest beyond ``keep`` is removed."""
+        os.close(self._fd)
+        self._fd = None
+        if self.keep == 0:
+            os.unlink(self.path)
+        else:
+            for index in range(self.keep - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{index}")
+                if os.path.lexists(older):
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._open()
+
+    def close(self) -> int:
+        """Write what is pending (one last try) and close; the number of lines lost (0 normally)."""
+        if self._closed:
+            return 0
+        self.error = None  # one last try, whatever the retry delay
+        self.flush()
+        self._closed = True
+        lost = len(self._pending) + self.dropped
+        self._pending.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        return lost
+
+
+def rotated_files(path: str | Path) -> list[Path]:
+    """``path`` and its rotated predecessors that exist, oldest first (``x.jsonl.3``, ..., ``x.jsonl``)."""
+    path = Path(path)
+    older = []
+    index = 1
+    while (candidate := path.with_name(f"{path.name}.{index}")).exists():
+        older.append(candidate)
+        index += 1
+    return [*reversed(older), *([path] if path.exists() else [])]
 
 
 def read_json_lines(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a JSON Lines file; a malformed line (e.g. cut off by a kill) is skipped."""
-    with Path(path).open(encoding="utf-8") as handle:
+    with Path(path).open(encoding="utf-8", errors="replace") as handle:
         for line in handle:
             line = line.strip()
             if not line:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from drbalance import env
+from drbalance.ipc.private import make_dirs, open_private, write_private
 
 PROFILES_VERSION = 1
 PROFILE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -92,17 +93,16 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
 def save_profile(profile: Profile, path: Path | None = None) -> Path:
     """Add or replace ``profile`` in the store (locked, atomically replaced)."""
     path = path or env.profiles_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+    make_dirs(path.parent)  # missing folders get mode 0700, whatever the umask
+    lock, _ = open_private(path.with_suffix(path.suffix + ".lock"), os.O_RDWR | os.O_CREAT)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = _read_store(path)
         data["profiles"][profile.name] = asdict(profile)
         data["version"] = PROFILES_VERSION
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".profiles.")
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
-            out.write("\n")
-        os.replace(temporary, path)
+        write_private(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    finally:
+        os.close(lock)  # releases the flock
     return path
 
 
@@ -164,7 +164,13 @@ def run_profile(
             "DRBALANCE_PROFILE_WARMUP": str(warmup),
         })
         started = time.monotonic()
-        completed = subprocess.run(list(command), env=child_env, timeout=timeout)
+        try:
+            completed = subprocess.run(list(command), env=child_env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the profiled command did not finish within --timeout {timeout:g} s and was "
+                               f"stopped: {list(command)}; nothing was stored") from None
+        except OSError as error:
+            raise RuntimeError(f"cannot run the profiled command {list(command)}: {error}") from None
         if completed.returncode != 0:
             raise RuntimeError(f"the profiled command exited with status {completed.returncode}: {list(command)}")
         if not output.exists():

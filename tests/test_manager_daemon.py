@@ -9,62 +9,16 @@ import posix_ipc
 import pytest
 
 from drbalance.cli import main as drbalance
+from drbalance.ipc import discovery
 from drbalance.ipc.layout import Notice, NoticeKind
-from drbalance.jsonlog import read_json_lines
-from tests.conftest import leftovers, python_process
-
-
-def write_util(path, util):
-    path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": util}]}))
-
-
-def wait_for(predicate, timeout=15.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
-
-
-class ManagerProcess:
-    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM."""
-
-    def __init__(self, tmp_path, names, util=(90, 80, 20, 50), *extra):
-        self.names = names
-        self.util_file = tmp_path / "util.json"
-        write_util(self.util_file, list(util))
-        self.log_path = tmp_path / f"manager-{time.monotonic_ns()}.jsonl"
-        self.process = python_process("drbalance.manager.cli", "--source", f"scripted:{self.util_file}",
-                                      "--log", str(self.log_path), "--sample-period", "0.1", *extra)
-        wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None)
-        assert self.process.poll() is None, self.process.communicate()
-
-    def events(self, kind=None):
-        if not self.log_path.exists():
-            return []
-        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        out, err = self.process.communicate(timeout=30)
-        return self.process.returncode, err
-
-
-def toy_app(name, *args):
-    return python_process("tests.helpers.toy_app", "--app", name, *args)
-
-
-def first_line(process):
-    return json.loads(process.stdout.readline())
+from tests.conftest import leftovers, python_process, wait_for
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
 
 def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     try:
-        app = toy_app("solo", "--epochs", "2", "--iterations", "3")
+        app = toy_app("solo", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
         assert first_line(app)["ratio"] == [0, 0, 10, 0]  # GPU 2 is the least used (20%)
         out, err = app.communicate(timeout=60)
         assert app.returncode == 0, err
@@ -84,10 +38,11 @@ def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus
     background = []
     try:
         for index in range(4):  # four apps, each placed alone on a GPU by the exclusive mode
-            app = toy_app(f"bg{index}", "--epochs", "200", "--iterations", "5", "--sleep", "0.05", "--solo", "1000")
+            app = toy_app(f"bg{index}", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05",
+                          "--solo", "10000000")  # runs until stopped, with a small SD
             first_line(app)
             background.append(app)
-        slow = toy_app("slow", "--epochs", "2", "--iterations", "4", "--solo", "0.05")
+        slow = toy_app("slow", "--epochs", "2", "--iterations", "4", "--solo", "0.05", "--exchange-timeout", "10")
         assert first_line(slow)["ratio"] == [1, 1, 1, 1]  # 5 apps > 4 GPUs and no SD yet: kept
         out, err = slow.communicate(timeout=60)
         assert slow.returncode == 0, err
@@ -114,29 +69,28 @@ def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
         wait_for(lambda: manager.events("app_added"))
         os.kill(app.pid, signal.SIGKILL)
         app.wait()
-        killed_at = time.monotonic()
-        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [], timeout=10)
-        collected_in = time.monotonic() - killed_at
+        # how fast is measured by the fault campaign (docs/reliability.md); here: that it happens
+        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        wait_for(lambda: not ipc_env.app_claim("doomed").exists())
     finally:
         manager.stop()
-    assert collected_in < 5.0
     assert [e["reason"] for e in manager.events("app_removed")] == ["process gone"]
 
 
 def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
     first = ManagerProcess(tmp_path, ipc_env)
-    app = toy_app("survivor", "--epochs", "400", "--iterations", "3", "--sleep", "0.05")
+    app = toy_app("survivor", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
     try:
         first_line(app)
         wait_for(lambda: first.events("app_added"))
         first.stop()
         second = ManagerProcess(tmp_path, ipc_env, (10, 20, 30, 40))
         try:
-            added = wait_for(lambda: second.events("app_added"), timeout=10)
+            added = wait_for(lambda: second.events("app_added"))
             assert added[0]["app"] == "survivor" and added[0]["via"] in {"adopted", "notice"}
-            decision = wait_for(lambda: second.events("decision"), timeout=10)[0]
+            decision = wait_for(lambda: second.events("decision"))[0]
             assert decision["app"] == "survivor"  # the survivor now talks to the new manager
-            status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"], timeout=5)
+            status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"])
             assert status[0]["name"] == "survivor"
         finally:
             second.stop()
@@ -148,7 +102,9 @@ def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
 def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "observe")
     start = time.time() + 4.0
-    apps = [python_process("tests.helpers.flood_app", f"flood{i}", str(start), "5") for i in range(32)]
+    # correctness under a flood (nothing lost, nothing mixed up), with waits long enough for a busy
+    # machine; how fast the answers come is measured by benchmarks/fault_campaign.py
+    apps = [python_process("tests.helpers.flood_app", f"flood{i}", str(start), "5", "10", "20") for i in range(32)]
     try:
         results = []
         for process in apps:
@@ -169,12 +125,12 @@ def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
 def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
-        inbox = posix_ipc.MessageQueue(ipc_env.inbox())
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).token))
         inbox.send(b"definitely not a notice")
         inbox.send(Notice(NoticeKind.BOUNDARY, os.getpid(), 1, "ghost", time.time()).encode())  # no record
         inbox.close()
         wait_for(lambda: len(manager.events("invalid")) >= 2)
-        app = toy_app("after", "--epochs", "1", "--iterations", "2")
+        app = toy_app("after", "--epochs", "1", "--iterations", "2", "--exchange-timeout", "10")
         assert first_line(app)["ratio"] == [0, 0, 10, 0]  # still serving
         app.communicate(timeout=60)
     finally:
@@ -186,7 +142,7 @@ def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
 
 def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys):
     manager = ManagerProcess(tmp_path, ipc_env)
-    app = toy_app("shown", "--epochs", "100", "--iterations", "5", "--sleep", "0.05")
+    app = toy_app("shown", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05")
     try:
         first_line(app)
         second = python_process("drbalance.manager.cli", "--source", f"scripted:{manager.util_file}")

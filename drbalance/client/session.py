@@ -32,6 +32,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sized
 from pathlib import Path
@@ -73,6 +74,47 @@ class ProfileComplete(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
+
+
+class SessionTerminated(SystemExit):
+    """Raised in the main thread by a session's SIGTERM handler (exit status 143).
+
+    The handler itself does no I/O: it raises, the script unwinds as for any exception (its
+    ``with`` blocks and ``finally`` clauses run, the session closes in normal flow), and at
+    interpreter exit the process re-raises SIGTERM on itself, so it still dies of SIGTERM as
+    it would without drbalance.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+class _Termination:
+    """Process-wide: whether SIGTERM was turned into ``SessionTerminated`` (signals are per process)."""
+
+    pending = False
+    armed = False
+
+    @classmethod
+    def arm(cls) -> None:
+        """Register the exit hook once, before any session registers its ``close`` (atexit runs LIFO,
+        so every session closes before the process re-raises SIGTERM)."""
+        if not cls.armed:
+            cls.armed = True
+            atexit.register(cls.die_if_pending)
+
+    @classmethod
+    def die_if_pending(cls) -> None:
+        if not cls.pending:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(128 + signal.SIGTERM)  # only reached if SIGTERM is blocked
 
 
 def iterations_from(value: int | Sized) -> int:
@@ -187,6 +229,7 @@ class Session:
         self._warned_closed = False
         self._last_manager_look = self.clock.monotonic()
         self._closed = False
+        self._closing = False
         self._state = AppState.STARTING
         self.names = IpcNames.current(namespace)
         follower = self.job is not None and not self.job.leader
@@ -239,14 +282,21 @@ class Session:
             return  # the user's own handler stays; cleanup then comes from atexit or the manager's GC
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            self.close()
-            if callable(previous):
+            # No I/O here: raise, and let the script's normal flow (with/finally/atexit) close the session.
+            if not self._closed:
+                _Termination.pending = True
+                raise SessionTerminated()
+            if self._closing:
+                _Termination.pending = True  # closing right now: let it finish; die of SIGTERM at exit
+                return
+            if callable(previous):  # this session is closed; an earlier session's handler decides
                 previous(signum, frame)
             else:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
 
         on_sigterm._drbalance_session = True  # type: ignore[attr-defined]
+        _Termination.arm()
         signal.signal(signal.SIGTERM, on_sigterm)
         self._previous_sigterm = (on_sigterm, previous)
 
@@ -293,17 +343,20 @@ class Session:
         """Leave: tell the manager (if the run is not finished), remove this app's IPC objects."""
         if self._closed:
             return
-        self._closed = True
-        now = self.clock.monotonic()
-        if self._state != AppState.FINISHED:
-            self._state = AppState.FINISHED
-            self._exchange(NoticeKind.FINISH, now, leaving=True)
-        self.link.close()
-        self._write_log("closed", now)
-        if self.log is not None:
-            self.log.close()
-        self._restore_sigterm_handler()
-        atexit.unregister(self.close)
+        self._closed = self._closing = True
+        try:
+            now = self.clock.monotonic()
+            if self._state != AppState.FINISHED:
+                self._state = AppState.FINISHED
+                self._exchange(NoticeKind.FINISH, now, leaving=True)
+            self.link.close()
+            self._write_log("closed", now)
+            if self.log is not None:
+                self.log.close()
+        finally:
+            self._closing = False
+            self._restore_sigterm_handler()
+            atexit.unregister(self.close)
 
     def __enter__(self) -> Session:
         return self

@@ -132,9 +132,7 @@ class EmulatedGpu:
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
-        with objects.private_umask():
-            self._waiting = posix_ipc.Semaphore(names.emulated_waiters(index), posix_ipc.O_CREAT,
-                                                mode=objects.PRIVATE_MODE, initial_value=0)
+        self._waiting = objects.create_or_open_semaphore(names.emulated_waiters(index))
 
     def read(self) -> Account | None:
         try:
@@ -316,24 +314,31 @@ def emulated_gpu_count(argument: str | None = None) -> int:
 
 
 class EmulatedSource:
-    """Utilisation of emulated GPUs: percent of each sample period during which one was occupied."""
+    """Utilisation of emulated GPUs: percent of each sample period during which one was occupied.
+
+    It belongs to one namespace (the manager's ``--namespace``). When it is closed (the manager
+    stops), it removes the objects of its emulated GPUs unless another process still maps one
+    (a job training on): those are left for the last user (``remove_emulated_gpus``).
+    """
 
     name = "emulated"
 
     def __init__(self, names: IpcNames, indices: Sequence[int], clock: Clock | None = None,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.clock = clock or SystemClock()
+        self.names = names
         self.gpus = [EmulatedGpu(names, index, self.clock, memory_bytes=memory_bytes) for index in indices]
         self._last: tuple[float, list[float]] | None = None
+        self.left_in_use: dict[int, list[int]] = {}  # after close: GPU index -> pids still using it
 
     @classmethod
-    def open(cls, argument: str, gpus: Sequence[int] | None = None) -> EmulatedSource:
+    def open(cls, argument: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> EmulatedSource:
         spec = emulated_spec(argument)
         count = spec.count
         indices = list(range(count)) if gpus is None else list(gpus)
         if any(not 0 <= g < count for g in indices):
             raise ValueError(f"--gpus {indices} outside the {count} emulated GPUs")
-        return cls(IpcNames.current(), indices, memory_bytes=spec.memory_bytes)
+        return cls(IpcNames.current(namespace), indices, memory_bytes=spec.memory_bytes)
 
     def gpu_uuids(self) -> tuple[str | None, ...]:
         """Each reported GPU's UUID (``GPU-...``), in report order."""
@@ -356,5 +361,17 @@ class EmulatedSource:
         return tuple(min(100.0, max(0.0, 100.0 * (b - a) / period)) for a, b in zip(last[1], busy))
 
     def close(self) -> None:
+        me = os.getpid()
         for gpu in self.gpus:
             gpu.close()
+            users = [pid for pid in objects.shm_users(self.names.emulated_gpu(gpu.index)) if pid != me]
+            if users:
+                self.left_in_use[gpu.index] = users
+                continue
+            objects.unlink_shared_memory(self.names.emulated_gpu(gpu.index))
+            objects.unlink_semaphore(self.names.emulated_waiters(gpu.index))
+            try:
+                self.names.emulated_lock(gpu.index).unlink()
+            except OSError:
+                pass
+        self.gpus = []

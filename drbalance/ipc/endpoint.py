@@ -4,33 +4,64 @@ from __future__ import annotations
 
 import posix_ipc
 
-from drbalance.ipc import objects
+from drbalance.ipc import discovery, objects
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, RecordError
 from drbalance.ipc.link import INBOX_MAX_MESSAGES, INBOX_MESSAGE_SIZE
-from drbalance.ipc.names import IpcNames
-from drbalance.ipc.records import AppRecord, ManagerRecord
+from drbalance.ipc.names import IpcNames, new_token
+from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
 
 
 class ManagerEndpoint:
-    """Owns the inbox queue and the heartbeat segment of one namespace.
+    """Owns the inbox queue and the heartbeat segment of one namespace, and ``manager.json``.
 
-    Create it only while holding the namespace's manager lock: it replaces any leftovers of a
-    previous manager (a queue or heartbeat that survived its owner's death).
+    Create it only while holding the namespace's manager lock. It removes the objects of the
+    previous manager that ``manager.json`` names (a manager killed with ``kill -9`` leaves
+    them), publishes its own pid and token there *before* creating its objects (so a manager
+    killed half-way still leaves objects that its successor finds), then creates them under the
+    new token. Nobody else can know the token beforehand, so nobody can have created them first.
     """
 
     def __init__(self, names: IpcNames, inbox_messages: int = INBOX_MAX_MESSAGES) -> None:
         self.names = names
-        objects.unlink_queue(names.inbox())
-        self.inbox = objects.create_queue(names.inbox(), inbox_messages, INBOX_MESSAGE_SIZE)
+        self.token = new_token()
+        self._remove_predecessor()
+        self.info = discovery.this_process(self.token)
+        discovery.publish_manager(names, self.info)
+        self.inbox: posix_ipc.MessageQueue | None = None
+        self.heartbeat: ManagerRecord | None = None
         try:
-            self.heartbeat = ManagerRecord.create(names)
-        except Exception:
-            self.inbox.close()
-            objects.unlink_queue(names.inbox())
+            self.inbox = objects.create_queue(names.inbox(self.token), inbox_messages, INBOX_MESSAGE_SIZE)
+            self.heartbeat = ManagerRecord.create(names, self.token)
+        except BaseException:
+            self.close()
             raise
 
-    def beat(self, beat: ManagerBeat) -> None:
+    def _remove_predecessor(self) -> None:
+        try:
+            previous = discovery.read_manager(self.names)
+        except (OSError, discovery.DiscoveryError):
+            return  # unreadable: replaced by ours below; its objects (if any) cannot be named
+        if previous is not None:
+            objects.unlink_queue(self.names.inbox(previous.token))
+            objects.unlink_shared_memory(self.names.manager_record(previous.token))
+
+    def republish(self) -> None:
+        """Write ``manager.json`` again (after the runtime directory was removed or the file replaced)."""
+        discovery.publish_manager(self.names, self.info)
+
+    def published(self) -> bool:
+        """Whether ``manager.json`` names this endpoint now."""
+        try:
+            current = discovery.read_manager(self.names)
+        except (OSError, discovery.DiscoveryError):
+            return False
+        return current is not None and current.token == self.token
+
+    def beat(self, beat: ManagerBeat) -> bool:
+        """Write the heartbeat; a truncated heartbeat segment is repaired first. True if repaired."""
+        repaired = self.heartbeat.segment.repair()
         self.heartbeat.write(beat)
+        return repaired
 
     def receive(self, timeout: float) -> Notice | None:
         """The next notice, or None after ``timeout`` seconds (or a signal). RecordError if malformed."""
@@ -41,39 +72,58 @@ class ManagerEndpoint:
         return Notice.decode(message)
 
     def close(self) -> None:
-        """Remove the inbox and heartbeat (apps then see no manager and train on)."""
-        for action in (self.inbox.close, self.heartbeat.close):
+        """Remove the inbox, heartbeat and ``manager.json`` (apps then see no manager and train on)."""
+        for closable in (self.inbox, self.heartbeat):
+            if closable is None:
+                continue
             try:
-                action()
+                closable.close()
             except (posix_ipc.Error, OSError):
                 pass
-        objects.unlink_queue(self.names.inbox())
-        objects.unlink_shared_memory(self.names.manager_record())
+        self.inbox = self.heartbeat = None
+        objects.unlink_queue(self.names.inbox(self.token))
+        objects.unlink_shared_memory(self.names.manager_record(self.token))
+        discovery.withdraw_manager(self.names, self.token)
 
 
 class AppChannel:
-    """The manager's handle on one app: read its status, write its command, signal it."""
+    """The manager's handle on one app: read its status, write its command, signal it.
 
-    def __init__(self, names: IpcNames, app: str) -> None:
+    ``objects.ForeignObject`` if the record or semaphore is not this user's; ``RecordError``
+    if the record is unreadable or the semaphore is missing.
+    """
+
+    def __init__(self, names: IpcNames, app: str, token: str | None = None) -> None:
         self.names = names
         self.app = app
-        self.record = AppRecord.open(names, app)
+        self.record = AppRecord.open(names, app, token)  # token None: the one the app's claim names
+        self.token = token = self.record.token
         try:
-            self.signal = posix_ipc.Semaphore(names.app_signal(app))
+            self.signal = objects.open_semaphore(names.app_signal(app, token))
         except posix_ipc.ExistentialError:
             self.record.close()
             raise RecordError(f"app {app!r} has a record but no signal semaphore") from None
+        except BaseException:
+            self.record.close()
+            raise
 
     def read_status(self) -> AppStatus:
         return self.record.read_status()
 
-    def answer(self, command: AppCommand) -> None:
-        """Step 5 and 6 of the loop: write the new DR, then signal the app."""
-        self.record.write_command(command)
+    def answer(self, command: AppCommand) -> bool:
+        """Step 5 and 6 of the loop: write the new DR, then signal the app.
+
+        False (nothing written) when the record is truncated: the app repairs its own record.
+        """
+        try:
+            self.record.write_command(command)
+        except SegmentTruncated:
+            return False
         try:
             self.signal.release()
         except posix_ipc.Error:
             pass  # value at its maximum or object gone: the app polls its record anyway
+        return True
 
     def close(self) -> None:
         try:
@@ -84,5 +134,4 @@ class AppChannel:
 
     def remove_objects(self) -> None:
         """Unlink the app's record and semaphore (after the app died without cleaning up)."""
-        objects.unlink_shared_memory(self.names.app_record(self.app))
-        objects.unlink_semaphore(self.names.app_signal(self.app))
+        discovery.remove_app_objects(self.names, self.app, self.token)

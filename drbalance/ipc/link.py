@@ -3,7 +3,9 @@
 An app owns two objects: its record (shared memory; status written by the app, command by the
 manager) and its signal (a semaphore the manager posts after writing a command). It talks to
 the manager through the manager's single inbox (a message queue) and watches the manager's
-heartbeat segment to know whether a manager is there at all. Every wait is bounded.
+heartbeat segment to know whether a manager is there at all. Every wait is bounded. The app's
+name is held by a claim in the private runtime directory, where the manager's ``manager.json``
+also names its objects (see ``discovery``).
 
 ``ManagerLink`` is the interface the client session uses; ``PosixManagerLink`` is the real one
 and ``DetachedLink`` the one used when no manager may be contacted (profile runs, opt-out).
@@ -11,6 +13,8 @@ and ``DetachedLink`` the one used when no manager may be contacted (profile runs
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Protocol
 
@@ -18,9 +22,12 @@ import posix_ipc
 
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
+from drbalance.ipc.discovery import AppClaim, DiscoveryError, ManagerInfo, read_manager
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, RecordError
 from drbalance.ipc.names import IpcNames
-from drbalance.ipc.records import AppRecord, ManagerRecord
+from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
+
+logger = logging.getLogger("drbalance.client")
 
 INBOX_MAX_MESSAGES = 10  # Linux's default limit for an unprivileged user
 INBOX_MESSAGE_SIZE = 128  # a Notice is 76 bytes
@@ -73,63 +80,123 @@ class DetachedLink:
 
 
 class PosixManagerLink:
-    """The real link: the app's record and signal, the manager's inbox and heartbeat."""
+    """The real link: the app's claim, record and signal, the manager's inbox and heartbeat.
+
+    Creating it takes the app's name (``discovery.AppClaim``: ``AppNameInUse`` if a live
+    process holds it; a dead holder's leftovers are removed) and creates the record and the
+    semaphore under a fresh token. The manager is found through ``manager.json`` in the private
+    runtime directory; its heartbeat and inbox are opened only if they are this user's. A
+    foreign or unreadable object is reported once (by name and owner) and treated as "no
+    manager": the app trains on with its own DR.
+    """
 
     def __init__(self, names: IpcNames, app: str, clock: Clock | None = None, stale_after: float = 5.0) -> None:
         self.names = names
         self.app = app
         self.clock = clock or SystemClock()
         self.stale_after = stale_after
-        self.record = AppRecord.create(names, app)  # removes a dead app's leftovers of this name
+        self.claim = AppClaim.take(names, app)
+        self.token = self.claim.token
         try:
-            self.signal = _create_signal(names, app)
-        except Exception:
-            self.record.close()
-            objects.unlink_shared_memory(names.app_record(app))
+            self.record = AppRecord.create(names, app, self.token)
+        except BaseException:
+            self.claim.release()
             raise
-        self._inbox: posix_ipc.MessageQueue | None = None
-        self._inbox_pid = 0
+        try:
+            self.signal = objects.create_semaphore(names.app_signal(app, self.token))
+        except BaseException:
+            self.record.close()
+            objects.unlink_shared_memory(names.app_record(app, self.token))
+            self.claim.release()
+            raise
+        self._view: _ManagerObjects | None = None
+        self._info: ManagerInfo | None = None
+        self._info_stamp: tuple[int, int, int] | None = None
+        self._reported: set[str] = set()
+        self.problem = "none is running"  # why manager() last found no manager
         self._closed = False
 
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:
-        self.record.write_status(status)
+        try:
+            self.record.write_status(status)
+        except SegmentTruncated as error:
+            self._report(f"record:{self.record.name}", "drbalance: %s; restored it", error)
+            self.record.segment.repair()
+            self.record.write_status(status)
 
     # --- the manager --------------------------------------------------------------------------
     def manager(self) -> ManagerBeat | None:
-        try:
-            heartbeat = ManagerRecord.open(self.names)
-        except (posix_ipc.ExistentialError, RecordError):
-            self._close_inbox()
+        if not self.claim.renew():
+            self._report("claim", "drbalance: the name claim %s of app %r was removed and cannot be put back "
+                         "(its folder is not usable, or another process took the name); a manager may not find "
+                         "this job", self.claim.path, self.app)
+        info = self._discover()
+        if info is None:
+            return self._absent("none is running")
+        if not info.alive():
+            return self._absent(f"the manager named in {self.names.manager_info()} (pid {info.pid}) is gone")
+        view = self._objects(info)
+        if view is None:
             return None
         try:
-            beat = heartbeat.read()
-        except RecordError:
-            self._close_inbox()
-            return None
-        finally:
-            heartbeat.close()
-        if self.clock.monotonic() - beat.beat_mono >= self.stale_after or not objects.pid_alive(beat.pid):
-            self._close_inbox()
-            return None
-        self._open_inbox(beat.pid)
+            beat = view.heartbeat.read()
+        except RecordError as error:
+            return self._absent(f"its heartbeat is unreadable: {error}")
+        if beat.pid != info.pid:
+            return self._absent(f"its heartbeat names pid {beat.pid}, not {info.pid}")
+        if self.clock.monotonic() - beat.beat_mono >= self.stale_after:
+            return self._absent(f"its heartbeat is older than {self.stale_after:g} s")
+        self.problem = ""
         return beat
 
-    def _open_inbox(self, manager_pid: int) -> None:
-        """Keep the inbox of the manager with this pid open (a new manager means a new queue)."""
-        if self._inbox is not None and self._inbox_pid == manager_pid:
-            return
-        self._close_inbox()
+    def _discover(self) -> ManagerInfo | None:
+        """``manager.json``, re-read only when the file changed."""
+        path = self.names.manager_info()
         try:
-            self._inbox = posix_ipc.MessageQueue(self.names.inbox())
-            self._inbox_pid = manager_pid
-        except posix_ipc.ExistentialError:
-            pass
+            info = os.stat(path, follow_symlinks=False)
+        except OSError:
+            self._info, self._info_stamp = None, None
+            return None
+        stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
+        if stamp == self._info_stamp:
+            return self._info
+        try:
+            self._info = read_manager(self.names)
+        except (OSError, DiscoveryError) as error:
+            self._report(f"info:{stamp}", "drbalance: not trusting %s: %s", path, error)
+            self._info = None
+        self._info_stamp = stamp
+        return self._info
+
+    def _objects(self, info: ManagerInfo) -> _ManagerObjects | None:
+        """The heartbeat and inbox of the manager with ``info.token`` (kept open while it lives)."""
+        if self._view is not None and self._view.token == info.token:
+            return self._view
+        self._close_view()
+        try:
+            self._view = _ManagerObjects.open(self.names, info.token)
+        except objects.ForeignObject as error:
+            self._report(f"foreign:{error.name}", "drbalance: %s", error)
+            return self._absent(f"its objects are not this user's: {error}")
+        except (posix_ipc.ExistentialError, RecordError) as error:
+            return self._absent(f"its objects are missing or unreadable: {error}")
+        return self._view
+
+    def _absent(self, reason: str) -> None:
+        self._close_view()
+        self.problem = reason
+        return None
+
+    def _report(self, key: str, message: str, *args: object) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            logger.warning(message, *args)
 
     def notify(self, notice: Notice, timeout: float) -> bool:
-        inbox = self._inbox
-        if inbox is None:
+        if self._view is None:
             return False
+        inbox = self._view.inbox
         deadline = time.monotonic() + timeout
         message = notice.encode()
         while True:
@@ -142,8 +209,8 @@ class PosixManagerLink:
             except posix_ipc.BusyError:
                 if time.monotonic() >= deadline:
                     return False  # inbox full all along: the manager is overloaded or stuck
-            except posix_ipc.ExistentialError:
-                self._close_inbox()
+            except (posix_ipc.ExistentialError, OSError):
+                self._close_view()
                 return False
 
     # --- the manager's answer ----------------------------------------------------------------
@@ -171,7 +238,7 @@ class PosixManagerLink:
         try:
             command = self.record.read_command()
         except RecordError:
-            return None  # a half-written or corrupt command is never applied
+            return None  # a half-written, corrupt or truncated command is never applied
         if command is None or command.generation != generation:
             return None  # none yet, or a stale answer to an older notice
         return command
@@ -184,33 +251,47 @@ class PosixManagerLink:
                 return
 
     # --- cleanup ------------------------------------------------------------------------------
-    def _close_inbox(self) -> None:
-        if self._inbox is not None:
-            try:
-                self._inbox.close()
-            except posix_ipc.Error:
-                pass
-        self._inbox, self._inbox_pid = None, 0
+    def _close_view(self) -> None:
+        if self._view is not None:
+            self._view.close()
+        self._view = None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._close_inbox()
+        self._close_view()
         try:
             self.signal.close()
         except posix_ipc.Error:
             pass
-        objects.unlink_semaphore(self.names.app_signal(self.app))
+        objects.unlink_semaphore(self.names.app_signal(self.app, self.token))
         self.record.close()
-        objects.unlink_shared_memory(self.names.app_record(self.app))
+        objects.unlink_shared_memory(self.names.app_record(self.app, self.token))
+        self.claim.release()
 
 
-def _create_signal(names: IpcNames, app: str) -> posix_ipc.Semaphore:
-    name = names.app_signal(app)
-    try:
-        return objects.create_semaphore(name)
-    except posix_ipc.ExistentialError:
-        # The record was just created by us, so any semaphore of this name is a dead app's leftover.
-        objects.unlink_semaphore(name)
-        return objects.create_semaphore(name)
+class _ManagerObjects:
+    """An open heartbeat and inbox of one manager (both checked to be this user's)."""
+
+    def __init__(self, token: str, heartbeat: ManagerRecord, inbox: posix_ipc.MessageQueue) -> None:
+        self.token = token
+        self.heartbeat = heartbeat
+        self.inbox = inbox
+
+    @classmethod
+    def open(cls, names: IpcNames, token: str) -> _ManagerObjects:
+        heartbeat = ManagerRecord.open(names, token)
+        try:
+            inbox = objects.open_queue(names.inbox(token))
+        except BaseException:
+            heartbeat.close()
+            raise
+        return cls(token, heartbeat, inbox)
+
+    def close(self) -> None:
+        try:
+            self.inbox.close()
+        except posix_ipc.Error:
+            pass
+        self.heartbeat.close()

@@ -1,20 +1,26 @@
-"""Names of the POSIX IPC objects, namespaced per user and per drbalance namespace.
+"""Names of the POSIX IPC objects and of the private files, per user and per drbalance namespace.
 
 Every object name starts with ``/drb.<uid>.<namespace>.`` so two users, or two managers in two
-namespaces, never meet; the objects are also created with mode 0600 (see ``objects``).
+namespaces, never meet. Names in /dev/shm are visible to every user, and any user may create a
+name there first; so every object of a manager or an app also ends in a random *token*, chosen
+when the object is created and published only in the private runtime directory (see
+``discovery``). Nobody can create such a name before its owner does.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from drbalance import env
+from drbalance.ipc.objects import SHM_DIR
+from drbalance.ipc.private import private_dir
 
 APP_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,47}$")
-SHM_DIR = Path("/dev/shm")
+TOKEN_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 
 
 def check_app_name(name: str) -> str:
@@ -27,13 +33,26 @@ def check_app_name(name: str) -> str:
     return name
 
 
-def _listed(marker: str) -> list[str]:
-    """What follows ``marker`` in the names of /dev/shm entries that start with it."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return []
-    return sorted(entry[len(marker):] for entry in entries if entry.startswith(marker))
+def check_token(token: str) -> str:
+    if not isinstance(token, str) or not TOKEN_PATTERN.match(token):
+        raise ValueError(f"object token {token!r} is not 16 lower-case hex digits")
+    return token
+
+
+def new_token() -> str:
+    """A fresh random token (64 bits) for the names of new objects."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    """An entry of /dev/shm under a namespace's prefix: its kind, app (if any), token and owner."""
+
+    entry: str  # the /dev/shm file name
+    kind: str  # "app", "sig", "manager", "emu", "emuw", or "" when the rest does not parse
+    app: str | None
+    token: str | None
+    owner: int
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,7 @@ class IpcNames:
     def current(cls, namespace: str | None = None) -> IpcNames:
         """Names for this user in ``namespace`` (default: ``DRBALANCE_NAMESPACE``)."""
         chosen = namespace if namespace is not None else env.namespace()
-        if not env.NAMESPACE_PATTERN.match(chosen):
+        if not isinstance(chosen, str) or not env.NAMESPACE_PATTERN.match(chosen):
             raise ValueError(f"namespace {chosen!r} is not valid: use 1-32 letters, digits, '_' or '-'")
         return cls(chosen, os.getuid())
 
@@ -55,21 +74,22 @@ class IpcNames:
     def prefix(self) -> str:
         return f"/drb.{self.uid}.{self.namespace}."
 
-    def inbox(self) -> str:
+    # --- objects --------------------------------------------------------------------------------
+    def inbox(self, token: str) -> str:
         """The manager's single message queue of notices."""
-        return self.prefix + "inbox"
+        return self.prefix + "inbox." + check_token(token)
 
-    def manager_record(self) -> str:
+    def manager_record(self, token: str) -> str:
         """Shared memory with the manager's pid and heartbeat."""
-        return self.prefix + "manager"
+        return self.prefix + "manager." + check_token(token)
 
-    def app_record(self, app: str) -> str:
+    def app_record(self, app: str, token: str) -> str:
         """Shared memory with one app's status (written by the app) and command (by the manager)."""
-        return self.prefix + "app." + check_app_name(app)
+        return self.prefix + "app." + check_app_name(app) + "." + check_token(token)
 
-    def app_signal(self, app: str) -> str:
+    def app_signal(self, app: str, token: str) -> str:
         """Semaphore the manager posts when it has written a new command for the app."""
-        return self.prefix + "sig." + check_app_name(app)
+        return self.prefix + "sig." + check_app_name(app) + "." + check_token(token)
 
     def emulated_gpu(self, index: int) -> str:
         """Shared memory with the busy-time accounting of emulated GPU ``index``."""
@@ -79,17 +99,47 @@ class IpcNames:
         """Semaphore counting the jobs waiting for emulated GPU ``index``."""
         return self.prefix + f"emuw.{index}"
 
+    # --- what /dev/shm lists -----------------------------------------------------------------
+    def listed(self) -> list[ListedObject]:
+        """Every /dev/shm entry under this namespace's prefix (segments and semaphores), any owner."""
+        stem = self.prefix[1:]
+        try:
+            entries = list(os.scandir(SHM_DIR))
+        except OSError:
+            return []
+        found = []
+        for entry in entries:
+            name = entry.name
+            rest = name[len(stem):] if name.startswith(stem) else (
+                name[4 + len(stem):] if name.startswith("sem." + stem) else None)
+            if rest is None:
+                continue
+            try:
+                owner = entry.stat(follow_symlinks=False).st_uid
+            except OSError:
+                continue
+            found.append(_parse(name, rest, owner))
+        return sorted(found, key=lambda item: item.entry)
+
     def listed_apps(self) -> list[str]:
-        """Names of the apps whose records exist now (Linux lists shared memory in /dev/shm)."""
-        return _listed(self.prefix[1:] + "app.")
+        """Names of the apps with a record of this user in /dev/shm now."""
+        me = os.geteuid()
+        return sorted({o.app for o in self.listed() if o.kind == "app" and o.owner == me and o.app})
 
     def listed_signals(self) -> list[str]:
-        """Names of the apps whose signal semaphores exist now (``/dev/shm/sem.<name>``)."""
-        return _listed("sem." + self.prefix[1:] + "sig.")
+        """Names of the apps with a signal semaphore of this user in /dev/shm now."""
+        me = os.geteuid()
+        return sorted({o.app for o in self.listed() if o.kind == "sig" and o.owner == me and o.app})
 
+    # --- the private runtime directory --------------------------------------------------------
     def runtime_dir(self) -> Path:
-        """This namespace's folder for the manager's lock and status files."""
+        """This namespace's folder for the manager's lock and files and the apps' claims."""
         return env.runtime_dir() / self.namespace
+
+    def private_runtime_dir(self) -> Path:
+        """``runtime_dir()``, created if missing and checked (``UnsafePath`` when it is not safe)."""
+        private_dir(env.runtime_dir())
+        return private_dir(self.runtime_dir())
 
     def manager_lock(self) -> Path:
         return self.runtime_dir() / "manager.lock"
@@ -97,5 +147,29 @@ class IpcNames:
     def manager_status(self) -> Path:
         return self.runtime_dir() / "status.json"
 
+    def manager_info(self) -> Path:
+        """Where the live manager publishes its pid and token (see ``discovery``)."""
+        return self.runtime_dir() / "manager.json"
+
+    def claims_dir(self) -> Path:
+        return self.runtime_dir() / "apps"
+
+    def app_claim(self, app: str) -> Path:
+        """The file an app holds locked while it runs under this name (see ``discovery``)."""
+        return self.claims_dir() / f"{check_app_name(app)}.claim"
+
     def emulated_lock(self, index: int) -> Path:
         return self.runtime_dir() / f"emu.{index}.lock"
+
+
+def _parse(entry: str, rest: str, owner: int) -> ListedObject:
+    kind, _, tail = rest.partition(".")
+    if kind in ("app", "sig"):
+        app, _, token = tail.rpartition(".")
+        if APP_NAME_PATTERN.match(app) and TOKEN_PATTERN.match(token):
+            return ListedObject(entry, kind, app, token, owner)
+    elif kind == "manager" and TOKEN_PATTERN.match(tail):
+        return ListedObject(entry, kind, None, tail, owner)
+    elif kind in ("emu", "emuw") and tail.isdigit():
+        return ListedObject(entry, kind, None, None, owner)
+    return ListedObject(entry, "", None, None, owner)

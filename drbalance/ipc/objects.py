@@ -1,37 +1,44 @@
 """Creating, opening and removing POSIX IPC objects safely.
 
-- Objects are created with mode 0600 whatever the process umask is.
+- Objects are created with mode 0600 and then set to exactly 0600 with ``fchmod`` (the process
+  umask is never changed: it belongs to the training script).
+- Every object opened is checked (``fstat``): it must belong to this user and must not be
+  writable by group or others. Anything else is a ``ForeignObject``: never trusted, never
+  written to, reported by name and owner.
 - Calls interrupted by a signal handler (``posix_ipc.SignalError``) are retried.
 - Removing an object that is already gone is not an error.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
-import threading
+import resource
+import stat
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import posix_ipc
 
+from drbalance.ipc.private import private_dir, user_name
+
 T = TypeVar("T")
 PRIVATE_MODE = 0o600
-_umask_lock = threading.Lock()
+SHM_DIR = Path("/dev/shm")  # where Linux lists shared memory (and named semaphores as sem.<name>)
+MQUEUE_LIMITS = Path("/proc/sys/fs/mqueue")
 
 
-@contextmanager
-def private_umask() -> Iterator[None]:
-    """Make objects created inside get exactly the mode asked for (0600), not less."""
-    with _umask_lock:
-        previous = os.umask(0o177)
-        try:
-            yield
-        finally:
-            os.umask(previous)
+class ForeignObject(PermissionError):
+    """An object under one of this user's names that this user did not create, or others may write."""
+
+    def __init__(self, name: str, reason: str, owner: int | None = None) -> None:
+        super().__init__(f"{name}: {reason}; not trusted")
+        self.name = name
+        self.owner = owner
+        self.reason = reason
 
 
 def retry_on_signal(call: Callable[[], T], deadline: float | None = None) -> T:
@@ -44,49 +51,215 @@ def retry_on_signal(call: Callable[[], T], deadline: float | None = None) -> T:
                 raise posix_ipc.BusyError("interrupted by signals until the deadline") from None
 
 
+# --- ownership -------------------------------------------------------------------------------
+def check_owned(info: os.stat_result, name: str) -> None:
+    """``ForeignObject`` unless ``info`` is this user's and not writable by group or others."""
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise ForeignObject(name, f"belongs to {user_name(info.st_uid)}, not to this user ({user_name(me)})",
+                            info.st_uid)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        raise ForeignObject(name, f"is writable by group or others (mode {mode:04o})", info.st_uid)
+
+
+def _listed_path(name: str, kind: str) -> Path:
+    return SHM_DIR / (("sem." if kind == "semaphore" else "") + name.lstrip("/"))
+
+
+def _refused(name: str, kind: str) -> ForeignObject:
+    """The error for an object we may not open: who owns it, if /dev/shm tells."""
+    try:
+        info = os.lstat(_listed_path(name, kind))
+    except OSError:
+        return ForeignObject(name, f"{kind} cannot be opened (permission denied)")
+    try:
+        check_owned(info, name)
+    except ForeignObject as error:
+        return error
+    return ForeignObject(name, f"{kind} cannot be opened (permission denied, mode {stat.S_IMODE(info.st_mode):04o})")
+
+
+# --- shared memory -----------------------------------------------------------------------------
 def create_shared_memory(name: str, size: int) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
-    """Create a new segment (fails if it exists) of ``size`` bytes, zero-filled, mode 0600."""
-    with private_umask():
-        segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, size=size)
+    """Create a new segment (fails if it exists) of ``size`` bytes, zero-filled, mode 0600.
+
+    The segment's fd stays open (``segment.fd``) so that its size can be checked before every
+    access of the mapping; the caller closes it with ``segment.close_fd()``.
+    """
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, size=size)
     try:
         os.fchmod(segment.fd, PRIVATE_MODE)
         mapping = mmap.mmap(segment.fd, size)
-    finally:
+    except BaseException:
         segment.close_fd()
+        unlink_shared_memory(name)
+        raise
     return segment, mapping
 
 
 def open_shared_memory(name: str, writable: bool = True) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
-    """Open an existing segment and map all of it."""
+    """Open an existing segment of this user and map all of it (the fd stays open, see create).
+
+    ``ForeignObject`` if it is not this user's; ``ValueError`` if it is empty.
+    """
     flags = 0 if writable else posix_ipc.O_RDONLY
-    segment = posix_ipc.SharedMemory(name, flags, read_only=not writable)
     try:
-        if segment.size <= 0:
+        segment = posix_ipc.SharedMemory(name, flags, read_only=not writable)
+    except posix_ipc.PermissionsError:
+        raise _refused(name, "shared memory") from None
+    try:
+        info = os.fstat(segment.fd)
+        check_owned(info, name)
+        if info.st_size <= 0:
             raise ValueError(f"shared memory {name} is empty")
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        mapping = mmap.mmap(segment.fd, segment.size, access=access)
-    finally:
+        mapping = mmap.mmap(segment.fd, info.st_size, access=access)
+    except BaseException:
         segment.close_fd()
+        raise
     return segment, mapping
 
 
+# --- semaphores --------------------------------------------------------------------------------
 def create_semaphore(name: str) -> posix_ipc.Semaphore:
     """Create a new semaphore with value 0 (fails if it exists), mode 0600."""
-    with private_umask():
-        return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, initial_value=0)
+    semaphore = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, initial_value=0)
+    try:
+        _fix_semaphore_mode(name)
+    except BaseException:
+        semaphore.close()
+        unlink_semaphore(name)
+        raise
+    return semaphore
 
 
+def _fix_semaphore_mode(name: str) -> None:
+    """Set a semaphore we just created to exactly 0600 (posix_ipc exposes no fd for it)."""
+    try:
+        fd = os.open(_listed_path(name, "semaphore"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # not listed in /dev/shm on this system: the mode asked for (0600) can only be narrower
+    try:
+        check_owned(os.fstat(fd), name)
+        os.fchmod(fd, PRIVATE_MODE)
+    finally:
+        os.close(fd)
+
+
+def open_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Open an existing semaphore of this user (``ForeignObject`` otherwise).
+
+    posix_ipc gives no descriptor of a semaphore, so its file in /dev/shm is checked before and
+    after opening and must be the same file. A semaphore carries no data: a wrong one could at
+    worst wake an app early (it then re-reads its record) or never (it waits its bounded timeout).
+    """
+    listed = _listed_path(name, "semaphore")
+    before = _owned_listing(listed, name)
+    try:
+        semaphore = posix_ipc.Semaphore(name)
+    except posix_ipc.PermissionsError:
+        raise _refused(name, "semaphore") from None
+    after = _owned_listing(listed, name) if before is not None else None
+    if before is not None and (after is None or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)):
+        semaphore.close()
+        raise ForeignObject(name, "semaphore was replaced while being opened")
+    return semaphore
+
+
+def _owned_listing(listed: Path, name: str) -> os.stat_result | None:
+    try:
+        info = os.lstat(listed)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise ForeignObject(name, "is not a regular file in /dev/shm")
+    check_owned(info, name)
+    return info
+
+
+def create_or_open_semaphore(name: str) -> posix_ipc.Semaphore:
+    """This user's semaphore ``name``, created (value 0, mode 0600) if missing."""
+    for _ in range(10):
+        try:
+            return create_semaphore(name)
+        except posix_ipc.ExistentialError:
+            pass
+        try:
+            return open_semaphore(name)
+        except posix_ipc.ExistentialError:
+            continue  # removed between the two calls: create it again
+    raise RuntimeError(f"semaphore {name} keeps appearing and disappearing")
+
+
+# --- message queues ----------------------------------------------------------------------------
 def create_queue(name: str, max_messages: int, max_message_size: int) -> posix_ipc.MessageQueue:
-    """Create a new message queue (fails if it exists), mode 0600."""
-    with private_umask():
-        return posix_ipc.MessageQueue(
-            name, posix_ipc.O_CREX, mode=PRIVATE_MODE,
-            max_messages=max_messages, max_message_size=max_message_size,
-        )
+    """Create a new message queue (fails if it exists), mode 0600.
+
+    ``QueueLimitError`` says which kernel limit refused it and how to raise that limit.
+    """
+    try:
+        queue = posix_ipc.MessageQueue(name, posix_ipc.O_CREX, mode=PRIVATE_MODE,
+                                       max_messages=max_messages, max_message_size=max_message_size)
+    except posix_ipc.ExistentialError:
+        raise
+    except (OSError, ValueError, posix_ipc.Error) as error:
+        raise QueueLimitError(name, max_messages, max_message_size, error) from None
+    try:
+        os.fchmod(queue.mqd, PRIVATE_MODE)  # on Linux a queue descriptor is a file descriptor
+    except BaseException:
+        queue.close()
+        unlink_queue(name)
+        raise
+    return queue
 
 
+def open_queue(name: str) -> posix_ipc.MessageQueue:
+    """Open an existing message queue of this user (``ForeignObject`` otherwise)."""
+    try:
+        queue = posix_ipc.MessageQueue(name)
+    except posix_ipc.PermissionsError:
+        raise ForeignObject(name, "message queue cannot be opened (permission denied)") from None
+    try:
+        check_owned(os.fstat(queue.mqd), name)
+    except BaseException:
+        queue.close()
+        raise
+    return queue
+
+
+class QueueLimitError(OSError):
+    """The kernel refused to create a message queue; the text names the limit and how to raise it."""
+
+    def __init__(self, name: str, max_messages: int, max_message_size: int, cause: BaseException) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MSGQUEUE)
+        limits = {key: _read_limit(key) for key in ("msg_max", "msgsize_max", "queues_max")}
+        if isinstance(cause, ValueError) or getattr(cause, "errno", None) == errno.EINVAL:
+            detail = (f"the queue's size is beyond the system's limits: {max_messages} messages (msg_max = "
+                      f"{limits['msg_max']}) of {max_message_size} bytes (msgsize_max = {limits['msgsize_max']}) "
+                      f"in {MQUEUE_LIMITS}; raise them with sysctl fs.mqueue.msg_max=N (as root), or ask for "
+                      f"fewer messages")
+        else:
+            budget = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+            detail = (f"this user's message-queue budget is probably used up: RLIMIT_MSGQUEUE is {budget} "
+                      f"(hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}) and every queue of "
+                      f"this user counts against it, about {max_messages} x ({max_message_size} + 48) bytes each; "
+                      f"raise it with 'ulimit -q BYTES' (or 'msgqueue' in /etc/security/limits.conf), or remove "
+                      f"stale queues (mount -t mqueue none /dev/mqueue to list them); at most "
+                      f"{limits['queues_max']} queues may exist system-wide (sysctl fs.mqueue.queues_max)")
+        super().__init__(errno.EMFILE, f"cannot create message queue {name}: {cause}. {detail}")
+
+
+def _read_limit(key: str) -> str:
+    try:
+        return (MQUEUE_LIMITS / key).read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+# --- removal -----------------------------------------------------------------------------------
 def unlink_shared_memory(name: str) -> bool:
-    """Remove a segment by name; False if it was already gone."""
+    """Remove a segment by name; False if it was already gone (or is not ours to remove)."""
     return _unlink(posix_ipc.unlink_shared_memory, name)
 
 
@@ -102,10 +275,35 @@ def _unlink(unlink: Callable[[str], None], name: str) -> bool:
     try:
         unlink(name)
         return True
-    except posix_ipc.ExistentialError:
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
         return False
 
 
+def listed_owner(name: str, kind: str = "shared memory") -> int | None:
+    """The uid owning ``name`` as /dev/shm lists it, or None if it is not listed."""
+    try:
+        return os.lstat(_listed_path(name, kind)).st_uid
+    except OSError:
+        return None
+
+
+def shm_users(name: str) -> list[int]:
+    """Pids of the processes (that this user may inspect) mapping shared memory ``name``."""
+    needle = " " + str(SHM_DIR / name.lstrip("/"))
+    users = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
+                if any(line.rstrip("\n").endswith(needle) for line in maps):
+                    users.append(int(entry.name))
+        except OSError:
+            continue
+    return users
+
+
+# --- processes ---------------------------------------------------------------------------------
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (zombies count as gone)."""
     if pid <= 0:
@@ -138,12 +336,22 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
+def process_alive(pid: int, start_ticks: int = 0) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start_ticks``.
+
+    ``start_ticks`` (see ``process_start_ticks``) tells the process from a later one that reuses
+    its pid; 0 means unknown, and then the pid alone decides. A start time that cannot be read
+    (no /proc) counts as a match.
+    """
+    if not pid_alive(pid):
+        return False
+    if start_ticks <= 0:
+        return True
+    current = process_start_ticks(pid)
+    return current is None or current == start_ticks
+
+
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700 if missing; refuse one owned by another user."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
-    return path
+    """Create ``path`` as this user's private folder (0700); ``UnsafePath`` if it is not safe."""
+    return private_dir(path)
+

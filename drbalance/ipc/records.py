@@ -4,6 +4,10 @@ Writer protocol (one writer per area): bump the counter to odd, write the payloa
 bump the counter to even. Reader: read the counter, the payload and the CRC, read the counter
 again; accept only if both counter reads are equal and even and the CRC matches. A reader never
 blocks: after a bounded number of attempts it reports the area busy.
+
+A segment's descriptor stays open and its size is checked (``fstat``) before every access of
+the mapping: touching the mapping of a segment that someone truncated would kill the process
+with SIGBUS. A truncated segment is a ``SegmentTruncated`` error; its creator can ``repair`` it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import mmap
 import os
 import time
 import zlib
-from typing import TypeVar
+from collections.abc import Callable
 
 import posix_ipc
 
 from drbalance.ipc import objects
+from drbalance.ipc.discovery import AppNameInUse, read_claim
 from drbalance.ipc.layout import (
     AREA_HEADER,
     COMMAND_OFFSET,
@@ -31,9 +36,12 @@ from drbalance.ipc.layout import (
     RecordError,
     SegmentKind,
 )
-from drbalance.ipc.names import SHM_DIR, IpcNames
+from drbalance.ipc.names import IpcNames, new_token
 
-T = TypeVar("T")
+__all__ = [
+    "AppNameInUse", "AppRecord", "ManagerRecord", "RecordBusy", "RecordEmpty", "Segment", "SegmentTruncated",
+    "SeqlockArea",
+]
 
 
 class RecordEmpty(RecordError):
@@ -44,15 +52,21 @@ class RecordBusy(RecordError):
     """The area was being rewritten on every attempt (or its writer died mid-write)."""
 
 
+class SegmentTruncated(RecordError):
+    """The segment is smaller than its layout: reading its mapping would raise SIGBUS."""
+
+
 class SeqlockArea:
     """One area of a segment: a seqlock counter, a CRC32 and a fixed-size payload.
 
     The counter and CRC are read and written through a ``uint32`` memoryview, i.e. as single
     aligned 4-byte loads and stores (``struct.pack_into('<I')`` writes byte by byte, and a
-    reader could then see a half-updated counter).
+    reader could then see a half-updated counter). ``guard`` is called before every access; it
+    raises when the mapping may not be touched (see ``Segment.check_size``).
     """
 
-    def __init__(self, words: memoryview, mapping: mmap.mmap, offset: int, payload_size: int, where: str) -> None:
+    def __init__(self, words: memoryview, mapping: mmap.mmap, offset: int, payload_size: int, where: str,
+                 guard: Callable[[], None] | None = None) -> None:
         if offset % 4:
             raise ValueError(f"{where}: area offset {offset} is not 4-byte aligned")
         self.words = words
@@ -63,11 +77,18 @@ class SeqlockArea:
         self.start = offset + AREA_HEADER.size
         self.end = self.start + payload_size
         self.where = where
+        self.guard = guard or (lambda: None)
         self.last_counter = -1  # the counter value of the last payload returned by read()
+
+    def counter(self) -> int:
+        """The seqlock counter now (after checking that the mapping may be read)."""
+        self.guard()
+        return self.words[self.counter_index]
 
     def write(self, payload: bytes) -> None:
         if len(payload) != self.end - self.start:
             raise ValueError(f"{self.where}: payload of {len(payload)} bytes, area holds {self.end - self.start}")
+        self.guard()
         words, index = self.words, self.counter_index
         counter = words[index]
         odd = (counter + 1 if counter % 2 == 0 else counter + 2) & 0xFFFFFFFF
@@ -77,6 +98,7 @@ class SeqlockArea:
         words[index] = (odd + 1) & 0xFFFFFFFF
 
     def read(self, attempts: int = 200) -> bytes:
+        self.guard()
         words, index = self.words, self.counter_index
         zero_counters = 0
         for attempt in range(attempts):
@@ -97,34 +119,41 @@ class SeqlockArea:
                         raise RecordError(f"{self.where}: checksum mismatch (corrupted record)")
             if attempt > 20:
                 time.sleep(0.0001)
+                self.guard()
         raise RecordBusy(f"{self.where}: still being written after {attempts} attempts")
 
 
 class Segment:
     """A named shared-memory segment with a header and up to two seqlocked areas."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, kind: SegmentKind) -> None:
+    def __init__(self, name: str, memory: posix_ipc.SharedMemory, mapping: mmap.mmap, kind: SegmentKind) -> None:
         self.name = name
+        self.memory = memory
         self.mapping = mapping
         self.kind = kind
         self.words = memoryview(mapping).cast("I")  # native uint32: atomic aligned loads/stores
 
     @classmethod
     def create(cls, name: str, kind: SegmentKind) -> Segment:
-        _, mapping = objects.create_shared_memory(name, SEGMENT_SIZE)
-        SEGMENT_HEADER.pack_into(mapping, 0, SEGMENT_MAGIC, LAYOUT_VERSION, int(kind), STATUS_OFFSET, COMMAND_OFFSET)
-        return cls(name, mapping, kind)
+        memory, mapping = objects.create_shared_memory(name, SEGMENT_SIZE)
+        segment = cls(name, memory, mapping, kind)
+        segment._write_header()
+        return segment
 
     @classmethod
     def open(cls, name: str, kind: SegmentKind) -> Segment:
-        """Open an existing segment and check its header; RecordError if it is not ours."""
+        """Open an existing segment and check its header.
+
+        ``RecordError`` if it is not a readable segment of this layout, ``objects.ForeignObject``
+        if it is not this user's, ``posix_ipc.ExistentialError`` if it does not exist.
+        """
         try:
-            _, mapping = objects.open_shared_memory(name)
+            memory, mapping = objects.open_shared_memory(name)
         except ValueError as error:
-            raise RecordError(f"{name}: {error}") from None
+            raise SegmentTruncated(f"{name}: {error}") from None
         try:
             if len(mapping) < SEGMENT_SIZE:
-                raise RecordError(f"{name}: {len(mapping)} bytes, expected {SEGMENT_SIZE}")
+                raise SegmentTruncated(f"{name}: {len(mapping)} bytes, expected {SEGMENT_SIZE}")
             magic, version, found, status, command = SEGMENT_HEADER.unpack_from(mapping, 0)
             if magic != SEGMENT_MAGIC:
                 raise RecordEmpty(f"{name}: bad magic {magic!r} (not initialised, or not a drbalance record)")
@@ -132,18 +161,48 @@ class Segment:
                 raise RecordError(f"{name}: layout version {version}, this build reads {LAYOUT_VERSION}")
             if found != kind or status != STATUS_OFFSET or command != COMMAND_OFFSET:
                 raise RecordError(f"{name}: segment kind {found} / offsets {status},{command} unexpected")
-        except Exception:
+        except BaseException:
             mapping.close()
+            memory.close_fd()
             raise
-        return cls(name, mapping, kind)
+        return cls(name, memory, mapping, kind)
+
+    def _write_header(self) -> None:
+        SEGMENT_HEADER.pack_into(self.mapping, 0, SEGMENT_MAGIC, LAYOUT_VERSION, int(self.kind), STATUS_OFFSET,
+                                 COMMAND_OFFSET)
+
+    def check_size(self) -> None:
+        """``SegmentTruncated`` unless the whole layout is still backed (then the mapping may be touched)."""
+        try:
+            size = os.fstat(self.memory.fd).st_size
+        except (OSError, ValueError):
+            raise SegmentTruncated(f"{self.name}: closed") from None
+        if size < SEGMENT_SIZE:
+            raise SegmentTruncated(f"{self.name}: truncated to {size} bytes, expected {SEGMENT_SIZE}")
+
+    def repair(self) -> bool:
+        """Give a truncated segment its size and header back (for its creator); True if it was needed.
+
+        The areas read as never written until their writers write them again.
+        """
+        try:
+            self.check_size()
+            return False
+        except SegmentTruncated:
+            pass
+        os.ftruncate(self.memory.fd, SEGMENT_SIZE)
+        self._write_header()
+        return True
 
     def area(self, offset: int, payload_size: int, label: str) -> SeqlockArea:
-        return SeqlockArea(self.words, self.mapping, offset, payload_size, f"{self.name} ({label})")
+        return SeqlockArea(self.words, self.mapping, offset, payload_size, f"{self.name} ({label})",
+                           guard=self.check_size)
 
     def close(self) -> None:
         if not self.mapping.closed:
             self.words.release()
             self.mapping.close()
+            self.memory.close_fd()
 
     def unlink(self) -> bool:
         return objects.unlink_shared_memory(self.name)
@@ -152,9 +211,10 @@ class Segment:
 class AppRecord:
     """An app's record: the status area (app writes) and the command area (manager writes)."""
 
-    def __init__(self, names: IpcNames, app: str, segment: Segment) -> None:
+    def __init__(self, names: IpcNames, app: str, token: str, segment: Segment) -> None:
         self.names = names
         self.app = app
+        self.token = token
         self.segment = segment
         self.status_area = segment.area(STATUS_OFFSET, AppStatus.STRUCT_SIZE, "status")
         self.command_area = segment.area(COMMAND_OFFSET, AppCommand.STRUCT.size, "command")
@@ -162,22 +222,31 @@ class AppRecord:
         self._status: AppStatus | None = None
 
     @classmethod
-    def create(cls, names: IpcNames, app: str) -> AppRecord:
-        """Create the record for ``app``, removing a stale one a dead process left behind.
+    def create(cls, names: IpcNames, app: str, token: str | None = None) -> AppRecord:
+        """Create the record of ``app`` under ``token`` (a new one by default).
 
-        Raises ``AppNameInUse`` when a live process already runs an app of that name.
+        Taking the app's name is the caller's business (``discovery.AppClaim``): a record with a
+        fresh token never exists yet, so ``posix_ipc.ExistentialError`` here means a clash.
         """
-        name = names.app_record(app)
-        for _ in range(3):
-            try:
-                return cls(names, app, Segment.create(name, SegmentKind.APP))
-            except posix_ipc.ExistentialError:
-                remove_stale_app(names, app)
-        raise AppNameInUse(f"could not create {name}: another process keeps creating it")
+        token = token or new_token()
+        return cls(names, app, token, Segment.create(names.app_record(app, token), SegmentKind.APP))
 
     @classmethod
-    def open(cls, names: IpcNames, app: str) -> AppRecord:
-        return cls(names, app, Segment.open(names.app_record(app), SegmentKind.APP))
+    def open(cls, names: IpcNames, app: str, token: str | None = None) -> AppRecord:
+        """Open the record of ``app`` under ``token`` (default: the token its claim names now).
+
+        ``posix_ipc.ExistentialError`` if there is no such record (or no claim).
+        """
+        if token is None:
+            claim = read_claim(names, app)
+            if claim is None:
+                raise posix_ipc.ExistentialError(f"app {app!r} has no claim in {names.claims_dir()}")
+            token = claim.token
+        return cls(names, app, token, Segment.open(names.app_record(app, token), SegmentKind.APP))
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
 
     def write_status(self, status: AppStatus) -> None:
         self.status_area.write(status.encode())
@@ -185,7 +254,7 @@ class AppRecord:
     def read_status(self) -> AppStatus:
         """The app's status; decoded again only when the seqlock counter shows a new write."""
         area = self.status_area
-        counter = area.words[area.counter_index]
+        counter = area.counter()
         if counter == self._status_counter and counter % 2 == 0:
             return self._status
         status = AppStatus.decode(area.read(), area.where)
@@ -207,57 +276,6 @@ class AppRecord:
         self.segment.close()
 
 
-class AppNameInUse(RuntimeError):
-    """A live process already runs an app of this name in this namespace."""
-
-
-def remove_stale_app(names: IpcNames, app: str, grace_seconds: float = 5.0) -> bool:
-    """Remove ``app``'s record and semaphore if its owner is dead; raise if it is alive.
-
-    A record that was never written is left alone while younger than ``grace_seconds`` (its
-    creator may still be starting), and removed after that.
-    """
-    name = names.app_record(app)
-    try:
-        record = AppRecord.open(names, app)
-    except posix_ipc.ExistentialError:
-        objects.unlink_semaphore(names.app_signal(app))
-        return False
-    except RecordEmpty:
-        record = None
-    except RecordError:
-        record = None  # not a readable drbalance record: nobody can use it, remove it
-    owner = None
-    if record is not None:
-        try:
-            owner = record.read_status().pid
-        except RecordEmpty:
-            owner = None
-        except RecordBusy:
-            raise AppNameInUse(f"the record of app {app!r} is being written right now") from None
-        except RecordError:
-            owner = -1  # corrupt beyond use: nobody can read it, so nobody can be using it
-        finally:
-            record.close()
-    if owner is None and _age_seconds(name) < grace_seconds:
-        raise AppNameInUse(f"an app named {app!r} is being started by another process (record {name})")
-    if owner is not None and owner > 0 and owner != os.getpid() and objects.pid_alive(owner):
-        raise AppNameInUse(
-            f"an app named {app!r} is already running as pid {owner} in namespace {names.namespace!r}; "
-            f"choose another name or namespace"
-        )
-    removed = objects.unlink_shared_memory(name)
-    objects.unlink_semaphore(names.app_signal(app))
-    return removed
-
-
-def _age_seconds(shm_name: str) -> float:
-    try:
-        return time.time() - (SHM_DIR / shm_name.lstrip("/")).stat().st_mtime
-    except OSError:
-        return float("inf")
-
-
 class ManagerRecord:
     """The manager's heartbeat segment (written by the manager, read by apps)."""
 
@@ -266,15 +284,12 @@ class ManagerRecord:
         self.area = segment.area(STATUS_OFFSET, ManagerBeat.STRUCT.size, "heartbeat")
 
     @classmethod
-    def create(cls, names: IpcNames) -> ManagerRecord:
-        """Create the heartbeat segment; the caller holds the manager lock, so an old one is stale."""
-        name = names.manager_record()
-        objects.unlink_shared_memory(name)
-        return cls(Segment.create(name, SegmentKind.MANAGER))
+    def create(cls, names: IpcNames, token: str) -> ManagerRecord:
+        return cls(Segment.create(names.manager_record(token), SegmentKind.MANAGER))
 
     @classmethod
-    def open(cls, names: IpcNames) -> ManagerRecord:
-        return cls(Segment.open(names.manager_record(), SegmentKind.MANAGER))
+    def open(cls, names: IpcNames, token: str) -> ManagerRecord:
+        return cls(Segment.open(names.manager_record(token), SegmentKind.MANAGER))
 
     def write(self, beat: ManagerBeat) -> None:
         self.area.write(beat.encode())

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 from drbalance import env
-from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings
+from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.utilization import UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(message)s"  # local time, e.g. 2026-11-21T21:30:00.123
 
 
 def parse_gpus(text: str | None) -> list[int] | None:
@@ -63,10 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="utilisation smoothing window, in samples")
     parser.add_argument("--util-log-period", type=float, default=defaults.util_log_period,
                         help="seconds between utilisation records in the manager log")
-    parser.add_argument("--stale-after", type=float, default=defaults.stale_after,
-                        help="seconds without a record update after which an app is treated as dead")
+    parser.add_argument("--quiet-after", "--stale-after", dest="quiet_after", type=float,
+                        default=defaults.quiet_after,
+                        help="seconds without a record update after which a job is shown as quiet in "
+                        "'drbalance status' (a job is removed only when its process is gone, never for being quiet)")
     parser.add_argument("--log", type=Path, default=None,
                         help="manager log, JSON Lines (default: <runtime dir>/<namespace>/manager.jsonl)")
+    parser.add_argument("--log-max-bytes", type=int, default=defaults.log_max_bytes,
+                        help="rotate the manager log when it would grow beyond this many bytes (0 = never)")
+    parser.add_argument("--log-keep", type=int, default=defaults.log_keep,
+                        help="rotated manager logs to keep (manager.jsonl.1 is the newest)")
     parser.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
@@ -74,24 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
+                        datefmt="%Y-%m-%dT%H:%M:%S")
     try:
+        namespace = args.namespace if args.namespace is not None else env.namespace()
         settings = ManagerSettings(
-            namespace=args.namespace if args.namespace is not None else env.namespace(),
+            namespace=namespace,
             policy=args.policy, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
             dr_total=args.dr_total, sample_period=args.sample_period, window=args.window,
-            util_log_period=args.util_log_period, stale_after=args.stale_after, log_path=args.log,
+            util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
+            log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep,
         )
-        source = open_source(args.source, args.gpus)
+        source = open_source(args.source, args.gpus, namespace=namespace)
     except (UtilizationUnavailable, ValueError) as error:
         print(f"drbalance-manager: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. emulated GPUs in an unsafe runtime directory
+        print(f"drbalance-manager: cannot open the utilisation source {args.source!r}: {error}", file=sys.stderr)
+        return 1
     manager = Manager(settings, source)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda number, frame: manager.request_stop(signal.Signals(number).name))
     try:
         manager.start()
-    except (ManagerAlreadyRunning, PermissionError, ValueError) as error:
+    except (ManagerAlreadyRunning, ManagerStartError, OSError, ValueError) as error:
         source.close()
         print(f"drbalance-manager: {error}", file=sys.stderr)
         return 1

@@ -3,9 +3,21 @@
 One turn of the loop waits for a notice on the inbox (at most until the next periodic task),
 and for a notice: refreshes every app's record (step 3), runs the policy for the notifying app
 (step 4), writes the new DR into its record (step 5) and posts its semaphore (step 6). Periodic
-tasks: heartbeat, utilisation sampling and smoothing, garbage collection of dead apps (pid gone
-or record stale; their IPC objects are removed), adoption of live apps whose records appear
-(e.g. after a manager restart), and the status file read by ``drbalance status``.
+tasks: heartbeat, utilisation sampling and smoothing, garbage collection of dead apps (their
+IPC objects are removed), adoption of live apps found through their claims (e.g. after a
+manager restart), the check of the runtime directory, and the status file read by
+``drbalance status``.
+
+Liveness is decided by the process alone: an app is dead when its pid is gone or now belongs to
+a process with another start time. An app that is alive but has not updated its record for
+``quiet_after`` seconds (a long evaluation, a checkpoint) is shown as quiet, never removed.
+Objects are removed only when their owner is dead. Objects under this namespace's prefix that
+belong to another user are never opened for use; they are reported by name and owner.
+
+Faults of the file system (the runtime directory removed, the status file replaced by a folder,
+a full disk, a truncated heartbeat) are logged and survived: every periodic task and every
+notice is handled under a guard that logs the error (once per minute at most per task) and goes
+on; the task is tried again at its next period, and recovery is logged.
 """
 
 from __future__ import annotations
@@ -14,18 +26,20 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+import posix_ipc
 
 from drbalance.clock import Clock, SystemClock
-from drbalance.ipc import objects
+from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import ManagerEndpoint
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames
-from drbalance.ipc.records import RecordEmpty, remove_stale_app
+from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
+from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
@@ -34,14 +48,29 @@ from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
 
+GRACE_SECONDS = 5.0  # an unfinished claim or an unclaimed record younger than this is being created
+FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most this often
+DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_LOG_KEEP = 5
+
 
 class ManagerAlreadyRunning(RuntimeError):
     """Another manager holds this namespace's lock."""
 
 
+class ManagerStartError(RuntimeError):
+    """The manager cannot start; the text says what, where, and what to do."""
+
+
 @dataclass(frozen=True)
 class ManagerSettings:
-    """The daemon's options (seconds for periods; percent points for ``util_threshold``)."""
+    """The daemon's options (seconds for periods; percent points for ``util_threshold``).
+
+    ``quiet_after``: seconds without a record update after which a live app is shown as quiet
+    (it is never removed while its process runs). ``log_max_bytes`` / ``log_keep``: the manager
+    log is rotated when it would grow beyond this many bytes, keeping this many old files
+    (``log_max_bytes=None``: never rotated).
+    """
 
     namespace: str | None = None
     policy: str = DEFAULT_POLICY
@@ -55,52 +84,69 @@ class ManagerSettings:
     gc_period: float = 1.0
     rescan_period: float = 2.0
     status_period: float = 1.0
-    stale_after: float = 600.0
+    quiet_after: float = 600.0
     inbox_messages: int = 10
     log_path: Path | None = None
+    log_max_bytes: int | None = DEFAULT_LOG_MAX_BYTES
+    log_keep: int = DEFAULT_LOG_KEEP
 
     def __post_init__(self) -> None:
         for name in ("sample_period", "util_log_period", "heartbeat_period", "gc_period", "rescan_period",
-                     "status_period", "stale_after"):
+                     "status_period", "quiet_after"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
         if self.window < 1:
             raise ValueError(f"window must be at least 1 sample; got {self.window}")
         if not 1 <= self.inbox_messages <= 10:
             raise ValueError(f"inbox_messages must be 1..10 (Linux's limit for unprivileged users); "
                              f"got {self.inbox_messages}")
+        if self.log_max_bytes is not None and (isinstance(self.log_max_bytes, bool) or self.log_max_bytes < 4096):
+            raise ValueError(f"log_max_bytes must be at least 4096 bytes (or None); got {self.log_max_bytes!r}")
+        if isinstance(self.log_keep, bool) or not isinstance(self.log_keep, int) or self.log_keep < 0:
+            raise ValueError(f"log_keep must be an integer >= 0; got {self.log_keep!r}")
 
 
 class ManagerLock:
-    """An exclusive ``flock`` on the namespace's lock file, released when the process dies."""
+    """An exclusive ``flock`` on the namespace's lock file, released when the process dies.
+
+    The folder of ``path`` must be the checked private runtime directory (see ``IpcNames``).
+    """
 
     def __init__(self, path: Path) -> None:
-        objects.ensure_private_dir(path.parent.parent)
-        objects.ensure_private_dir(path.parent)
         self.path = path
-        self.handle: TextIO | None = open(path, "a+")
+        fd, _ = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.handle.seek(0)
-            owner = self.handle.read().strip() or "unknown"
-            self.handle.close()
-            self.handle = None
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
             raise ManagerAlreadyRunning(
                 f"a drbalance-manager (pid {owner}) is already running in namespace {path.parent.name!r}; "
                 f"stop it first, or use another namespace (--namespace / DRBALANCE_NAMESPACE)"
             ) from None
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.write(f"{os.getpid()}\n")
-        self.handle.flush()
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def held(self) -> bool:
+        """Whether ``path`` still names the file we hold locked (not removed with its folder)."""
+        if self.fd is None:
+            return False
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        info = os.fstat(self.fd)
+        return (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino)
 
     def release(self) -> None:
-        if self.handle is not None:
-            fcntl.flock(self.handle, fcntl.LOCK_UN)
-            self.handle.close()
-            self.handle = None
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)  # closing the descriptor releases the flock
 
 
 class Manager:
@@ -126,32 +172,63 @@ class Manager:
         self.server = ServerGpus(self.gpu_count, _gpu_uuids(source, self.gpu_count))  # memory: see _sample
         self.stopping: str | None = None
         self.decisions = 0
+        self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
+        self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
+        self._fault_logged: dict[str, float] = {}
+        self._reported: set[tuple[str, ...]] = set()
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
         self._log: JsonLinesWriter | None = None
+        self._log_path: Path | None = None
         self._next: dict[str, float] = {}
         self._started_wall = 0.0
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._lock = ManagerLock(self.names.manager_lock())
+        """Check the runtime directory, open the log, take the lock, create the inbox and heartbeat.
+
+        ``ManagerAlreadyRunning``, ``ManagerStartError`` (unsafe runtime directory, unwritable log,
+        refused message queue): nothing is left behind then.
+        """
         try:
+            self.names.private_runtime_dir()
+        except OSError as error:
+            raise ManagerStartError(
+                f"cannot use the runtime directory {self.names.runtime_dir()}: {error}. Point "
+                f"DRBALANCE_RUNTIME_DIR (or XDG_RUNTIME_DIR) at a folder only you can write"
+            ) from None
+        self._log_path = self.settings.log_path or (self.names.runtime_dir() / "manager.jsonl")
+        try:
+            self._log = JsonLinesWriter(self._log_path, flush_every=1, max_bytes=self.settings.log_max_bytes,
+                                        keep=self.settings.log_keep)
+        except OSError as error:
+            raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
+        try:
+            self._lock = ManagerLock(self.names.manager_lock())
             self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages)
-        except Exception:
-            self._lock.release()
+        except BaseException as error:
+            self._abort_start()
+            if isinstance(error, (objects.QueueLimitError, UnsafePath)):
+                raise ManagerStartError(str(error)) from None
             raise
         self._started_wall = self.clock.wall()
-        log_path = self.settings.log_path or (self.names.runtime_dir() / "manager.jsonl")
-        self._log = JsonLinesWriter(log_path, flush_every=1)
         self.log("start", pid=os.getpid(), namespace=self.names.namespace, policy=self.policy.name,
-                 gpus=self.gpu_count, config=asdict(self.config),
+                 gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "rescan", "status"), now)
-        self._heartbeat(now)
-        self._rescan(now)  # a restarted manager picks up the apps that are still running
+        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "runtime", "rescan", "status"), now)
+        self._run_task("beat", self._heartbeat, now)
+        self._run_task("rescan", self._rescan, now)  # a restarted manager picks up the apps still running
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
-                    self.names.namespace, self.policy.name, self.gpu_count, log_path)
+                    self.names.namespace, self.policy.name, self.gpu_count, self._log_path)
+
+    def _abort_start(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to end after the current turn (safe from a signal handler)."""
@@ -167,25 +244,37 @@ class Manager:
                 self.request_stop("duration reached")
 
     def stop(self) -> None:
-        """Remove the inbox, heartbeat and status file; release the lock. Apps train on alone."""
+        """Remove the inbox, heartbeat, ``manager.json`` and status file; release the lock.
+
+        Apps train on alone. Every step is attempted whatever the others do.
+        """
         reason = self.stopping or "stopped"
         for entry in list(self.table.entries.values()):
             self.table.remove(entry.name, unlink=False)
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
-        try:
-            self.names.manager_status().unlink()
-        except FileNotFoundError:
-            pass
+        self._remove_own_status()
         self.log("stop", reason=reason, decisions=self.decisions)
         if self._log is not None:
-            self._log.close()
+            lost = self._log.close()
+            if lost:
+                logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
+                             lost, self._log_path, self.faults.get("log", "disk full?"))
             self._log = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
         self.source.close()
+
+    def _remove_own_status(self) -> None:
+        path = self.names.manager_status()
+        try:
+            status = json.loads(read_private(path))
+            if isinstance(status, dict) and status.get("pid") == os.getpid():
+                os.unlink(path)
+        except (OSError, ValueError):
+            pass  # gone, or not ours (a successor's): leave it
 
     def __enter__(self) -> Manager:
         self.start()
@@ -206,7 +295,7 @@ class Manager:
             logger.warning("drbalance-manager: ignored a malformed notice: %s", error)
             notice = None
         if notice is not None:
-            self.handle(notice)
+            self._run_task("notice", lambda _now: self.handle(notice), now)
         self._periodic(self.clock.monotonic())
 
     def _periodic(self, now: float) -> None:
@@ -216,27 +305,55 @@ class Manager:
             ("sample", settings.sample_period, self._sample),
             ("util_log", settings.util_log_period, self._log_utilization),
             ("gc", settings.gc_period, self._collect_garbage),
+            ("runtime", settings.rescan_period, self._check_runtime_files),
             ("rescan", settings.rescan_period, self._rescan),
             ("status", settings.status_period, self._write_status),
         )
         for key, period, task in tasks:
             if now >= self._next[key]:
                 self._next[key] = now + period
-                task(now)
+                self._run_task(key, task, now)
+
+    def _run_task(self, key: str, task: Any, now: float) -> None:
+        """Run one task; an error is logged (once a minute at most per task) and the loop goes on."""
+        try:
+            task(now)
+        except Exception as error:  # a fault must never stop the daemon: log it, try again next period
+            self._fault(key, error)
+        else:
+            if key in self.faults:
+                self._recovered(key)
+
+    def _fault(self, key: str, error: BaseException) -> None:
+        text = f"{type(error).__name__}: {error}"
+        now = time.monotonic()
+        if self.faults.get(key) != text or now - self._fault_logged.get(key, -1e9) >= FAULT_REPEAT_SECONDS:
+            self._fault_logged[key] = now
+            self.log("fault", task=key, error=text)
+            if isinstance(error, (OSError, RecordError)):
+                logger.error("drbalance-manager: %s failed: %s (serving on; trying again)", key, text)
+            else:
+                logger.exception("drbalance-manager: %s failed (serving on; trying again)", key)
+        self.faults[key] = text
+
+    def _recovered(self, key: str) -> None:
+        error = self.faults.pop(key)
+        self._fault_logged.pop(key, None)
+        self.log("recovered", task=key, error=error)
+        logger.warning("drbalance-manager: %s works again (after: %s)", key, error)
 
     # --- notices: steps 3 to 6 ------------------------------------------------------------------
     def handle(self, notice: Notice) -> None:
         now = self.clock.monotonic()
+        entry = self.table.get(notice.app)
         if notice.kind == NoticeKind.FINISH:
-            entry = self.table.get(notice.app)
             if entry is not None and entry.status.pid == notice.pid:
                 self.table.remove(notice.app, unlink=False)  # the app removes its own objects
                 self.log("app_removed", app=notice.app, pid=notice.pid, reason="finished")
             return
-        entry = self.table.get(notice.app)
         if entry is not None and entry.status.pid != notice.pid:
-            # a new process under an old name: our mapping is the dead one's record
-            self.table.remove(notice.app, unlink=False)
+            if not self._replaced(entry, notice):
+                return
             entry = None
         if entry is None:
             entry = self._admit(notice.app, now, notice.pid, via="notice")
@@ -245,6 +362,28 @@ class Manager:
         self._refresh_all(now)  # step 3: read every app's record
         trigger = "register" if notice.kind == NoticeKind.REGISTER else "boundary"
         self.decide(entry, trigger, notice.seq)
+
+    def _replaced(self, entry: AppEntry, notice: Notice) -> bool:
+        """A notice from another pid than the app's: True if a new process now holds the name.
+
+        Otherwise (a stray or forged notice) it is logged and ignored: the live app keeps its
+        place in the table.
+        """
+        try:
+            claim = discovery.read_claim(self.names, notice.app)
+        except (OSError, discovery.DiscoveryError):
+            claim = None
+        if claim is not None and claim.pid == notice.pid and claim.token != entry.token:
+            dead = not entry.alive()
+            self.table.remove(entry.name, unlink=dead)
+            self.log("app_removed", app=entry.name, pid=entry.status.pid,
+                     reason=f"its name was taken by pid {notice.pid}" + (" after it died" if dead else ""))
+            return True
+        error = (f"notice from pid {notice.pid} for app {notice.app!r}, which pid {entry.status.pid} runs "
+                 f"(claim: {'pid ' + str(claim.pid) if claim else 'none'}); ignored")
+        self.log("invalid", what="notice", app=notice.app, error=error)
+        logger.warning("drbalance-manager: %s", error)
+        return False
 
     def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
         """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
@@ -326,16 +465,30 @@ class Manager:
             raise ValueError(f"policy returned {ratio}, which breaks the app's constraints: {'; '.join(problems)}")
 
     def _admit(self, name: str, now: float, pid: int | None, via: str) -> AppEntry | None:
+        """Add app ``name`` found through a notice from ``pid``: its claim names its objects."""
         try:
-            entry = self.table.admit(name, now, expected_pid=pid)
-        except RecordError as error:
+            claim = discovery.read_claim(self.names, name)
+            if claim is None:
+                raise RecordError(f"app {name!r} has no claim in {self.names.claims_dir()} (not running, or "
+                                  f"not started by this user in namespace {self.names.namespace!r})")
+            if pid is not None and claim.pid != pid:
+                raise RecordError(f"notice from pid {pid} for app {name!r}, whose claim belongs to pid {claim.pid}")
+            entry = self.table.admit(name, now, expected_pid=claim.pid, token=claim.token,
+                                     expected_ticks=claim.start_ticks)
+        except objects.ForeignObject as error:
+            self._report_foreign(error.name, error.owner)
+            return None
+        except (RecordError, OSError, discovery.DiscoveryError, posix_ipc.Error) as error:
             self.log("invalid", what="record", app=name, error=str(error))
             logger.warning("drbalance-manager: cannot admit %r: %s", name, error)
             return None
-        status = entry.status
-        self.log("app_added", app=name, pid=status.pid, via=via, dr=status.ratio.to_list(),
-                 iterations_total=status.iterations_total, solo_time=status.solo_time)
+        self._log_added(entry, via)
         return entry
+
+    def _log_added(self, entry: AppEntry, via: str) -> None:
+        status = entry.status
+        self.log("app_added", app=entry.name, pid=status.pid, via=via, dr=status.ratio.to_list(),
+                 iterations_total=status.iterations_total, solo_time=status.solo_time)
 
     def _refresh_all(self, now: float) -> None:
         for entry in list(self.table.entries.values()):
@@ -349,7 +502,10 @@ class Manager:
 
     # --- periodic tasks ----------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
-        self._endpoint.beat(ManagerBeat(os.getpid(), self.gpu_count, self.config.dr_total, self._started_wall, now))
+        beat = ManagerBeat(os.getpid(), self.gpu_count, self.config.dr_total, self._started_wall, now)
+        if self._endpoint.beat(beat):
+            self.log("repaired", what="heartbeat", error="the heartbeat segment was truncated")
+            logger.warning("drbalance-manager: the heartbeat segment was truncated; restored it")
 
     def _sample(self, now: float) -> None:
         try:
@@ -365,68 +521,208 @@ class Manager:
         self.log("util", util=list(self.last_sample), smoothed=list(self.window.values()))
 
     def _collect_garbage(self, now: float) -> None:
+        """Remove the apps whose process is gone (pid, and start time); mark quiet ones."""
         self._refresh_all(now)
         for entry in list(self.table.entries.values()):
             status = entry.status
-            if not objects.pid_alive(status.pid):
-                reason = "process gone"
-            elif now - status.updated_mono > self.settings.stale_after:
-                reason = f"record stale for {now - status.updated_mono:.0f} s"
+            if not entry.alive():
+                reason = "process gone" if not objects.pid_alive(status.pid) else \
+                    f"pid {status.pid} now belongs to another process"
+                self.table.remove(entry.name, unlink=True)  # the objects of this token are the dead app's
+                discovery.collect_claim(self.names, entry.name, entry.token)
+                self.log("app_removed", app=entry.name, pid=status.pid, reason=reason)
+                logger.info("drbalance-manager: removed %r (%s)", entry.name, reason)
             elif status.state == AppState.FINISHED:
-                reason = "finished"  # its FINISH notice was lost; it cleans up after itself
+                self.table.remove(entry.name, unlink=False)  # its FINISH notice was lost; it cleans up itself
+                self.log("app_removed", app=entry.name, pid=status.pid, reason="finished")
             else:
-                continue
-            self.table.remove(entry.name, unlink=reason != "finished")
-            self.log("app_removed", app=entry.name, pid=status.pid, reason=reason)
-            logger.info("drbalance-manager: removed %r (%s)", entry.name, reason)
+                self._mark_quiet(entry, now)
+
+    def _mark_quiet(self, entry: AppEntry, now: float) -> None:
+        silent = now - entry.status.updated_mono
+        if silent > self.settings.quiet_after and entry.quiet_since is None:
+            entry.quiet_since = now
+            self.log("app_quiet", app=entry.name, pid=entry.status.pid, silent=silent)
+            logger.info("drbalance-manager: %r (pid %d) has not reported for %.0f s; its process runs, so it "
+                        "stays (shown as quiet)", entry.name, entry.status.pid, silent)
+        elif silent <= self.settings.quiet_after and entry.quiet_since is not None:
+            self.log("app_active", app=entry.name, pid=entry.status.pid, quiet_for=now - entry.quiet_since)
+            entry.quiet_since = None
 
     def _rescan(self, now: float) -> None:
-        """Adopt live apps whose records exist but that never reached us; remove dead ones' objects."""
-        for name in self.names.listed_apps():
-            if name in self.table:
+        """Adopt live apps found through their claims; remove dead ones' objects; report objects of
+        other users under this namespace's prefix."""
+        referenced = {(entry.name, entry.token) for entry in self.table.entries.values()}
+        for app in discovery.claimed_apps(self.names):
+            if app in self.table:
                 continue
+            token = self._consider_claim(app, now)
+            if token is not None:
+                referenced.add((app, token))
+        self._scan_listing(now, referenced)
+
+    def _consider_claim(self, app: str, now: float) -> str | None:
+        """Adopt ``app`` if its claim's process runs, collect it if dead; the token it names."""
+        try:
+            claim = discovery.read_claim(self.names, app)
+            problem = None
+        except (OSError, discovery.DiscoveryError) as error:
+            claim, problem = None, str(error)
+        if claim is None:  # still empty (being created), or unreadable: only a dead holder's goes
+            if discovery.claim_age(self.names, app) > GRACE_SECONDS:
+                if discovery.collect_claim(self.names, app) is not None:
+                    self.log("app_removed", app=app, reason="an unfinished claim of a dead process")
+                elif problem:
+                    self._report_once(("claim", app, problem), "invalid", what="claim", app=app, error=problem)
+            return None
+        if not claim.alive():
+            if discovery.collect_claim(self.names, app, claim.token) is not None:
+                self.log("app_removed", app=app, pid=claim.pid, reason="leftovers of a dead process")
+            elif discovery.remove_app_objects(self.names, app, claim.token):
+                self.log("app_removed", app=app, pid=claim.pid,
+                         reason="process gone; its claim is still held (by a process it forked?)")
+            return claim.token
+        self._adopt(app, claim.token, now, claim)
+        return claim.token
+
+    def _adopt(self, app: str, token: str, now: float, claim: discovery.ClaimInfo | None) -> None:
+        try:
+            entry = self.table.admit(app, now, expected_pid=claim.pid if claim else None, token=token,
+                                     expected_ticks=claim.start_ticks if claim else 0)
+        except (RecordEmpty, RecordBusy) as error:
+            # not written yet: it will be (or, if its writer died, its claim shows it dead); a live
+            # app whose record stays unwritten past the grace period is worth a line
+            if claim is None or time.time() - claim.claimed > GRACE_SECONDS:
+                self._report_once(("record", app, token, type(error).__name__), "invalid", what="record", app=app,
+                                  error=f"{error} (its process runs: kept, not adopted)")
+            return
+        except posix_ipc.ExistentialError:
+            return  # its objects are being created
+        except objects.ForeignObject as error:
+            self._report_foreign(error.name, error.owner)
+            return
+        except (RecordError, OSError, posix_ipc.Error) as error:
+            # unreadable (e.g. a newer layout) but its process runs: kept, reported once, never removed
+            self._report_once(("record", app, token, str(error)), "invalid", what="record", app=app,
+                              error=f"{error} (its process runs: kept, not adopted)")
+            return
+        if entry.status.state == AppState.FINISHED:  # said goodbye, removing its own objects now
+            self.table.remove(app, unlink=False)
+            return
+        self._log_added(entry, "adopted")
+
+    def _scan_listing(self, now: float, referenced: set[tuple[str, str]]) -> None:
+        """Report foreign objects; deal with this user's app records that no claim names."""
+        me = os.geteuid()
+        present = set()
+        for listed in self.names.listed():
+            if listed.owner != me:
+                present.add(listed.entry)
+                self._report_foreign(listed.entry, listed.owner)
+                continue
+            if listed.kind == "app" and (listed.app, listed.token) not in referenced:
+                self._unclaimed(listed.app, listed.token, listed.entry, now)
+        for gone in set(self.foreign) - present:
+            del self.foreign[gone]
+
+    def _unclaimed(self, app: str, token: str, entry: str, now: float) -> None:
+        """A record no claim names (its claim was removed, e.g. with the runtime directory)."""
+        try:
+            age = time.time() - (objects.SHM_DIR / entry).stat().st_ctime
+        except OSError:
+            return
+        if age < GRACE_SECONDS or app in self.table:
+            return
+        try:
+            record = AppRecord.open(self.names, app, token)
+        except (OSError, RecordError, posix_ipc.Error):
+            return
+        try:
+            status = record.read_status()
+        except RecordError as error:
+            self._report_once(("unclaimed", app, token), "invalid", what="record", app=app,
+                              error=f"{error}; no claim names it and its owner is unknown: kept")
+            return
+        finally:
+            record.close()
+        if objects.process_alive(status.pid, status.start_ticks):
+            self._adopt(app, token, now, None)
+        elif discovery.remove_app_objects(self.names, app, token):
+            self.log("app_removed", app=app, pid=status.pid, reason="leftovers of a dead process (no claim)")
+
+    def _report_foreign(self, entry: str, owner: int | None) -> None:
+        entry = entry.lstrip("/")
+        if self.foreign.get(entry) == owner:
+            return
+        self.foreign[entry] = owner if owner is not None else -1
+        who = user_name(owner) if owner is not None else "an unknown user"
+        self.log("foreign", object=entry, owner_uid=owner, owner=who)
+        logger.warning("drbalance-manager: /dev/shm/%s is under this namespace's prefix but belongs to %s: "
+                       "ignored, never trusted", entry, who)
+
+    def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        self.log(event, **fields)
+        logger.warning("drbalance-manager: %s", fields.get("error", fields))
+
+    def _check_runtime_files(self, now: float) -> None:
+        """Put the lock file and ``manager.json`` back if the runtime directory lost them."""
+        lock_ok = self._lock.held()
+        published = self._endpoint.published()
+        if lock_ok and published:
+            return
+        self.names.private_runtime_dir()
+        if not lock_ok:
             try:
-                removed = remove_stale_app(self.names, name, grace_seconds=5.0)
-            except Exception:  # alive (AppNameInUse) or still being created: adopt if readable
-                removed = False
-            if removed:
-                self.log("app_removed", app=name, reason="leftovers of a dead process")
-                continue
-            try:
-                entry = self.table.admit(name, now)
-            except (RecordError, OSError) as error:
-                if not isinstance(error, RecordEmpty):
-                    logger.debug("drbalance-manager: not adopting %r yet: %s", name, error)
-                continue
-            if entry.status.state == AppState.FINISHED:  # said goodbye, removing its own objects now
-                self.table.remove(name, unlink=False)
-                continue
-            self.log("app_added", app=name, pid=entry.status.pid, via="adopted", dr=entry.status.ratio.to_list(),
-                     iterations_total=entry.status.iterations_total, solo_time=entry.status.solo_time)
+                lock = ManagerLock(self.names.manager_lock())
+            except ManagerAlreadyRunning as error:
+                self.log("fault", task="lock", error=str(error))
+                logger.error("drbalance-manager: the runtime directory was removed and another manager took "
+                             "namespace %r meanwhile: %s; stopping", self.names.namespace, error)
+                self.request_stop("another manager took over the namespace")
+                return
+            self._lock.release()
+            self._lock = lock
+        self._endpoint.republish()
+        self.log("repaired", what="runtime files", error=f"lock {'ok' if lock_ok else 'lost'}, "
+                 f"manager.json {'ok' if published else 'lost'}; restored in {self.names.runtime_dir()}")
+        logger.warning("drbalance-manager: restored the lock and manager.json in %s", self.names.runtime_dir())
 
     def _write_status(self, now: float) -> None:
-        path = self.names.manager_status()
         status = {
             "pid": os.getpid(), "namespace": self.names.namespace, "policy": self.policy.name,
             "started": self._started_wall, "updated": self.clock.wall(), "gpus": self.gpu_count,
             "util": list(self.window.values()), "decisions": self.decisions,
+            "runtime_dir": str(self.names.runtime_dir()), "quiet_after": self.settings.quiet_after,
             "apps": [
                 {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
                  "sd": e.status.slowdown, "dr": e.effective_ratio().to_list(), "state": e.status.state.name,
-                 "updated_ago": now - e.status.updated_mono}
+                 "updated_ago": now - e.status.updated_mono,
+                 "quiet_for": None if e.quiet_since is None else now - e.quiet_since}
                 for e in self.table.entries.values()
             ],
+            "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
+                        for entry, uid in sorted(self.foreign.items())],
+            "faults": dict(self.faults),
         }
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".status.")
-        with os.fdopen(handle, "w") as out:
-            json.dump(status, out)
-        os.replace(temporary, path)
+        write_private(self.names.manager_status(), json.dumps(status).encode())
 
     # --- the log -------------------------------------------------------------------------------
     def log(self, event: str, **fields: Any) -> None:
-        if self._log is not None:
-            self._log.write({"t": self.clock.wall(), "event": event, **fields})
+        if self._log is None:
+            return
+        self._log.write({"t": self.clock.wall(), "event": event, **fields})
+        error = self._log.error
+        if error is not None and self.faults.get("log") != str(error):
+            self.faults["log"] = str(error)
+            logger.error("drbalance-manager: cannot write the manager log %s: %s (lines are kept in memory and "
+                         "written when it works again)", self._log_path, error)
+        elif error is None and "log" in self.faults:
+            previous = self.faults.pop("log")
+            logger.warning("drbalance-manager: the manager log works again (after: %s)", previous)
 
 
 def _gpu_uuids(source: UtilizationSource, count: int) -> tuple[str | None, ...]:

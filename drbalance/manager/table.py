@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import posix_ipc
 
+from drbalance.ipc import objects
 from drbalance.ipc.endpoint import AppChannel
 from drbalance.ipc.layout import AppState, AppStatus, RecordError
 from drbalance.ipc.names import IpcNames
@@ -62,7 +63,12 @@ class ServerGpus:
 
 @dataclass
 class AppEntry:
-    """One live app: its channel, its last valid status, and the DR last sent to it."""
+    """One live app: its channel, its last valid status, and the DR last sent to it.
+
+    Liveness: ``token`` names the app's objects (from its claim); ``quiet_since`` is the manager's
+    monotonic time since when the app has not updated its record for the quiet period (None =
+    active). A quiet app whose process runs is shown as quiet, never removed.
+    """
 
     name: str
     channel: AppChannel
@@ -71,6 +77,12 @@ class AppEntry:
     assigned: DataRatio | None = None
     assigned_mono: float = -math.inf
     last_complaint_mono: float = -math.inf
+    token: str = ""
+    quiet_since: float | None = None
+
+    def alive(self) -> bool:
+        """Whether the app's process runs: its pid, and its start time when the record has one."""
+        return objects.process_alive(self.status.pid, self.status.start_ticks)
 
     def effective_ratio(self) -> DataRatio:
         """The DR the app uses now: the one just sent, until the app publishes a newer status."""
@@ -209,21 +221,29 @@ class AppTable:
     def get(self, name: str) -> AppEntry | None:
         return self.entries.get(name)
 
-    def admit(self, name: str, now: float, expected_pid: int | None = None) -> AppEntry:
-        """Open ``name``'s record and add it. RecordError if unreadable or owned by another pid."""
+    def admit(self, name: str, now: float, expected_pid: int | None = None, token: str | None = None,
+              expected_ticks: int = 0) -> AppEntry:
+        """Open ``name``'s record (objects under ``token``; default: its claim's) and add it.
+
+        RecordError if missing, unreadable, or owned by another pid (or another process with that
+        pid: ``expected_ticks``, 0 = unknown); ``objects.ForeignObject`` if not this user's.
+        """
         try:
-            channel = AppChannel(self.names, name)
+            channel = AppChannel(self.names, name, token)
         except posix_ipc.ExistentialError:
             raise RecordError(f"app {name!r} has no record in namespace {self.names.namespace!r}") from None
         try:
             status = channel.read_status()
             if expected_pid is not None and status.pid != expected_pid:
-                raise RecordError(f"notice from pid {expected_pid} for app {name!r}, whose record belongs to "
+                raise RecordError(f"app {name!r} is claimed by pid {expected_pid}, but its record belongs to "
                                   f"pid {status.pid}")
+            if expected_ticks and status.start_ticks and status.start_ticks != expected_ticks:
+                raise RecordError(f"app {name!r}: its record's process start time {status.start_ticks} is not "
+                                  f"its claim's ({expected_ticks})")
         except Exception:
             channel.close()
             raise
-        entry = AppEntry(name, channel, status, now)
+        entry = AppEntry(name, channel, status, now, token=channel.token)
         self.entries[name] = entry
         return entry
 

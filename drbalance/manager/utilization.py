@@ -234,10 +234,10 @@ def _clean(value: float | None) -> float | None:
     return min(100.0, max(0.0, float(value)))
 
 
-def _emulated(argument: str, gpus: Sequence[int] | None) -> UtilizationSource:
+def _emulated(argument: str, gpus: Sequence[int] | None, namespace: str | None = None) -> UtilizationSource:
     from drbalance.emu.gpus import EmulatedSource
 
-    return EmulatedSource.open(argument, gpus)
+    return EmulatedSource.open(argument, gpus, namespace)
 
 
 SOURCES: Mapping[str, Callable[[str, Sequence[int] | None], UtilizationSource]] = MappingProxyType({
@@ -247,11 +247,16 @@ SOURCES: Mapping[str, Callable[[str, Sequence[int] | None], UtilizationSource]] 
 })
 
 
-def open_source(spec: str, gpus: Sequence[int] | None = None) -> UtilizationSource:
-    """A source from ``nvml``, ``emulated[:N]`` or ``scripted:FILE``."""
+def open_source(spec: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> UtilizationSource:
+    """A source from ``nvml``, ``emulated[:N]`` or ``scripted:FILE``.
+
+    ``namespace``: the manager's (emulated GPUs belong to a namespace; default DRBALANCE_NAMESPACE).
+    """
     kind, _, argument = spec.partition(":")
     if kind not in SOURCES:
         raise ValueError(f"unknown utilisation source {spec!r}; use one of: nvml, emulated[:N], scripted:FILE")
     if kind == "scripted" and not argument:
         raise ValueError("the scripted source needs a file: --source scripted:PATH.json")
+    if kind == "emulated":
+        return _emulated(argument, gpus, namespace)
     return SOURCES[kind](argument, gpus)

@@ -2,7 +2,8 @@
 
 Waits until wall-clock time START, then sends NOTICES boundary notices back to back, each
 answered (or not) before the next. Prints {"app", "sent", "answered", "generations"} as JSON.
-Usage: python -m tests.helpers.flood_app NAME START NOTICES
+Usage: python -m tests.helpers.flood_app NAME START NOTICES [SEND_TIMEOUT [ANSWER_TIMEOUT]]
+(seconds; default: what a Session uses, and four times its exchange timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from drbalance.ipc.names import IpcNames
 
 def main() -> None:
     name, start, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    send_timeout = float(sys.argv[4]) if len(sys.argv) > 4 else DEFAULT_SEND_TIMEOUT
+    answer_timeout = float(sys.argv[5]) if len(sys.argv) > 5 else DEFAULT_EXCHANGE_TIMEOUT * 4
     link = PosixManagerLink(IpcNames.current(), name)
     ratio = DataRatio([1, 1, 1, 1], 4)
     status = AppStatus(os.getpid(), name, AppState.RUNNING, ratio, 0, 10, 1, 100, 10, 0, 1.5, 0.1, 10.0,
@@ -31,9 +34,9 @@ def main() -> None:
         link.publish(status.__class__(**{**status.__dict__, "notice_seq": seq, "updated_mono": time.monotonic()}))
         started = time.monotonic()
         link.manager()  # the protocol: look for the live manager, then notify it
-        if link.notify(Notice(NoticeKind.BOUNDARY, os.getpid(), seq, name, time.time()), DEFAULT_SEND_TIMEOUT):
+        if link.notify(Notice(NoticeKind.BOUNDARY, os.getpid(), seq, name, time.time()), send_timeout):
             sent += 1
-            command = link.await_command(seq, DEFAULT_EXCHANGE_TIMEOUT * 4)
+            command = link.await_command(seq, answer_timeout)
             if command is not None:
                 answered += 1
                 generations.append(command.generation)

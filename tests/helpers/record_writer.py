@@ -2,6 +2,7 @@
 
 Used by the torn-read test: a reader that ever sees fields from two different k has read a torn
 record. Usage: python -m tests.helpers.record_writer APP SECONDS (namespace from the environment).
+Prints ``ready TOKEN`` (the token of the record's name) once the record exists.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main() -> None:
     app, seconds = sys.argv[1], float(sys.argv[2])
     record = AppRecord.create(IpcNames.current(), app)
     record.write_status(status_for(0, app))
-    print("ready", flush=True)
+    print(f"ready {record.token}", flush=True)
     deadline = time.monotonic() + seconds
     k = 0
     while time.monotonic() < deadline:

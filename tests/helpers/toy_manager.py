@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 from drbalance import DataRatio
+from drbalance.ipc import discovery
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint
 from drbalance.ipc.layout import AppCommand, ManagerBeat, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames
@@ -22,9 +24,12 @@ def main() -> None:
     parser.add_argument("--answer", default="0,0,0,10")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--notices", type=int, default=1000)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--silent", action="store_true", help="heartbeat, but never read the inbox")
     args = parser.parse_args()
+    # Stopped with Ctrl-C (SIGINT). A process started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then keeps it ignored: install the handler explicitly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     names = IpcNames.current()
     endpoint = ManagerEndpoint(names)
     answer = DataRatio([int(x) for x in args.answer.split(",")])
@@ -46,7 +51,10 @@ def main() -> None:
             if notice is None:
                 continue
             received += 1
-            channel = channels.get(notice.app) or channels.setdefault(notice.app, AppChannel(names, notice.app))
+            if notice.app not in channels:
+                claim = discovery.read_claim(names, notice.app)
+                channels[notice.app] = AppChannel(names, notice.app, claim.token)
+            channel = channels[notice.app]
             status = channel.read_status()
             print(json.dumps({"kind": notice.kind.name, "seq": notice.seq, "app": notice.app,
                               "sd": status.slowdown, "iteration": status.iteration}), flush=True)

@@ -1,0 +1,129 @@
+"""Act as another local user (a "neighbour" on a shared server) for the hardening tests.
+
+``as_neighbour(actions)`` runs the actions in a forked child process whose uid and gid are those
+of an unprivileged second user, and returns one result per action. Only
+root can do that, so tests that use it are marked ``second_user`` and skip with the reason when
+the suite does not run as root (CI runs it as root).
+
+Actions (JSON lists): ``["shm", NAME, MODE]`` create shared memory (4096 bytes, mode exactly
+MODE); ``["sem", NAME, MODE]``; ``["mq", NAME, MODE]``; ``["open_shm", NAME]`` / ``["open_sem",
+NAME]`` / ``["open_mq", NAME]`` try to open an existing object; ``["send_mq", NAME]`` try to send
+a message; ``["symlink", TARGET, LINK]``; ``["mkdir", PATH, MODE]``; ``["write", PATH, TEXT]``.
+Each result is ``"ok"`` or the exception's class name and text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import select
+import time
+
+import posix_ipc
+import pytest
+
+FALLBACK_UID = 65534  # "nobody" on most systems
+
+
+def second_user() -> tuple[int, int, str]:
+    """(uid, gid, name) of the unprivileged user the tests act as."""
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid, "nobody"
+    except KeyError:
+        return FALLBACK_UID, FALLBACK_UID, f"uid {FALLBACK_UID}"
+
+
+needs_second_user = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="acting as a second local user needs root (setuid in a child); CI runs the suite as root",
+)
+
+
+def as_neighbour(actions: list[list], timeout: float = 60.0) -> list[str]:
+    """Run ``actions`` as the second user; one result string per action.
+
+    A forked child drops to the second user's uid and gid (the interpreter itself may live where
+    that user cannot read it, so no new program is started) and reports through a pipe.
+    """
+    uid, gid, _ = second_user()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test
+        status = 1
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            data = json.dumps([_run(action) for action in actions]).encode()
+            while data:
+                data = data[os.write(writer, data):]
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(writer)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([reader], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            os.close(reader)
+            raise TimeoutError(f"the neighbour process did not finish within {timeout} s")
+        chunk = os.read(reader, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(reader)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RuntimeError(f"the neighbour process failed (wait status {status})")
+    return json.loads(b"".join(chunks))
+
+
+def _run(action: list) -> str:
+    kind, *args = action
+    try:
+        if kind == "shm":
+            name, mode = args
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=4096)
+            os.fchmod(shm.fd, mode)
+            os.write(shm.fd, b"planted by a neighbour")
+            shm.close_fd()
+        elif kind == "sem":
+            name, mode = args
+            posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=mode, initial_value=0).close()
+            path = "/dev/shm/sem." + name.lstrip("/")
+            if os.path.exists(path):
+                os.chmod(path, mode)
+        elif kind == "mq":
+            name, mode = args
+            queue = posix_ipc.MessageQueue(name, posix_ipc.O_CREX, mode=mode, max_messages=10, max_message_size=128)
+            os.fchmod(queue.mqd, mode)
+            queue.close()
+        elif kind == "open_shm":
+            posix_ipc.SharedMemory(args[0]).close_fd()
+        elif kind == "open_sem":
+            posix_ipc.Semaphore(args[0]).close()
+        elif kind == "open_mq":
+            posix_ipc.MessageQueue(args[0]).close()
+        elif kind == "send_mq":
+            queue = posix_ipc.MessageQueue(args[0])
+            queue.send(b"x" * 76, timeout=0)
+            queue.close()
+        elif kind == "symlink":
+            os.symlink(args[0], args[1])
+        elif kind == "mkdir":
+            os.mkdir(args[0], args[1])
+            os.chmod(args[0], args[1])
+        elif kind == "write":
+            with open(args[0], "w") as out:
+                out.write(args[1])
+        else:
+            return f"ValueError: unknown action {kind}"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "ok"

@@ -1,0 +1,78 @@
+"""Real processes for the tests: the manager daemon and the toy training app.
+
+Their output goes to files, not pipes: a process that logs much to a pipe nobody reads would
+block when the pipe fills, and a test would hang instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from drbalance.ipc.names import IpcNames
+from drbalance.jsonlog import read_json_lines
+from tests.conftest import python_process, wait_for
+
+
+def write_util(path: Path, util) -> None:
+    path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": list(util)}]}))
+
+
+class ManagerProcess:
+    """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM.
+
+    The policy is the paper's unless ``extra`` names one: these tests are about the daemon's
+    mechanics, and the paper's answers (exclusive placement, the utilisation branch) follow from
+    the scripted utilisation alone.
+    """
+
+    def __init__(self, tmp_path: Path, names: IpcNames, util=(90, 80, 20, 50), *extra: str,
+                 wait: bool = True, env: dict | None = None, **popen) -> None:
+        self.names = names
+        stamp = time.monotonic_ns()
+        self.util_file = tmp_path / "util.json"
+        write_util(self.util_file, util)
+        self.log_path = tmp_path / f"manager-{stamp}.jsonl"
+        self.err_path = tmp_path / f"manager-{stamp}.err"
+        self._err = open(self.err_path, "w")
+        args = ["--source", f"scripted:{self.util_file}", "--sample-period", "0.1", *extra]
+        if "--policy" not in extra:  # the paper's answers follow from the scripted utilisation alone
+            args += ["--policy", "paper"]
+        if "--log" not in extra:
+            args += ["--log", str(self.log_path)]
+        self.process = python_process("drbalance.manager.cli", *args, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=self._err, **popen)
+        if wait:
+            wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None)
+            assert self.process.poll() is None, self.stderr()
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.err_path.read_text()
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, signal_it: bool = True) -> tuple[int, str]:
+        """SIGTERM (unless ``signal_it`` is False: then wait for it to exit by itself); (code, stderr)."""
+        if signal_it and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self._err.close()
+        return self.process.returncode, self.err_path.read_text()
+
+
+def toy_app(name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return python_process("tests.helpers.toy_app", "--app", name, *args, env=env)
+
+
+def first_line(process: subprocess.Popen) -> dict:
+    return json.loads(process.stdout.readline())

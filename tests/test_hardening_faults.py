@@ -1,0 +1,165 @@
+"""Issue 10, item 7: file-system faults are logged and survived, and the manager recovers.
+
+The runtime directory removed, the status file replaced by a folder, a full disk (a real small
+tmpfs where mounting is allowed, and a real file-size limit everywhere), and segments truncated
+under a reader (which used to kill the reader with SIGBUS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from drbalance.ipc import discovery
+from drbalance.ipc.names import SHM_DIR
+from tests.conftest import wait_for
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
+
+
+def long_app(name: str) -> subprocess.Popen:
+    """A job with a boundary every 3 iterations that runs until the test kills it."""
+    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
+
+
+def decisions_for(manager: ManagerProcess, app: str) -> int:
+    return len([e for e in manager.events("decision") if e["app"] == app])
+
+
+def stop_all(manager: ManagerProcess, *apps: subprocess.Popen) -> tuple[int, str]:
+    for app in apps:
+        app.kill()
+        app.wait(timeout=30)
+    return manager.stop()
+
+
+def test_the_runtime_directory_removed_under_a_running_manager(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = long_app("survivor")
+    try:
+        first_line(app)
+        wait_for(lambda: decisions_for(manager, "survivor") >= 2)
+        shutil.rmtree(ipc_env.runtime_dir().parent)  # the whole runtime directory, as a cleaner would
+        repaired = wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "runtime files"])
+        wait_for(lambda: ipc_env.manager_status().exists() and ipc_env.manager_info().exists())
+        after = decisions_for(manager, "survivor")
+        wait_for(lambda: decisions_for(manager, "survivor") > after + 2)  # the job talks to it again
+        wait_for(lambda: ipc_env.app_claim("survivor").exists())  # and put its claim back
+        newcomer = toy_app("newcomer", "--epochs", "1", "--iterations", "2")
+        assert first_line(newcomer)["attached"]
+        newcomer.communicate(timeout=120)
+        assert manager.alive() and app.poll() is None
+    finally:
+        code, err = stop_all(manager, app)
+    assert code == 0 and "Traceback" not in err, err
+    assert repaired and discovery.read_manager(ipc_env) is None  # withdrawn at the clean stop
+
+
+def test_the_status_file_replaced_by_a_folder(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = long_app("steady")
+    status = ipc_env.manager_status()
+    try:
+        first_line(app)
+        status.unlink()
+        status.mkdir()
+        fault = wait_for(lambda: [e for e in manager.events("fault") if e["task"] == "status"])
+        before = decisions_for(manager, "steady")
+        wait_for(lambda: decisions_for(manager, "steady") > before + 2)  # still serving
+        status.rmdir()
+        wait_for(lambda: [e for e in manager.events("recovered") if e["task"] == "status"])
+        assert json.loads(status.read_text())["apps"][0]["name"] == "steady"
+    finally:
+        code, err = stop_all(manager, app)
+    assert code == 0 and "Traceback" not in err, err
+    assert "IsADirectoryError" in fault[0]["error"]
+
+
+def small_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    return result.returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "file-size limit"])
+def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, kind):
+    """``tmpfs``: the log and the runtime directory on a real 512 KiB file system, filled up (ENOSPC).
+    ``file-size limit``: RLIMIT_FSIZE on the running manager (EFBIG), lifted afterwards; needs no mount."""
+    small = tmp_path / "small"
+    extra_env = {}
+    if kind == "tmpfs":
+        if os.geteuid() != 0 or not small_tmpfs(small):
+            pytest.skip("mounting a small tmpfs needs root with CAP_SYS_ADMIN; the file-size limit case covers it")
+        extra_env["DRBALANCE_RUNTIME_DIR"] = str(small / "run")
+    log = (small if kind == "tmpfs" else tmp_path) / "manager.jsonl"
+    manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50), "--log", str(log), env=extra_env, wait=False)
+    manager.log_path = log
+    app = None
+    try:
+        wait_for(lambda: manager.events("start"))
+        app = toy_app("writer", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", env=extra_env)
+        assert first_line(app)["attached"]
+        wait_for(lambda: decisions_for(manager, "writer") >= 2)
+        if kind == "tmpfs":
+            filler = small / "filler"
+            with open(filler, "wb") as out:
+                try:
+                    while True:
+                        out.write(b"\0" * 65536)
+                        out.flush()
+                except OSError:
+                    pass
+        else:
+            soft, hard = resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE)
+            resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE, (log.stat().st_size, hard))
+        fault = wait_for(lambda: "cannot write the manager log" in manager.stderr() and manager.stderr())
+        during = [json.loads(app.stdout.readline()) for _ in range(12)]  # 4 boundaries while the disk is full
+        assert all(line["attached"] for line in during) and manager.alive()
+        if kind == "tmpfs":
+            filler.unlink()
+        else:
+            resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE, (soft, hard))
+        wait_for(lambda: "the manager log works again" in manager.stderr())
+    finally:
+        if app is not None:
+            app.kill()
+            app.wait()
+        code, err = manager.stop()
+        events = manager.events()
+        if kind == "tmpfs" and small.is_mount():
+            subprocess.run(["umount", "-l", str(small)], check=False)
+    assert code == 0 and "Traceback" not in err, err
+    assert "No space left" in fault or "File too large" in fault
+    assert events[0]["event"] == "start" and events[-1]["event"] == "stop"
+    decisions = [e for e in events if e["event"] == "decision"]
+    assert len(decisions) == events[-1]["decisions"]  # every decision made during the fault is in the log
+    assert not [e for e in events if e["event"] == "log_gap"]
+
+
+def test_segments_truncated_under_their_readers_cause_no_sigbus(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = long_app("shaky")
+    try:
+        first_line(app)
+        wait_for(lambda: decisions_for(manager, "shaky") >= 2)
+        token = discovery.read_manager(ipc_env).token
+        os.truncate(SHM_DIR / ipc_env.manager_record(token).lstrip("/"), 0)  # the heartbeat, under the app
+        wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "heartbeat"])
+        claim = discovery.read_claim(ipc_env, "shaky")
+        record = SHM_DIR / ipc_env.app_record("shaky", claim.token).lstrip("/")
+        os.truncate(record, 0)  # the app's record, under the manager
+        wait_for(lambda: record.stat().st_size > 0)  # the app restored its own record
+        before = decisions_for(manager, "shaky")
+        wait_for(lambda: decisions_for(manager, "shaky") > before + 2)
+        assert manager.alive() and app.poll() is None
+    finally:
+        code, err = stop_all(manager, app)
+    assert code == 0 and "Traceback" not in err, err
+    _, app_err = app.communicate()
+    assert "Traceback" not in app_err and "restored it" in app_err

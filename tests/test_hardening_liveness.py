@@ -1,0 +1,228 @@
+"""Issue 10, items 3-6: only dead processes are collected, and every dead one is.
+
+3. a live job quiet for longer than --quiet-after stays (shown as quiet), and its name stays taken;
+4. a job killed during its first status write is collected, and its name is free again;
+5. a dead job whose pid now belongs to another process counts as dead (pid + start time);
+6. the rescan never deletes a live job's record, however unreadable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import struct
+import subprocess
+import time
+
+import pytest
+
+from drbalance import DataRatio
+from drbalance.cli import main as drbalance
+from drbalance.ipc import discovery, objects
+from drbalance.ipc.layout import AREA_HEADER, SEGMENT_HEADER, STATUS_OFFSET, AppState, AppStatus
+from drbalance.ipc.names import SHM_DIR
+from drbalance.ipc.records import AppNameInUse, AppRecord
+from drbalance.manager.table import AppEntry
+from tests.conftest import leftovers, python_process, wait_for
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
+
+
+def idle_app(name: str, *flags: str):
+    process = python_process("tests.helpers.idle_app", name, *flags)
+    ready, token = process.stdout.readline().split()
+    assert ready == "ready"
+    return process, token
+
+
+def kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def status_ticks(pid: int) -> int:
+    ticks = objects.process_start_ticks(pid)
+    assert ticks is not None
+    return ticks
+
+
+def test_a_quiet_live_job_stays_and_keeps_its_name_until_its_process_dies(ipc_env, tmp_path, capsys):
+    manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--quiet-after", "1")
+    app = toy_app("thinker", "--epochs", "5", "--iterations", "3", "--hang-after", "1")  # a long evaluation
+    try:
+        first_line(app)
+        wait_for(lambda: manager.events("app_quiet"))
+        status = wait_for(lambda: [a for a in json.loads(ipc_env.manager_status().read_text())["apps"]
+                                   if a["quiet_for"] is not None])
+        assert status[0]["name"] == "thinker"
+        assert drbalance(["status"]) == 0
+        assert "quiet" in capsys.readouterr().out
+        time.sleep(2.5)  # several GC periods (1 s) past --quiet-after: still there
+        assert ipc_env.listed_apps() == ["thinker"] and not manager.events("app_removed")
+        with pytest.raises(AppNameInUse, match="already running as pid"):
+            discovery.AppClaim.take(ipc_env, "thinker")  # a second job of that name is refused
+        kill(app)
+        removed = wait_for(lambda: manager.events("app_removed"))
+        wait_for(lambda: ipc_env.listed_apps() == [])
+    finally:
+        kill(app)
+        code, err = manager.stop()
+    assert code == 0, err
+    assert [e["event"] for e in manager.events() if e["event"].startswith("app_")] == \
+        ["app_added", "app_quiet", "app_removed"]
+    assert removed[0]["reason"] == "process gone"
+
+
+def test_a_job_killed_during_its_first_status_write_is_collected(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        half, token = idle_app("halfway", "--half")
+        assert ipc_env.listed_apps() == ["halfway"]
+        kill(half)
+        removed = wait_for(lambda: manager.events("app_removed"))
+        assert removed[0]["app"] == "halfway" and removed[0]["reason"] == "leftovers of a dead process"
+        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        assert not ipc_env.app_claim("halfway").exists()
+        again = toy_app("halfway", "--epochs", "1", "--iterations", "2")
+        assert first_line(again)["attached"]  # the name is free again
+        again.communicate(timeout=120)
+        assert again.returncode == 0
+    finally:
+        code, err = manager.stop()
+    assert code == 0, err
+    assert not [e for e in manager.events("invalid") if e.get("app") == "halfway"]
+
+
+def test_without_a_manager_the_next_job_takes_a_half_written_name(ipc_env):
+    half, token = idle_app("halfway", "--half")
+    kill(half)
+    app = toy_app("halfway", "--epochs", "1", "--iterations", "2")
+    out, err = app.communicate(timeout=120)
+    assert app.returncode == 0, err  # used to fail with AppNameInUse
+    assert leftovers(ipc_env) == [] and not ipc_env.app_claim("halfway").exists()
+
+
+def test_liveness_is_pid_and_start_time():
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        ticks = status_ticks(other.pid)
+        status = AppStatus(other.pid, "x", AppState.RUNNING, DataRatio([10]), 0, 1, 0, 10, 10, 0, None, None, 1.0,
+                           0.0, 0.0, 0.0, start_ticks=ticks)
+        entry = AppEntry("x", None, status, 0.0)
+        assert entry.alive()
+        entry.status = dataclasses.replace(status, start_ticks=ticks + 1)  # the pid now names another process
+        assert not entry.alive()
+        entry.status = dataclasses.replace(status, start_ticks=0)  # unknown (an old client): the pid decides
+        assert entry.alive()
+    finally:
+        kill(other)
+    assert not objects.process_alive(other.pid, ticks) and not objects.process_alive(other.pid)
+
+
+def plant_dead_app_with_a_reused_pid(names, app: str, pid: int, ticks: int) -> str:
+    """The claim and record a job left when it died, naming ``pid``, which another process now has."""
+    token = discovery.new_token()
+    names.private_runtime_dir()
+    names.claims_dir().mkdir(mode=0o700, exist_ok=True)
+    (names.claims_dir() / f"{app}.claim").write_bytes(
+        discovery.ClaimInfo(app, pid, ticks, token, time.time()).encode())
+    record = AppRecord.create(names, app, token)
+    record.write_status(AppStatus(pid, app, AppState.RUNNING, DataRatio([1, 1, 1, 1], 4), 0, 10, 1, 100, 10, 0, 1.5,
+                                  0.1, 10.0, time.time(), time.time(), time.monotonic(), start_ticks=ticks))
+    record.close()
+    objects.create_semaphore(names.app_signal(app, token)).close()
+    return token
+
+
+def test_a_dead_job_whose_pid_was_reused_is_collected_not_kept(ipc_env, tmp_path):
+    reuser = subprocess.Popen(["sleep", "120"])  # a process that now has the dead job's pid
+    try:
+        plant_dead_app_with_a_reused_pid(ipc_env, "ghost", reuser.pid, status_ticks(reuser.pid) - 1)
+        manager = ManagerProcess(tmp_path, ipc_env)
+        try:
+            removed = wait_for(lambda: manager.events("app_removed"))
+            wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        finally:
+            manager.stop()
+        assert removed[0]["app"] == "ghost" and removed[0]["pid"] == reuser.pid
+        assert not manager.events("app_added")  # never took part in a decision
+        assert not ipc_env.app_claim("ghost").exists() and reuser.poll() is None
+    finally:
+        kill(reuser)
+
+
+def test_a_registered_job_whose_pid_is_reused_is_removed(ipc_env, tmp_path):
+    reuser = subprocess.Popen(["sleep", "120"])
+    try:
+        ticks = status_ticks(reuser.pid)
+        token = plant_dead_app_with_a_reused_pid(ipc_env, "ghost", reuser.pid, ticks)  # alive, for now
+        manager = ManagerProcess(tmp_path, ipc_env)
+        try:
+            wait_for(lambda: manager.events("app_added"))
+            record = AppRecord.open(ipc_env, "ghost", token)  # the record now names another process
+            record.write_status(dataclasses.replace(record.read_status(), start_ticks=ticks + 7))
+            record.close()
+            removed = wait_for(lambda: manager.events("app_removed"))
+            wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        finally:
+            manager.stop()
+        assert removed[0]["reason"] == f"pid {reuser.pid} now belongs to another process"
+    finally:
+        kill(reuser)
+
+
+def break_header(mapping, field_format: str, offset: int, value) -> None:
+    struct.pack_into(field_format, mapping, offset, value)
+
+
+PAYLOAD = STATUS_OFFSET + AREA_HEADER.size
+CORRUPTIONS = {
+    "newer layout": lambda m: break_header(m, "<H", 4, 99),
+    "bad magic": lambda m: break_header(m, "<4s", 0, b"XXXX"),
+    "wrong kind": lambda m: break_header(m, "<H", 6, 7),
+    "wrong offsets": lambda m: break_header(m, "<I", 8, 128),
+    "checksum": lambda m: m.__setitem__(PAYLOAD + 70, m[PAYLOAD + 70] ^ 0xFF),
+    "odd counter": lambda m: break_header(m, "<I", STATUS_OFFSET, 7),
+    "garbage status": lambda m: m.__setitem__(slice(STATUS_OFFSET + 8, STATUS_OFFSET + 108), b"\xff" * 100),
+}
+
+
+def test_the_rescan_never_deletes_a_live_jobs_unreadable_record(ipc_env, tmp_path):
+    apps = {}
+    try:
+        for index, (kind, corrupt) in enumerate(CORRUPTIONS.items()):
+            name = f"live{index}"
+            process, token = idle_app(name)
+            apps[name] = (process, token, kind)
+            record = AppRecord.open(ipc_env, name, token)
+            corrupt(record.segment.mapping)
+            record.close()
+        truncated, token = idle_app("short")
+        apps["short"] = (truncated, token, "truncated")
+        os.truncate(SHM_DIR / ipc_env.app_record("short", token).lstrip("/"), 100)
+        before = leftovers(ipc_env)
+        assert len(before) == 2 * len(apps)
+        manager = ManagerProcess(tmp_path, ipc_env)
+        try:
+            invalid = wait_for(lambda: len({e["app"] for e in manager.events("invalid")}) == len(apps)
+                               and manager.events("invalid"))
+            time.sleep(2.5)  # more rescans: nothing is deleted, nothing is reported twice
+            assert [e for e in leftovers(ipc_env) if ".manager." not in e] == before
+            assert not manager.events("app_removed") and not manager.events("app_added")
+            assert all("its process runs: kept" in e["error"] for e in invalid)
+            assert len(manager.events("invalid")) == len(apps)
+            for process, _, _ in apps.values():
+                kill(process)
+            removed = wait_for(lambda: len(manager.events("app_removed")) == len(apps)
+                               and manager.events("app_removed"))
+            wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        finally:
+            code, err = manager.stop()
+        assert code == 0 and "Traceback" not in err, err
+        assert {e["reason"] for e in removed} == {"leftovers of a dead process"}
+    finally:
+        for process, _, _ in apps.values():
+            kill(process)
+    assert SEGMENT_HEADER.size == 16  # the offsets the corruptions above write to

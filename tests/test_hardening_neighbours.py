@@ -1,0 +1,228 @@
+"""Issue 10, items 1 and 2: another local user must not be able to stop, steer or fool our manager
+and jobs, and the runtime directory never follows a planted link.
+
+The attacks run as a real second user (``tests.helpers.neighbour``: a child process that drops to
+uid "nobody"); those tests need root and are skipped, with the reason, otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+
+import posix_ipc
+import pytest
+
+from drbalance import env
+from drbalance.cli import main as drbalance
+from drbalance.ipc import discovery, objects
+from drbalance.ipc.names import IpcNames, new_token
+from drbalance.ipc.private import UnsafePath, private_dir
+from tests.conftest import wait_for
+from tests.helpers.neighbour import as_neighbour, needs_second_user, second_user
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
+
+
+def predictable_names(names: IpcNames, app: str) -> list[str]:
+    """Every name an attacker could have guessed before this change, plus token-shaped guesses."""
+    guess = new_token()
+    return [names.prefix + "inbox", names.prefix + "manager", names.prefix + f"app.{app}",
+            names.prefix + f"sig.{app}", names.prefix + f"app.{app}.{guess}", names.prefix + f"manager.{guess}"]
+
+
+@needs_second_user
+def test_a_neighbours_squatted_names_stop_nothing_and_are_reported_by_owner(ipc_env, tmp_path, capsys):
+    uid, _, who = second_user()
+    planted = predictable_names(ipc_env, "victim")
+    results = as_neighbour([["shm", name, 0o666] for name in planted] +
+                           [["sem", name, 0o666] for name in planted[:4]] +
+                           [["mq", ipc_env.prefix + "inbox", 0o666]])
+    assert set(results) == {"ok"}, results
+    manager = ManagerProcess(tmp_path, ipc_env)  # used to fail to start: its inbox/heartbeat names were taken
+    try:
+        app = toy_app("victim", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
+        assert first_line(app) == {"iteration": 0, "ratio": [0, 0, 10, 0], "attached": True}  # answered
+        out, err = app.communicate(timeout=120)
+        assert app.returncode == 0, err
+        foreign = wait_for(lambda: len(manager.events("foreign")) >= len(planted) and manager.events("foreign"))
+        assert {e["object"] for e in foreign} >= {name.lstrip("/") for name in planted}
+        assert all(e["owner_uid"] == uid and who.split()[0] in e["owner"] for e in foreign)
+        status = wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["foreign"])
+        assert any(item["owner_uid"] == uid for item in status)
+        assert drbalance(["status"]) == 0
+        table = capsys.readouterr().out
+        assert f"WARNING: /dev/shm/{planted[2].lstrip('/')} belongs to" in table
+        assert manager.alive()
+    finally:
+        code, err = manager.stop()
+        objects.unlink_queue(ipc_env.prefix + "inbox")
+    assert code == 0, err
+    assert "belongs to" in err and "Traceback" not in err
+    decisions = manager.events("decision")
+    assert [d["trigger"] for d in decisions] == ["register", "boundary"]
+
+
+@needs_second_user
+def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = toy_app("steady", "--epochs", "30", "--iterations", "3", "--sleep", "0.05")
+    try:
+        first_line(app)
+        token = discovery.read_manager(ipc_env).token
+        # used to make the manager exit within 0.2 s (a foreign app.x) and to crash jobs (a foreign
+        # ...manager); a world-writable segment with the manager's own token cannot even be created
+        results = as_neighbour([["shm", ipc_env.prefix + "app.x", 0o666],
+                                ["shm", ipc_env.prefix + f"app.x.{new_token()}", 0o666],
+                                ["shm", ipc_env.prefix + "manager", 0o666],
+                                ["shm", ipc_env.manager_record(token), 0o666],
+                                ["open_shm", ipc_env.manager_record(token)],
+                                ["open_mq", ipc_env.inbox(token)],
+                                ["send_mq", ipc_env.inbox(token)]])
+        assert results[:3] == ["ok", "ok", "ok"]
+        assert results[3].startswith("ExistentialError")  # ours exists: nobody can take its name
+        assert all(r.startswith("PermissionsError") for r in results[4:]), results  # 0600: no reading, no notices
+        wait_for(lambda: len(manager.events("foreign")) >= 3)
+        out, err = app.communicate(timeout=120)
+        assert app.returncode == 0, err
+        assert json.loads(out.splitlines()[-2])["attached"]  # the job stayed attached all along
+        assert manager.alive()
+    finally:
+        app.kill()
+        code, err = manager.stop()
+    assert code == 0, err
+    assert [e["reason"] for e in manager.events("app_removed")] == ["finished"]
+
+
+@needs_second_user
+def test_a_job_never_trusts_a_foreign_heartbeat_or_inbox_and_trains_on_detached(ipc_env, tmp_path):
+    """Suppose a neighbour's world-writable heartbeat and inbox sat where ``manager.json`` points
+    (it cannot write that file, so we write it for the test): the job must refuse them, name them
+    and their owner, send nothing there, and train on with its own DR."""
+    token = new_token()
+    uid, _, _ = second_user()
+    results = as_neighbour([["shm", ipc_env.manager_record(token), 0o666], ["mq", ipc_env.inbox(token), 0o666]])
+    assert results == ["ok", "ok"]
+    ipc_env.private_runtime_dir()
+    fake = discovery.ManagerInfo(os.getpid(), objects.process_start_ticks(os.getpid()), token, time.time())
+    discovery.publish_manager(ipc_env, fake)  # "a live manager", pid = this test
+    try:
+        app = toy_app("careful", "--epochs", "2", "--iterations", "3")
+        out, err = app.communicate(timeout=120)
+        assert app.returncode == 0, err
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert all(not line.get("attached", False) for line in lines) and lines[-1]["done"]
+        assert ipc_env.manager_record(token) in err and f"uid {uid}" in err and "not trusted" in err
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(token))
+        assert inbox.current_messages == 0  # not one notice reached the neighbour
+        inbox.close()
+    finally:
+        objects.unlink_queue(ipc_env.inbox(token))
+        objects.unlink_shared_memory(ipc_env.manager_record(token))
+
+
+@needs_second_user
+def test_a_foreign_record_where_a_claim_points_is_reported_not_adopted(ipc_env, tmp_path):
+    token = new_token()
+    uid, _, _ = second_user()
+    assert as_neighbour([["shm", ipc_env.app_record("forged", token), 0o666],
+                         ["sem", ipc_env.app_signal("forged", token), 0o666]]) == ["ok", "ok"]
+    sleeper = toy_app("holder", "--hang-after", "0")  # a live process to name in the claim
+    first_line(sleeper)
+    try:
+        ipc_env.private_runtime_dir()
+        info = discovery.ClaimInfo("forged", sleeper.pid, objects.process_start_ticks(sleeper.pid), token, time.time())
+        (ipc_env.claims_dir() / "forged.claim").write_bytes(info.encode())
+        manager = ManagerProcess(tmp_path, ipc_env)
+        try:
+            wait_for(lambda: any(e["object"] == ipc_env.app_record("forged", token).lstrip("/")
+                                 for e in manager.events("foreign")))
+            status = json.loads(ipc_env.manager_status().read_text())
+            assert "forged" not in [a["name"] for a in status["apps"]] and manager.alive()
+        finally:
+            code, err = manager.stop()
+        assert code == 0 and "Traceback" not in err, err
+        foreign = [e for e in manager.events("foreign") if "forged" in e["object"]]
+        assert foreign and all(e["owner_uid"] == uid for e in foreign)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# --- the runtime directory (item 2) ----------------------------------------------------------------
+@needs_second_user
+def test_a_runtime_dir_link_planted_by_a_neighbour_is_refused_and_its_target_untouched(ipc_env, tmp_path):
+    target = tmp_path / "root-owned"
+    target.mkdir(mode=0o755)
+    os.chmod(target, 0o755)
+    link = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
+    assert as_neighbour([["symlink", str(target), str(link)]]) == ["ok"]
+    try:
+        manager = ManagerProcess(tmp_path, ipc_env, wait=False, env={"DRBALANCE_RUNTIME_DIR": str(link)})
+        code, err = manager.stop(signal_it=False)
+        assert code == 1 and "symbolic link owned by" in err and "Traceback" not in err, err
+        assert stat.S_IMODE(target.stat().st_mode) == 0o755 and list(target.iterdir()) == []
+        app = toy_app("linked", "--epochs", "1", "--iterations", "2", env={"DRBALANCE_RUNTIME_DIR": str(link)})
+        out, err = app.communicate(timeout=120)
+        assert app.returncode == 0, err  # the job trains on, detached
+        assert "symbolic link" in err and list(target.iterdir()) == []
+    finally:
+        link.unlink()
+
+
+@needs_second_user
+def test_a_runtime_dir_owned_by_a_neighbour_is_refused(tmp_path):
+    planted = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
+    assert as_neighbour([["mkdir", str(planted), 0o777]]) == ["ok"]
+    try:
+        with pytest.raises(UnsafePath, match="belongs to"):
+            private_dir(planted)
+        with pytest.raises(UnsafePath, match="belongs to"):
+            private_dir(planted / "inside")  # a folder on the way that another user could swap
+    finally:
+        os.rmdir(planted)
+
+
+def test_a_runtime_dir_that_is_a_link_or_writable_by_others_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        private_dir(tmp_path / "link")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(UnsafePath, match="writable by group or others"):
+        private_dir(open_dir)
+    assert stat.S_IMODE(open_dir.stat().st_mode) == 0o777  # refused, not "repaired"
+    shared = tmp_path / "shared"  # a folder on the way that others may write (and not sticky)
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafePath, match="writable by others"):
+        private_dir(shared / "run")
+    readable = tmp_path / "readable"
+    readable.mkdir()
+    os.chmod(readable, 0o755)
+    assert private_dir(readable) == readable and stat.S_IMODE(readable.stat().st_mode) == 0o700
+    file_instead = tmp_path / "file"
+    file_instead.write_text("x")
+    with pytest.raises(UnsafePath, match="not a folder"):
+        private_dir(file_instead)
+
+
+def test_the_runtime_dir_prefers_xdg_runtime_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("DRBALANCE_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert env.runtime_dir() == tmp_path / "drbalance"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/path")  # not absolute: ignored, as the spec says
+    assert env.runtime_dir() != Path("relative/path") / "drbalance"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    login = Path(f"/run/user/{os.getuid()}")
+    expected = login / "drbalance" if login.is_dir() and login.stat().st_uid == os.getuid() else \
+        Path(f"/tmp/drbalance-{os.getuid()}")
+    assert env.runtime_dir() == expected
+    monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", str(tmp_path / "mine"))
+    assert env.runtime_dir() == tmp_path / "mine"  # an explicit choice wins
