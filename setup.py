@@ -15,10 +15,10 @@ setup(
     packages=find_packages(include=["drbalance", "drbalance.*"]),
     package_data={"drbalance.sim": ["gavel_pairs.json", "gavel_rates.json"]},
     python_requires=">=3.10",
-    install_requires=["torch", "numpy", "posix-ipc>=1.1", "nvidia-ml-py"],
+    install_requires=["torch", "posix-ipc>=1.1", "nvidia-ml-py", "prometheus-client>=0.17"],
     extras_require={
         "examples": ["torchvision", "tqdm", "matplotlib"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "torchvision", "tqdm", "matplotlib", "ruff"],
+        "test": ["pytest", "numpy", "pytest-timeout", "hypothesis", "torchvision", "tqdm", "matplotlib", "ruff"],
     },
     entry_points={
         "console_scripts": [

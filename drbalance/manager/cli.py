@@ -10,6 +10,7 @@ from pathlib import Path
 
 from drbalance import env
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
+from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
 from drbalance.manager.utilization import UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
@@ -28,6 +29,17 @@ def parse_gpus(text: str | None) -> list[int] | None:
     if not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0:
         raise argparse.ArgumentTypeError(f"--gpus needs distinct non-negative indices; got {text!r}")
     return gpus
+
+
+def parse_port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free port, reported in the log and in ``drbalance status --json``)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a number 0..65535; got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number 0..65535; got {port}")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rotate the manager log when it would grow beyond this many bytes (0 = never)")
     parser.add_argument("--log-keep", type=int, default=defaults.log_keep,
                         help="rotated manager logs to keep (manager.jsonl.1 is the newest)")
+    parser.add_argument("--metrics-port", type=parse_port, default=None, metavar="PORT",
+                        help="serve Prometheus metrics at http://ADDRESS:PORT/metrics (0: any free port, "
+                        "logged); off when not given (docs/operations.md lists the series)")
+    parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                        help="address the metrics endpoint listens on: loopback only by default; e.g. 0.0.0.0 "
+                        "or :: to let a Prometheus on another host scrape it (anyone who can reach the port "
+                        "sees app names)")
     parser.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
@@ -100,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # e.g. emulated GPUs in an unsafe runtime directory
         print(f"drbalance-manager: cannot open the utilisation source {args.source!r}: {error}", file=sys.stderr)
         return 1
-    manager = Manager(settings, source)
+    metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
+    manager = Manager(settings, source, metrics=metrics)
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -112,9 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drbalance-manager: {error}", file=sys.stderr)
         return 1
     try:
+        if metrics is not None:
+            try:
+                metrics.serve(args.metrics_address, args.metrics_port)
+            except MetricsServerError as error:
+                manager.request_stop("metrics endpoint unavailable")
+                print(f"drbalance-manager: {error} (choose another --metrics-port, or 0 for any free one)",
+                      file=sys.stderr)
+                return 1
+            manager.log("metrics", url=metrics.url())
+            logging.getLogger("drbalance.manager").info("drbalance-manager: metrics at %s", metrics.url())
         manager.run(args.duration)
     finally:
         manager.stop()
+        if metrics is not None:
+            metrics.close()
     return 0
 
 

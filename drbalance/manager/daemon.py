@@ -41,6 +41,7 @@ from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
+from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
@@ -158,8 +159,10 @@ class Manager:
         source: UtilizationSource,
         clock: Clock | None = None,
         policy: Policy | None = None,
+        metrics: ManagerMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics  # None: no metrics are kept (drbalance-manager without --metrics-port)
         self.source = source
         self.clock = clock or SystemClock()
         self.policy = policy or make_policy(settings.policy)
@@ -216,7 +219,7 @@ class Manager:
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "runtime", "rescan", "status"), now)
+        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "runtime", "rescan", "status", "metrics"), now)
         self._run_task("beat", self._heartbeat, now)
         self._run_task("rescan", self._rescan, now)  # a restarted manager picks up the apps still running
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
@@ -308,6 +311,7 @@ class Manager:
             ("runtime", settings.rescan_period, self._check_runtime_files),
             ("rescan", settings.rescan_period, self._rescan),
             ("status", settings.status_period, self._write_status),
+            ("metrics", settings.status_period, self._update_metrics),
         )
         for key, period, task in tasks:
             if now >= self._next[key]:
@@ -362,6 +366,8 @@ class Manager:
         self._refresh_all(now)  # step 3: read every app's record
         trigger = "register" if notice.kind == NoticeKind.REGISTER else "boundary"
         self.decide(entry, trigger, notice.seq)
+        if self.metrics is not None:
+            self.metrics.exchange(self.clock.wall() - notice.sent_wall)
 
     def _replaced(self, entry: AppEntry, notice: Notice) -> bool:
         """A notice from another pid than the app's: True if a new process now holds the name.
@@ -423,6 +429,8 @@ class Manager:
         entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
+        if self.metrics is not None:
+            self.metrics.decision(self.policy.name, branch)
         self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
                  old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
                  sd={view.name: view.slowdown for view in snapshot.apps},
@@ -707,8 +715,25 @@ class Manager:
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
                         for entry, uid in sorted(self.foreign.items())],
             "faults": dict(self.faults),
+            "metrics": self.metrics.url() if self.metrics is not None else None,
         }
         write_private(self.names.manager_status(), json.dumps(status).encode())
+
+    def _update_metrics(self, now: float) -> None:
+        """Swap in the metrics' view of the apps and GPUs (apps that left drop out of it)."""
+        if self.metrics is None:
+            return
+        apps = []
+        for entry in self.table.live():
+            status = entry.status
+            try:
+                ratio = entry.view(self.config.dr_total, self.server).ratio
+                shares = tuple(share / ratio.total for share in ratio.to_list())
+            except Unmapped:
+                shares = ()
+            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares))
+        memory = self.server.memory or (None,) * self.gpu_count
+        self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 
     # --- the log -------------------------------------------------------------------------------
     def log(self, event: str, **fields: Any) -> None:

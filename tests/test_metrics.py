@@ -1,0 +1,172 @@
+"""Prometheus metrics: the collector with hand-written snapshots, and a real manager scraped over loopback."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import urllib.request
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from drbalance.manager.cli import main as manager_main
+from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
+from drbalance.manager.nvml import MemoryInfo
+from tests.conftest import leftovers, wait_for
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
+
+GIB = 1024 ** 3
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Sample name + sorted labels -> value, from the text exposition format."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def named(found: dict, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {labels: value for (sample, labels), value in found.items() if sample == name}
+
+
+def scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return samples(response.read().decode("utf-8"))
+
+
+def scrape_until(url: str, predicate, timeout: float) -> dict:
+    """Scrape until ``predicate(samples)`` holds (generous ``timeout``: a busy machine); the samples."""
+    last: dict = {}
+
+    def check():
+        last["found"] = scrape(url)
+        return predicate(last["found"])
+
+    wait_for(check, timeout=timeout, interval=0.2)
+    return last["found"]
+
+
+def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
+    metrics = ManagerMetrics("ns1", "fair")
+    metrics.update(MetricsSnapshot(
+        apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)), AppMetrics("b", None, None, ())),
+        utilization=(40.0, None),
+        memory=(MemoryInfo(16 * GIB, 4 * GIB, 12 * GIB), None),
+    ))
+    metrics.decision("fair", "move")
+    metrics.decision("fair", "move")
+    metrics.decision("fair", "keep")
+    metrics.exchange(0.003)
+    metrics.exchange(-1.0)  # a clock step: counted as 0, never a negative sum
+    found = samples(prometheus_client.generate_latest(metrics.registry).decode())
+    assert named(found, "drbalance_apps") == {(): 2}
+    assert named(found, "drbalance_app_slowdown") == {(("app", "a"),): 1.25}  # b's SD is unknown: no sample
+    assert named(found, "drbalance_app_iteration_seconds") == {(("app", "a"),): 0.5}
+    assert named(found, "drbalance_app_dr_share_ratio") == {(("app", "a"), ("gpu", "0")): 0.75,
+                                                            (("app", "a"), ("gpu", "1")): 0.25}
+    assert named(found, "drbalance_gpu_utilization_ratio") == {(("gpu", "0"),): 0.4}
+    assert named(found, "drbalance_gpu_memory_used_bytes") == {(("gpu", "0"),): 4 * GIB}
+    assert named(found, "drbalance_gpu_memory_total_bytes") == {(("gpu", "0"),): 16 * GIB}
+    assert named(found, "drbalance_decisions_total") == {(("branch", "keep"), ("policy", "fair")): 1,
+                                                         (("branch", "move"), ("policy", "fair")): 2}
+    assert named(found, "drbalance_exchange_latency_seconds_count") == {(): 2}
+    assert named(found, "drbalance_exchange_latency_seconds_sum") == {(): pytest.approx(0.003)}
+    assert named(found, "drbalance_manager_info")[(("namespace", "ns1"), ("policy", "fair"),
+                                                   ("version", __import__("drbalance").__version__))] == 1
+    # a newer snapshot without app a: its series are gone
+    metrics.update(MetricsSnapshot(apps=(AppMetrics("b", 2.0, 0.1, (1.0, 0.0)),), utilization=(50.0, 60.0)))
+    found = samples(prometheus_client.generate_latest(metrics.registry).decode())
+    assert set(named(found, "drbalance_app_slowdown")) == {(("app", "b"),)}
+    assert {labels[0] for labels in named(found, "drbalance_app_dr_share_ratio")} == {("app", "b")}
+    assert named(found, "drbalance_gpu_memory_used_bytes") == {}
+
+
+def test_metrics_live_in_their_own_registry_not_the_global_default():
+    ManagerMetrics("ns2", "paper").decision("paper", "sd")
+    global_names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not any(name.startswith("drbalance") for name in global_names)
+
+
+def test_a_taken_port_is_a_clear_error_not_a_traceback():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        metrics = ManagerMetrics("ns3", "fair")
+        with pytest.raises(MetricsServerError, match=f"cannot serve metrics on 127.0.0.1:{port}: .*in use"):
+            metrics.serve("127.0.0.1", port)
+    with pytest.raises(SystemExit) as exit_info:
+        manager_main(["--metrics-port", "70000"])
+    assert exit_info.value.code == 2  # argparse: "a port is a number 0..65535"
+
+
+@pytest.mark.timeout(180)
+def test_a_manager_serves_a_running_apps_series_over_loopback_and_drops_them_when_it_ends(ipc_env, tmp_path):
+    script = tmp_path / "gpus.json"
+    script.write_text(json.dumps({
+        "gpus": 4, "memory_total": [16 * GIB] * 4,
+        "steps": [{"at": 0, "util": [90, 80, 20, 50], "free": [12 * GIB, 8 * GIB, 16 * GIB, 1 * GIB]}],
+    }))
+    manager = ManagerProcess(tmp_path, ipc_env, (0, 0, 0, 0), "--source", f"scripted:{script}",
+                             "--metrics-port", "0")
+    app = None
+    try:
+        status = json.loads(ipc_env.manager_status().read_text())
+        url = status["metrics"]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")  # loopback by default
+        app = toy_app("metered", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
+        first_line(app)
+        found = scrape_until(url, lambda f: named(f, "drbalance_app_slowdown"), timeout=90)
+        assert named(found, "drbalance_apps") == {(): 1}
+        slowdown = named(found, "drbalance_app_slowdown")[(("app", "metered"),)]
+        assert math.isfinite(slowdown) and slowdown > 0
+        iteration = named(found, "drbalance_app_iteration_seconds")[(("app", "metered"),)]
+        assert 0.05 <= iteration < 30  # each toy iteration sleeps 0.05 s
+        shares = named(found, "drbalance_app_dr_share_ratio")
+        assert {dict(labels)["gpu"] for labels in shares} == {"0", "1", "2", "3"}
+        assert sum(shares.values()) == pytest.approx(1.0)
+        assert shares[(("app", "metered"), ("gpu", "2"))] == 1.0  # the paper's exclusive placement on 20 %
+        decisions = named(found, "drbalance_decisions_total")
+        assert decisions[(("branch", "exclusive"), ("policy", "paper"))] >= 1
+        assert named(found, "drbalance_exchange_latency_seconds_count")[()] >= 1
+        assert named(found, "drbalance_exchange_latency_seconds_sum")[()] >= 0
+        assert named(found, "drbalance_gpu_utilization_ratio") == {
+            (("gpu", "0"),): 0.9, (("gpu", "1"),): 0.8, (("gpu", "2"),): 0.2, (("gpu", "3"),): 0.5}
+        assert named(found, "drbalance_gpu_memory_used_bytes") == {
+            (("gpu", "0"),): 4 * GIB, (("gpu", "1"),): 8 * GIB, (("gpu", "2"),): 0, (("gpu", "3"),): 15 * GIB}
+        assert set(named(found, "drbalance_gpu_memory_total_bytes").values()) == {16 * GIB}
+
+        app.terminate()
+        app.wait(timeout=60)
+        gone = scrape_until(url, lambda f: named(f, "drbalance_apps") == {(): 0}, timeout=60)
+        assert named(gone, "drbalance_app_slowdown") == {}
+        assert named(gone, "drbalance_app_dr_share_ratio") == {}
+        assert named(gone, "drbalance_app_iteration_seconds") == {}
+        assert named(gone, "drbalance_decisions_total")  # counters stay: they count what happened
+    finally:
+        if app is not None and app.poll() is None:
+            app.kill()
+            app.wait()
+        code, err = manager.stop()
+    assert code == 0, err
+    assert "metrics at http://127.0.0.1:" in err
+    assert [e["url"] for e in manager.events("metrics")] == [url]
+    assert leftovers(ipc_env) == []
+
+
+def test_a_manager_whose_metrics_port_is_taken_exits_with_a_clear_error(ipc_env, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        manager = ManagerProcess(tmp_path, ipc_env, (10, 20, 30, 40), "--metrics-port", str(port), wait=False)
+        code, err = manager.stop(signal_it=False)
+    assert code == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "--metrics-port" in err
+    assert "Traceback" not in err
+    assert not ipc_env.manager_status().exists()
+    assert leftovers(ipc_env) == []
