@@ -709,15 +709,26 @@ class Manager:
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
                  "sd": e.status.slowdown, "dr": e.effective_ratio().to_list(), "state": e.status.state.name,
                  "updated_ago": now - e.status.updated_mono,
-                 "quiet_for": None if e.quiet_since is None else now - e.quiet_since}
+                 "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
+                 "steered": self._steered(e)}
                 for e in self.table.entries.values()
             ],
+            "memory": [None if m is None else {"used": m.used, "total": m.total}
+                       for m in (self.server.memory or (None,) * self.gpu_count)],
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
                         for entry, uid in sorted(self.foreign.items())],
             "faults": dict(self.faults),
             "metrics": self.metrics.url() if self.metrics is not None else None,
         }
         write_private(self.names.manager_status(), json.dumps(status).encode())
+
+    def _steered(self, entry: AppEntry) -> bool:
+        """Whether this manager can steer the app: its devices are among the manager's GPUs."""
+        try:
+            entry.slot_map(self.server)
+        except Unmapped:
+            return False
+        return True
 
     def _update_metrics(self, now: float) -> None:
         """Swap in the metrics' view of the apps and GPUs (apps that left drop out of it)."""

@@ -1,18 +1,29 @@
-"""``drbalance status``: the running manager's live apps and GPU utilisation, as a table."""
+"""``drbalance status``: the running manager's live apps and GPU utilisation.
+
+Three forms: a table (``drbalance status``), the status file as JSON (``--json``, for scripts),
+and a refreshing view (``--watch``: per-GPU utilisation bars, per-app SD, DR and state, in the
+spirit of nvitop and gpustat). Rendering is a pure function of the status data
+(:func:`format_table`, :func:`format_watch`); only :func:`watch` touches the terminal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
+import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.objects import pid_alive
 from drbalance.ipc.private import read_private
 
 STALE_SECONDS = 10.0
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
+MIN_BAR = 10  # utilisation bars are at least this many characters wide
 
 
 class StatusError(RuntimeError):
@@ -22,6 +33,32 @@ class StatusError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="namespace (default: DRBALANCE_NAMESPACE or 'default')")
     parser.add_argument("--json", action="store_true", help="print the manager's status as JSON")
+    parser.add_argument("--watch", action="store_true",
+                        help="refresh a live view (GPU utilisation bars; each app's SD, DR and state) until Ctrl-C")
+    parser.add_argument("--interval", type=_positive_seconds, default=None, metavar="S",
+                        help="seconds between refreshes with --watch (default: 2)")
+    parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
+                        help="with --watch: stop after N frames (default: until Ctrl-C)")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, e.g. 2 or 0.5; got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds; got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
 
 
 def read_status(names: IpcNames) -> dict[str, Any]:
@@ -121,7 +158,99 @@ def format_table(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def app_state(app: dict[str, Any]) -> str:
+    """``quiet`` (no record update for the quiet period; its process runs), ``detached`` (its GPUs
+    are not this manager's: it trains on with its own DR), else the app's own state, lower case
+    (``starting``, ``running``)."""
+    if app.get("quiet_for") is not None:
+        return "quiet"
+    if app.get("steered") is False:
+        return "detached"
+    return str(app.get("state", "?")).lower()
+
+
+def utilization_bar(percent: float | None, width: int) -> str:
+    """``[#####-----]  50%``: ``width`` characters between the brackets; ``n/a`` when unknown."""
+    if percent is None:
+        return f"[{' ' * width}]  n/a"
+    filled = round(max(0.0, min(100.0, percent)) / 100 * width)
+    return f"[{'#' * filled}{'-' * (width - filled)}] {percent:3.0f}%"
+
+
+def _memory(entry: Any) -> str:
+    if not isinstance(entry, dict) or not _number(entry.get("used")) or not _number(entry.get("total")):
+        return ""
+    gib = 1024 ** 3
+    return f"  mem {entry['used'] / gib:5.1f}/{entry['total'] / gib:.1f} GiB"
+
+
+def format_watch(status: dict[str, Any], width: int = 80, now: float | None = None) -> str:
+    """One frame of ``drbalance status --watch`` for a checked status (see :func:`read_status`).
+
+    ``width``: the terminal's columns (the bars grow with it); ``now``: wall time for the
+    header's clock and the manager's uptime (default: the status's ``updated``).
+    """
+    now = status["updated"] if now is None else now
+    started = status.get("started")
+    uptime = f"  up {_duration(max(0.0, now - started))}" if _number(started) else ""
+    lines = [
+        f"drbalance  namespace {status['namespace']}  policy {status['policy']}  manager pid {status['pid']}"
+        f"{uptime}  decisions {status['decisions']}  {time.strftime('%H:%M:%S', time.localtime(now))}",
+        "",
+    ]
+    memory = status.get("memory") or []
+    bar = max(MIN_BAR, width - 40)
+    for gpu, percent in enumerate(status["util"]):
+        reading = memory[gpu] if gpu < len(memory) else None
+        lines.append(f"GPU {gpu:<2} {utilization_bar(percent, bar)}{_memory(reading)}")
+    lines += ["", f"{'APP':<20} {'STATE':<9} {'SD':>6} {'EPOCH':>11}  DR"]
+    for app in sorted(status["apps"], key=lambda a: a["name"]):
+        sd = "-" if app.get("sd") is None else f"{app['sd']:.2f}"
+        dr = " ".join(str(share) for share in app["dr"])
+        lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd:>6} {app['epoch']:>5}/{app['epochs']:<5}  {dr}")
+    if not status["apps"]:
+        lines.append("(no apps)")
+    for task, error in sorted(status.get("faults", {}).items()):
+        lines.append(f"WARNING: the manager's {task} is failing: {error}")
+    return "\n".join(lines)
+
+
+def watch(read: Callable[[], dict[str, Any]], interval: float, count: int | None, out: TextIO,
+          clear: bool, width: Callable[[], int] = lambda: shutil.get_terminal_size().columns,
+          sleep: Callable[[float], None] = time.sleep) -> int:
+    """Show a frame every ``interval`` seconds (``count`` frames, or until Ctrl-C); 0.
+
+    ``clear``: redraw in place (a terminal); otherwise frames follow each other, separated by a
+    blank line (a pipe or a file). A manager that is gone or stuck is shown as an error frame and
+    the view keeps watching (it comes back when a manager starts).
+    """
+    shown = 0
+    try:
+        while count is None or shown < count:
+            if shown:
+                sleep(interval)
+            try:
+                frame = format_watch(read(), width(), time.time())
+            except StatusError as error:
+                frame = f"drbalance status: {error} (watching; Ctrl-C to stop)"
+            out.write((CLEAR_SCREEN if clear else ("\n" if shown else "")) + frame + "\n")
+            out.flush()
+            shown += 1
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    status = read_status(IpcNames.current(args.namespace))
+    if not args.watch and (args.interval is not None or args.count is not None):
+        raise ValueError("--interval and --count go with --watch")
+    if args.watch and args.json:
+        raise ValueError("--watch shows a live view; --json prints the status once: choose one")
+    names = IpcNames.current(args.namespace)
+    if args.watch:
+        interval = 2.0 if args.interval is None else args.interval
+        return watch(lambda: read_status(names), interval, args.count, sys.stdout, clear=sys.stdout.isatty())
+    status = read_status(names)
     print(json.dumps(status, indent=2) if args.json else format_table(status))
     return 0
