@@ -227,9 +227,14 @@ def test_the_log_rotates_by_size_and_keeps_n_files_in_order(tmp_path):
 
 
 def test_the_manager_log_rotates(ipc_env, tmp_path):
+    def open_umask() -> None:
+        os.umask(0)
+
     manager = ManagerProcess(tmp_path, ipc_env, (50,), "--log-max-bytes", "4096", "--log-keep", "2",
-                             "--util-log-period", "0.05")
+                             "--util-log-period", "0.05", preexec_fn=open_umask)  # private whatever the umask
     wait_for(lambda: Path(f"{manager.log_path}.2").exists())
     code, err = manager.stop()
     assert code == 0, err
     assert not Path(f"{manager.log_path}.3").exists() and manager.log_path.stat().st_size <= 4096
+    rotated = rotated_files(manager.log_path)
+    assert len(rotated) == 3 and all(mode(path) == 0o600 for path in rotated), [oct(mode(p)) for p in rotated]

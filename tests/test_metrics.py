@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import urllib.request
 
@@ -18,6 +19,7 @@ from tests.conftest import leftovers, wait_for
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
 GIB = 1024 ** 3
+TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} (INFO|WARNING|ERROR|DEBUG) ")  # every manager line
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -168,5 +170,7 @@ def test_a_manager_whose_metrics_port_is_taken_exits_with_a_clear_error(ipc_env,
     assert code == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "--metrics-port" in err
     assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and all(TIMESTAMPED.match(line) for line in lines), lines  # errors too: time and level
     assert not ipc_env.manager_status().exists()
     assert leftovers(ipc_env) == []

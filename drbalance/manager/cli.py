@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 from pathlib import Path
 
-from drbalance import env
+from drbalance import __version__, env
+from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
 from drbalance.manager.utilization import UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
+
+logger = logging.getLogger("drbalance.manager")
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(message)s"  # local time, e.g. 2026-11-21T21:30:00.123
 
@@ -50,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         "utilisation, and re-splits the mini-batch of the job that suffers most (the data ratio, DR) "
         "so that all jobs' slow-downs converge. Jobs find it through their namespace; without it "
         "they train on with their own DR. Stop it with Ctrl-C or SIGTERM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
+        epilog=environment_epilog(),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--namespace", default=None,
                         help="namespace shared with the jobs (default: DRBALANCE_NAMESPACE or 'default')")
     parser.add_argument("--policy", default=defaults.policy, choices=list(POLICIES),
@@ -114,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         source = open_source(args.source, args.gpus, namespace=namespace)
     except (UtilizationUnavailable, ValueError) as error:
-        print(f"drbalance-manager: {error}", file=sys.stderr)
+        logger.error("drbalance-manager: %s", error)
         return 2
     except OSError as error:  # e.g. emulated GPUs in an unsafe runtime directory
-        print(f"drbalance-manager: cannot open the utilisation source {args.source!r}: {error}", file=sys.stderr)
+        logger.error("drbalance-manager: cannot open the utilisation source %r: %s", args.source, error)
         return 1
     metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
     manager = Manager(settings, source, metrics=metrics)
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         manager.start()
     except (ManagerAlreadyRunning, ManagerStartError, OSError, ValueError) as error:
         source.close()
-        print(f"drbalance-manager: {error}", file=sys.stderr)
+        logger.error("drbalance-manager: %s", error)
         return 1
     try:
         if metrics is not None:
@@ -137,11 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.serve(args.metrics_address, args.metrics_port)
             except MetricsServerError as error:
                 manager.request_stop("metrics endpoint unavailable")
-                print(f"drbalance-manager: {error} (choose another --metrics-port, or 0 for any free one)",
-                      file=sys.stderr)
+                logger.error("drbalance-manager: %s (choose another --metrics-port, or 0 for any free one)", error)
                 return 1
             manager.log("metrics", url=metrics.url())
-            logging.getLogger("drbalance.manager").info("drbalance-manager: metrics at %s", metrics.url())
+            logger.info("drbalance-manager: metrics at %s", metrics.url())
         manager.run(args.duration)
     finally:
         manager.stop()
