@@ -1,14 +1,19 @@
 """drbalance: fair sharing of a multi-GPU server by adaptive mini-batch redistribution."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
+# The one place for the version is drbalance/__init__.py; read it as text (importing the package
+# at build time would need its dependencies installed first).
+VERSION = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "drbalance" / "__init__.py").read_text(encoding="utf-8"),
+                    re.MULTILINE).group(1)
 
 setup(
     name="drbalance",
-    version="0.1.0",
+    version=VERSION,
     description="Share one multi-GPU server fairly among training jobs by re-splitting their mini-batches",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

@@ -10,6 +10,9 @@ import importlib
 import logging
 import sys
 
+from drbalance import __version__
+from drbalance.helptext import HelpFormatter, environment_epilog
+
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("demo", "drbalance.demo", "run the paper's scenario (a), scaled down, with and without balancing"),
     ("launch", "drbalance.launcher", "start a manager and a scenario's apps as real processes"),
@@ -25,12 +28,16 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Arg
         prog="drbalance",
         description="Fair sharing of a multi-GPU server by adaptive mini-batch redistribution. "
         "The daemon itself is 'drbalance-manager'.",
+        formatter_class=HelpFormatter,
+        epilog=environment_epilog(),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     for name, module, help_text in SUBCOMMANDS:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter,
+                                  epilog=environment_epilog())
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
             return parser, sub, module
