@@ -1,0 +1,48 @@
+"""Packaging: CI runs the README's command verbatim (lint included); every runtime dependency is used."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.conftest import ROOT
+
+IMPORT_NAMES = {"torch": "torch", "posix-ipc": "posix_ipc", "nvidia-ml-py": "pynvml",
+                "prometheus-client": "prometheus_client"}
+
+
+def test_ci_runs_the_readmes_test_command_verbatim_with_ruff():
+    readme = (ROOT / "README.md").read_text()
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    assert len(ci) == 1
+    assert f"\n    {ci[0]}\n" in readme  # the README's indented command block, the same text
+    assert "ruff check ." in ci[0] and "pytest -q" in ci[0]
+
+
+def install_requires() -> list[str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            return [re.split(r"[<>=!~;\[ ]", ast.literal_eval(node.value)[i])[0]
+                    for i in range(len(node.value.elts))]
+    raise AssertionError("setup.py has no install_requires")
+
+
+def imported_modules() -> set[str]:
+    found = set()
+    for path in (ROOT / "drbalance").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_every_runtime_dependency_is_imported_by_the_package():
+    required = install_requires()
+    assert set(required) == set(IMPORT_NAMES), required  # a new dependency: say here what it imports as
+    imported = imported_modules()
+    assert {IMPORT_NAMES[name] for name in required} <= imported
+    assert "numpy" not in imported and "numpy" not in required  # dropped: never imported (duck-typed arrays)
