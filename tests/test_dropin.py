@@ -14,7 +14,7 @@ from drbalance.client import BalancedDataParallel, CpuBackend
 from drbalance.client.costs import measure_features
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.emu.gpus import EmulatedGpu, emulated_spec, remove_emulated_gpus
-from drbalance.models import MODEL_PROFILES, TABLE_FEATURES, estimate_profile, model_profile
+from drbalance.workload.models import MODEL_PROFILES, TABLE_FEATURES, estimate_profile, model_profile
 from tests.conftest import HELPERS, ROOT
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,7 @@ from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, remove_emulated_gpus
 from drbalance.manager.utilization import open_source
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelProfile
 from tests.conftest import python_process
 
 

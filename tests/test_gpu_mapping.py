@@ -20,8 +20,8 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.nvml import MemoryInfo, Nvml, normalize_uuid
 from drbalance.manager.table import AppEntry, ServerGpus, Unmapped, max_share_for
 from drbalance.manager.utilization import NvmlSource, ScriptedSource, UtilizationUnavailable
-from drbalance.models import ModelProfile
 from drbalance.policy import Decision, PolicyConfig, violations
+from drbalance.workload.models import ModelProfile
 
 pytestmark = pytest.mark.timeout(120)
 

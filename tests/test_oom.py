@@ -14,7 +14,7 @@ from drbalance.client.emulated import EmulatedBackend, EmulatedOutOfMemoryError
 from drbalance.emu.gpus import EmulatedGpu, EmulatedOutOfMemory, remove_emulated_gpus
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import read_json_lines
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelProfile
 from tests.conftest import python_process
 
 pytestmark = pytest.mark.timeout(120)

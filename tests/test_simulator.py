@@ -8,14 +8,14 @@ import pytest
 from drbalance import policy as policy_package
 from drbalance import sim as sim_package
 from drbalance.cli import main as drbalance
-from drbalance.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_profile
 from drbalance.report.metrics import load_run, summarise
-from drbalance.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 from drbalance.sim import SimConfig, Simulation, simulate
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.calibration import fit_capacity, simulated_pair_speed
 from drbalance.sim.command import to_run
 from drbalance.slowdown import SlowdownTracker
+from drbalance.workload.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_profile
+from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 
 VARIANTS = {
     "paper": SimConfig(policy="paper", record=False),

@@ -18,7 +18,7 @@ class as ``torch.OutOfMemoryError``), as a real GPU would. Reservations are kept
 caching allocator keeps memory, until :meth:`EmulatedBackend.release_memory` (``empty_cache``).
 
 Without a profile (``DRBALANCE_EMULATED_GPUS`` with ``BalancedDataParallel(model)``), the model's
-cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalance.models``).
+cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalance.workload.models``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 from drbalance.client.backends import ChunkPlan, CpuBackend
 from drbalance.emu.gpus import DEFAULT_MEMORY_BYTES, EmulatedGpu, EmulatedOutOfMemory, emulated_spec
 from drbalance.ipc.names import IpcNames
-from drbalance.models import ModelProfile, estimate_profile
+from drbalance.workload.models import ModelProfile, estimate_profile
 
 
 class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
@@ -52,7 +52,7 @@ class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
 class EmulatedBackend(CpuBackend):
     """Chunks run on the CPU, then hold emulated GPUs for their modelled device time.
 
-    ``profile``: the model's timing and memory profile (``drbalance.models``); None = estimate it
+    ``profile``: the model's timing and memory profile (``drbalance.workload.models``); None = estimate it
     from the wrapped model's first chunk. ``memory_bytes``: each emulated GPU's memory (default
     24 GiB). The emulated GPUs are opened on first use, and the backend pickles as its settings,
     so a wrapper using it can be saved, deep-copied and averaged (``AveragedModel``).

@@ -22,7 +22,7 @@ from torch import nn
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.emu.gpus import EmulatedGpu
 from drbalance.ipc.names import IpcNames
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelProfile
 
 
 class EmulatedRankDevice:

@@ -53,7 +53,7 @@ from drbalance.ipc.link import (
 )
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.profiles import Measurement, resolve_solo_time
+from drbalance.profiling.store import Measurement, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 

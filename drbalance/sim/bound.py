@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from drbalance.models import model_profile
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.model import ContentionModel, Interference
+from drbalance.workload.models import model_profile
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 
 def fastest_iteration(app: AppSpec, speeds: Sequence[float]) -> float:

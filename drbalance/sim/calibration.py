@@ -17,10 +17,10 @@ import json
 import statistics
 from pathlib import Path
 
-from drbalance.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_PROFILES, model_profile
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import ContentionModel
+from drbalance.workload.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_PROFILES, model_profile
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 TITAN_RTX_MS = {  # ryujaehun/pytorch-gpu-benchmark, TITAN RTX, 12 images per GPU: 1, 2, 4 GPUs
     "densenet121": (103.4, 182.5, 276.6),

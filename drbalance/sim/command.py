@@ -18,10 +18,10 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES, PolicyConfig
 from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
-from drbalance.scenarios import PLACEMENTS, Scenario, load_scenario
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.engine import SimConfig, SimResult, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+from drbalance.workload.scenarios import PLACEMENTS, Scenario, load_scenario
 
 
 @dataclass(frozen=True)

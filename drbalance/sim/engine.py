@@ -20,12 +20,12 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from drbalance.manager.utilization import UtilizationWindow
-from drbalance.models import ModelProfile, model_profile
 from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot
 from drbalance.ratio import DataRatio
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.model import ContentionModel, Interference, Workload
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
+from drbalance.workload.models import ModelProfile, model_profile
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(7)
 

@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drbalance.models import model_profile
 from drbalance.sim.model import Workload
+from drbalance.workload.models import model_profile
 
 DATA = Path(__file__).with_name("gavel_pairs.json")
 RATES = Path(__file__).with_name("gavel_rates.json")
@@ -151,8 +151,8 @@ def fit_pair(table: GavelTable, first: Workload, second: Workload, rounds: int =
     Starts from the closed form and corrects each rate by the ratio of measured to simulated
     share (a pair simulated alone on one GPU, 200 iterations each), at most ``rounds`` times.
     """
-    from drbalance.scenarios import AppSpec, Scenario  # the engine imports this module
     from drbalance.sim.engine import SimConfig, simulate
+    from drbalance.workload.scenarios import AppSpec, Scenario  # the engine imports this module
 
     wanted = measured_shares(table, first, second)
     profile_a, profile_b = model_profile(first[0]), model_profile(second[0])

@@ -8,7 +8,7 @@ On emulated GPUs every modelled time is stretched by ``--time-scale`` (so that t
 work of six jobs on a small machine hides inside the modelled host time), each app's real
 mini-batch is ``--real-batch`` images of ``--image-size`` pixels standing for the scenario's
 batch, and solo-run times come from the timing model. On CUDA GPUs solo-run times come from
-stored profiles named after the models (``drbalance profile resnet50 -- python examples/train.py ...``).
+stored profiles named after the models (``drbalance profile resnet50 -- python -m drbalance.runs.train ...``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.policy import DEFAULT_POLICY, POLICIES
-from drbalance.scenarios import Scenario, load_scenario
+from drbalance.workload.scenarios import Scenario, load_scenario
 
 
 @dataclass
@@ -119,10 +119,10 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
         gpus = list(ratio.used)
         shares = [ratio.shares[g] for g in gpus]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(len(gpus)),
-                   "-m", "drbalance.examples.train_ddp", "--gpus", ",".join(map(str, gpus))]
+                   "-m", "drbalance.runs.train_ddp", "--gpus", ",".join(map(str, gpus))]
     else:
         shares = list(ratio.shares)
-        command = [sys.executable, "-m", "drbalance.examples.train"]
+        command = [sys.executable, "-m", "drbalance.runs.train"]
     command += [
         "--model", app.model, "--app", app.name,
         "--epochs", str(app.epochs), "--iterations", str(app.iterations_per_epoch),

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from drbalance import env
-from drbalance.profiles import run_profile
+from drbalance.profiling.store import run_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.usage = "drbalance profile NAME [options] -- TRAINING COMMAND..."
     parser.add_argument("name", help="profile name (letters, digits, '_', '.', '-'); the training command "
-                        "follows '--', e.g. -- python examples/train.py --model resnet50")
+                        "follows '--', e.g. -- python -m drbalance.runs.train --model resnet50")
     parser.add_argument("--iterations", type=int, default=200,
                         help="iterations to run, warm-up included (default 200)")
     parser.add_argument("--warmup", type=int, default=10,

@@ -4,8 +4,8 @@ Data: ``torchvision.datasets.FakeData`` (default) or an ImageFolder path. Device
 emulated GPUs (``--devices emulated:4``; no GPU needed), or the CPU. Run it alone, or let
 ``drbalance launch`` / ``drbalance demo`` start several of it beside a manager.
 
-    python examples/train.py --model resnet50 --epochs 2 --iterations 20 --solo-time 120
-    python examples/train.py --model densenet121 --devices emulated:4 --time-scale 10 --solo-time auto
+    python -m drbalance.runs.train --model resnet50 --epochs 2 --iterations 20 --solo-time 120
+    python -m drbalance.runs.train --model densenet121 --devices emulated:4 --time-scale 10 --solo-time auto
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
         return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)
     if kind == "emulated":
         from drbalance.client.emulated import EmulatedBackend
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_profile
 
         backend = EmulatedBackend(emulated_gpus.count, model_profile(args.model), args.time_scale, args.sample_scale,
                                   memory_bytes=emulated_gpus.memory_bytes)
@@ -134,7 +134,7 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     if value == "auto":
         if kind != "emulated":
             raise SystemExit("train.py: --solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_profile
 
         per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
         return iterations * args.epochs * per_iteration * args.time_scale

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from drbalance.models import SHORT_NAMES, model_profile
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+from drbalance.workload.models import SHORT_NAMES, model_profile
 
 PLACEMENTS = ("round-robin", "spread")
 SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res

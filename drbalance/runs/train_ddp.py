@@ -5,8 +5,8 @@ One process per rank, started by torchrun; each rank trains on its share of ever
 with NCCL (``--devices cuda``), one emulated GPU per rank with gloo (``--devices emulated:N``; no
 GPU needed), or the CPU with gloo. Data: FakeData (default) or an ImageFolder path.
 
-    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --model resnet50 --solo-time 120
-    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --devices emulated:4 --gpus 2,3 \\
+    torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp --model resnet50 --solo-time 120
+    torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp --devices emulated:4 --gpus 2,3 \\
         --model alexnet --batch-size 16 --time-scale 10 --solo-time auto
 
 ``--batch-size`` is the global batch (all ranks together); ``--ratio`` the initial DR over the
@@ -31,7 +31,7 @@ from torchvision import transforms
 
 from drbalance import env
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
-from drbalance.examples.train import MODELS
+from drbalance.runs.train import MODELS
 
 PROGRAM = "train_ddp.py"
 
@@ -83,7 +83,7 @@ def torchrun_environment() -> tuple[int, int, int]:
                if not os.environ.get(name)]
     if missing:
         raise fail(f"{', '.join(missing)} not set: start it with torchrun, e.g. "
-                   f"'torchrun --standalone --nproc_per_node 2 examples/train_ddp.py ...'")
+                   f"'torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp ...'")
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
@@ -155,7 +155,7 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     if value == "auto":
         if kind != "emulated":
             raise fail("--solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_profile
 
         per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
         return iterations * args.epochs * per_iteration * args.time_scale
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", gpu)
     elif kind == "emulated":
         from drbalance.client.emulated_rank import EmulatedRankDevice
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_profile
 
         emulated = EmulatedRankDevice(gpu, model_profile(args.model), args.time_scale, args.sample_scale)
         emulated.attach(network)
