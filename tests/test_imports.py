@@ -10,7 +10,7 @@ TORCH_FREE = ["drbalance", "drbalance.ratio", "drbalance.slowdown", "drbalance.p
               "drbalance.emu.gpus", "drbalance.sim", "drbalance.sim.command", "drbalance.sim.reproduce",
               "drbalance.report.command", "drbalance.runs.launch", "drbalance.runs.demo", "drbalance.cli",
               "drbalance.profiling.command", "drbalance.profiling.store", "drbalance.workload.scenarios",
-              "drbalance.workload.models"]
+              "drbalance.workload.models", "drbalance.defaults"]
 
 
 def test_core_manager_and_simulator_import_without_torch():

@@ -4,7 +4,7 @@
 counts, per sample: forward FLOPs (``torch.utils.flop_counter``), bytes of tensors autograd saves
 for the backward (``torch.autograd.graph.saved_tensors_hooks``; the model's own parameters and
 buffers are not counted), and the number of operator calls (kernel launches on a GPU, roughly).
-``drbalance.workload.models.estimate_profile`` turns these into an emulated-GPU timing and memory profile.
+``drbalance.workload.models.estimate_costs`` turns these into an emulated-GPU cost table (timing and memory).
 
     python -m drbalance.client.costs resnet50 densenet121 --image 224
 

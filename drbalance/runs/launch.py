@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drbalance import defaults
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.policy import DEFAULT_POLICY, POLICIES
@@ -36,9 +37,9 @@ class LaunchOptions:
     policy: str
     run_dir: Path
     devices: str = "emulated"  # "emulated" or "cuda"
-    time_scale: float = 10.0
-    real_batch: int = 4
-    image_size: int = 64
+    time_scale: float = defaults.EMULATED_TIME_SCALE
+    real_batch: int = defaults.EMULATED_REAL_BATCH
+    image_size: int = defaults.IMAGE_SIZE
     decide_every: int | None = None
     report_every: int = 2
     sd_threshold: float | None = None
@@ -55,9 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
-    parser.add_argument("--time-scale", type=float, default=10.0, help="emulated GPUs: stretch modelled times")
-    parser.add_argument("--real-batch", type=int, default=4, help="emulated GPUs: real images per iteration")
-    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--time-scale", type=float, default=defaults.EMULATED_TIME_SCALE,
+                        help="emulated GPUs: stretch modelled times")
+    parser.add_argument("--real-batch", type=int, default=defaults.EMULATED_REAL_BATCH,
+                        help="emulated GPUs: real images per iteration")
+    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels")
     parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
     parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
     parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")

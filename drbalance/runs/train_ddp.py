@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance import env
+from drbalance import defaults, env
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 from drbalance.runs.train import MODELS
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations", type=int, default=None,
                         help="global batches per epoch (default: the whole dataset; FakeData then has 20)")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per global batch, all ranks (default 16)")
-    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels (default 64)")
     parser.add_argument("--devices", default="auto",
                         help="'cuda' (NCCL), 'emulated:N' (gloo), 'cpu' (gloo), or 'auto' (CUDA if present, else "
                         "DRBALANCE_EMULATED_GPUS, else the CPU)")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratio", default=None, help="initial DR over the ranks, e.g. 3,7 (sums to 10; default even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
-                        "timing profile). Required.")
+                        "cost table). Required.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
     parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
     parser.add_argument("--decide-every", type=int, default=None,
@@ -155,9 +155,9 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     if value == "auto":
         if kind != "emulated":
             raise fail("--solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.workload.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
+        per_iteration = model_costs(args.model).solo_iteration(args.batch_size * args.sample_scale)
         return iterations * args.epochs * per_iteration * args.time_scale
     try:
         seconds = float(value)
@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", gpu)
     elif kind == "emulated":
         from drbalance.client.emulated_rank import EmulatedRankDevice
-        from drbalance.workload.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        emulated = EmulatedRankDevice(gpu, model_profile(args.model), args.time_scale, args.sample_scale)
+        emulated = EmulatedRankDevice(gpu, model_costs(args.model), args.time_scale, args.sample_scale)
         emulated.attach(network)
         model = BalancedDistributedDataParallel(network, ratio=ratio, device_label=emulated.label,
                                                 device_uuid=emulated.uuid)
