@@ -15,9 +15,9 @@ import argparse
 import time
 
 from benchmarks.timing import add_no_write, save, summary
-from drbalance.scenarios import SCENARIOS, Scenario
 from drbalance.sim import SimConfig, simulate
 from drbalance.sim.mixes import arrivals_mix
+from drbalance.workload.scenarios import SCENARIOS, Scenario
 
 
 def big_scenario(apps: int = 64, gpus: int = 16, seed: int = 11) -> Scenario:

@@ -10,6 +10,8 @@ import re
 import stat
 from pathlib import Path
 
+from drbalance import defaults
+
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
@@ -80,9 +82,9 @@ def runtime_dir() -> Path:
 
 
 def profile_output() -> Path | None:
-    """``DRBALANCE_PROFILE_OUTPUT``: set by ``drbalance profile``; puts a session in profile mode.
+    """``DRBALANCE_PROFILE_OUTPUT``: set by ``drbalance profile``; puts a session in solo-measurement mode.
 
-    In profile mode a session trains alone on its first device, never contacts a manager, writes
+    In solo-measurement mode a session trains alone on its first device, never contacts a manager, writes
     its measured iteration times to this file and ends the script after
     ``DRBALANCE_PROFILE_ITERATIONS`` iterations.
     """
@@ -91,13 +93,13 @@ def profile_output() -> Path | None:
 
 
 def profile_iterations() -> int:
-    """``DRBALANCE_PROFILE_ITERATIONS``: iterations to run in profile mode, warm-up included (default 200)."""
-    return _positive_int("DRBALANCE_PROFILE_ITERATIONS", 200)
+    """``DRBALANCE_PROFILE_ITERATIONS``: iterations to run in solo-measurement mode, warm-up included (default 200)."""
+    return _positive_int("DRBALANCE_PROFILE_ITERATIONS", defaults.MEASURE_ITERATIONS)
 
 
 def profile_warmup() -> int:
     """``DRBALANCE_PROFILE_WARMUP``: leading profile iterations left out of the mean (default 10)."""
-    value = _positive_int("DRBALANCE_PROFILE_WARMUP", 10, allow_zero=True)
+    value = _positive_int("DRBALANCE_PROFILE_WARMUP", defaults.MEASURE_WARMUP, allow_zero=True)
     return value
 
 

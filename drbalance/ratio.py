@@ -7,6 +7,7 @@ This module is framework-free: the torch client, the manager and the simulator a
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,16 +31,8 @@ def apportion(weights: Sequence[Fraction | int], amount: int) -> tuple[int, ...]
     if all(isinstance(w, int) for w in weights):
         return _apportion_integers(tuple(weights), amount)  # type: ignore[arg-type]
     fractions = [Fraction(w) for w in weights]
-    common = 1
-    for value in fractions:
-        common = common * value.denominator // _gcd(common, value.denominator)
+    common = math.lcm(*(value.denominator for value in fractions))
     return _apportion_integers(tuple(int(v * common) for v in fractions), amount)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 @lru_cache(maxsize=4096)
@@ -150,10 +143,6 @@ class DataRatio:
     def used(self) -> tuple[int, ...]:
         """Indices of the GPUs with a non-zero share (the paper's GPU_used)."""
         return tuple(i for i, share in enumerate(self.shares) if share > 0)
-
-    def fraction(self, gpu: int) -> float:
-        """Share of GPU ``gpu`` as a fraction of the mini-batch (0..1)."""
-        return self.shares[gpu] / self.total
 
     def split(self, batch_size: int) -> tuple[int, ...]:
         """Chunk sizes (samples per GPU) for a batch of ``batch_size`` samples.

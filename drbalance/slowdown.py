@@ -123,11 +123,6 @@ class SlowdownTracker:
             return None
         return (now - self.start + self.iterations_left * mean) / self.run_solo_time
 
-    def predicted_finish(self, now: float) -> float | None:
-        """Predicted seconds from start to the end of the run."""
-        sd = self.slowdown(now)
-        return None if sd is None else sd * self.run_solo_time
-
 
 # --- per-slot replica measurements ---------------------------------------------------------------
 # At every report a session samples the model's last forward (``last_replica_timings()``): how long

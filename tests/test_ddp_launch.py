@@ -1,4 +1,4 @@
-"""examples/train_ddp.py: a DDP job beside a DataParallel job under ``drbalance launch`` (emulated GPUs)."""
+"""drbalance/runs/train_ddp.py: a DDP job beside a DataParallel job under ``drbalance launch`` (emulated GPUs)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from drbalance.jsonlog import read_json_lines
-from drbalance.launcher import LaunchOptions, app_command, launch
-from drbalance.scenarios import AppSpec, Scenario, load_scenario, scenario_from_json
+from drbalance.runs.launch import LaunchOptions, app_command, launch
+from drbalance.workload.scenarios import AppSpec, Scenario, load_scenario, scenario_from_json
 from tests.conftest import ROOT, leftovers, python_process
 
 MIXED = {
@@ -46,7 +46,7 @@ def test_the_launcher_starts_a_ddp_app_with_one_rank_per_gpu_of_its_initial_rati
     assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     assert command[command.index("--gpus") + 1] == "1,3" and command[command.index("--ratio") + 1] == "6,4"
     plain = app_command(LaunchOptions(scenario, "paper", tmp_path, "emulated"), 1, "emulated:4")
-    assert plain[1:3] == ["-m", "drbalance.examples.train"] and plain[plain.index("--ratio") + 1] == "0,10,0,0"
+    assert plain[1:3] == ["-m", "drbalance.runs.train"] and plain[plain.index("--ratio") + 1] == "0,10,0,0"
     assert json.loads(scenario.to_json())["apps"][0]["ddp"] is True
     with pytest.raises(ValueError, match="ddp must be true or false"):
         AppSpec("d", "resnet50", 32, 1, 4, ddp="yes")
@@ -61,6 +61,6 @@ def test_the_shipped_ddp_scenario_loads_with_one_ddp_job_on_every_gpu(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_train_ddp_outside_torchrun_says_how_to_start_it():
-    process = python_process("drbalance.examples.train_ddp", "--solo-time", "1", env={"RANK": "", "MASTER_ADDR": ""})
+    process = python_process("drbalance.runs.train_ddp", "--solo-time", "1", env={"RANK": "", "MASTER_ADDR": ""})
     out, err = process.communicate(timeout=100)
     assert process.returncode != 0 and "start it with torchrun" in err

@@ -14,7 +14,7 @@ from drbalance.client import BalancedDataParallel, CpuBackend
 from drbalance.client.costs import measure_features
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.emu.gpus import EmulatedGpu, emulated_spec, remove_emulated_gpus
-from drbalance.models import MODEL_PROFILES, TABLE_FEATURES, estimate_profile, model_profile
+from drbalance.workload.models import MODEL_COSTS, TABLE_FEATURES, estimate_costs, model_costs
 from tests.conftest import HELPERS, ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,11 +30,11 @@ def test_item7_the_environment_variable_alone_gives_emulated_gpus(emu, monkeypat
     monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "3:8GiB")
     model = BalancedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     assert isinstance(model.backend, EmulatedBackend) and model.device_ids == [0, 1, 2]
-    assert model.backend.memory_bytes == 8 * 2**30 and model.backend.profile is None
+    assert model.backend.memory_bytes == 8 * 2**30 and model.backend.costs is None
     out = model(torch.randn(9, 8))
     assert out.shape == (9, 2) and model.last_chunk_sizes == (3, 3, 3)
-    profile = model.backend.profile  # estimated from the first chunk
-    assert profile is not None and profile.fixed > 0 and profile.per_sample > 0 and profile.memory_fixed > 0
+    costs = model.backend.costs  # estimated from the first chunk
+    assert costs is not None and costs.fixed > 0 and costs.per_sample > 0 and costs.memory_fixed > 0
     assert [t.device for t in model.last_replica_timings()] == ["emu:0", "emu:1", "emu:2"]
     assert all(EmulatedGpu(emu, i).read().acquisitions >= 1 for i in range(3))
     model.backend.close()
@@ -47,21 +47,21 @@ def test_item7_the_environment_variable_alone_gives_emulated_gpus(emu, monkeypat
 
 def test_item7_the_estimate_reproduces_the_published_timings_of_the_six_models():
     for name, features in TABLE_FEATURES.items():
-        table, estimate = MODEL_PROFILES[name], estimate_profile(name, features)
+        table, estimate = MODEL_COSTS[name], estimate_costs(name, features)
         ratio = estimate.device_seconds(12) / table.device_seconds(12)
         assert 0.8 < ratio < 1.2, (name, ratio)  # the fit's documented accuracy: 0.85x to 1.13x
     assert emulated_spec("4").count == 4 and emulated_spec("2:512MiB").memory_bytes == 512 * 2**20
 
 
 def test_item7_model_profile_measures_any_torchvision_model():
-    profile = model_profile("resnet18")
+    costs = model_costs("resnet18")
     # ResNet-18 has fewer FLOPs and operators than ResNet-50: it must come out cheaper on both counts
-    resnet50 = estimate_profile("resnet50", TABLE_FEATURES["resnet50"])
-    assert 0 < profile.per_sample < resnet50.per_sample and 0 < profile.fixed < resnet50.fixed
+    resnet50 = estimate_costs("resnet50", TABLE_FEATURES["resnet50"])
+    assert 0 < costs.per_sample < resnet50.per_sample and 0 < costs.fixed < resnet50.fixed
     parameters = sum(p.numel() for p in torchvision.models.resnet18().parameters())
-    assert profile.memory_fixed == pytest.approx(3 * 4 * parameters)  # weights, gradients, one optimizer state
-    with pytest.raises(ValueError, match="no timing profile for model 'no_such_net'.*cannot be measured"):
-        model_profile("no_such_net")
+    assert costs.memory_fixed == pytest.approx(3 * 4 * parameters)  # weights, gradients, one optimizer state
+    with pytest.raises(ValueError, match="no cost table for model 'no_such_net'.*cannot be measured"):
+        model_costs("no_such_net")
 
 
 def test_measured_features_count_flops_saved_activations_and_operators():

@@ -13,7 +13,7 @@ from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, remove_emulated_gpus
 from drbalance.manager.utilization import open_source
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelCosts
 from tests.conftest import python_process
 
 
@@ -88,8 +88,8 @@ def test_the_manager_source_reads_emulated_gpus_like_nvml(emu, monkeypatch):
 
 
 def test_the_emulated_backend_splits_like_the_cpu_path_and_times_replicas(emu):
-    profile = ModelProfile("test", fixed=0.01, per_sample=0.005, dp_overhead=0.02, host_ratio=0.0)
-    backend = EmulatedBackend(4, profile, time_scale=1.0, sample_scale=1.0)
+    costs = ModelCosts("test", fixed=0.01, per_sample=0.005, dp_overhead=0.02, host_ratio=0.0)
+    backend = EmulatedBackend(4, costs, time_scale=1.0, sample_scale=1.0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))

@@ -20,8 +20,8 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.nvml import MemoryInfo, Nvml, normalize_uuid
 from drbalance.manager.table import AppEntry, ServerGpus, Unmapped, max_share_for
 from drbalance.manager.utilization import NvmlSource, ScriptedSource, UtilizationUnavailable
-from drbalance.models import ModelProfile
 from drbalance.policy import Decision, PolicyConfig, violations
+from drbalance.workload.models import ModelCosts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,7 +111,7 @@ class ToOneGpu:
         return Decision(app, DataRatio.single(snapshot.config.gpu_count, self.gpu), "to-one")
 
 
-PROFILE = ModelProfile("tiny", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
+PROFILE = ModelCosts("tiny", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
                        memory_fixed=1000, memory_per_sample=100)
 
 

@@ -24,7 +24,7 @@ from drbalance.ipc.layout import Notice, NoticeKind
 from drbalance.ipc.private import write_private
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import JsonLinesWriter, read_json_lines, rotated_files
-from drbalance.profiles import Profile, save_profile
+from drbalance.profiling.store import Profile, save_profile
 from tests.conftest import leftovers, python_process, wait_for
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
 

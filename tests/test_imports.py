@@ -8,8 +8,9 @@ from tests.conftest import ROOT
 TORCH_FREE = ["drbalance", "drbalance.ratio", "drbalance.slowdown", "drbalance.policy", "drbalance.ipc.link",
               "drbalance.ipc.endpoint", "drbalance.manager.daemon", "drbalance.manager.cli", "drbalance.manager.status",
               "drbalance.emu.gpus", "drbalance.sim", "drbalance.sim.command", "drbalance.sim.reproduce",
-              "drbalance.report.command", "drbalance.launcher", "drbalance.demo", "drbalance.cli",
-              "drbalance.profile_command", "drbalance.scenarios"]
+              "drbalance.report.command", "drbalance.runs.launch", "drbalance.runs.demo", "drbalance.cli",
+              "drbalance.profiling.command", "drbalance.profiling.store", "drbalance.workload.scenarios",
+              "drbalance.workload.models", "drbalance.defaults"]
 
 
 def test_core_manager_and_simulator_import_without_torch():

@@ -14,14 +14,14 @@ from drbalance.client.emulated import EmulatedBackend, EmulatedOutOfMemoryError
 from drbalance.emu.gpus import EmulatedGpu, EmulatedOutOfMemory, remove_emulated_gpus
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import read_json_lines
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelCosts
 from tests.conftest import python_process
 
 pytestmark = pytest.mark.timeout(120)
 
 # A replica holds 1000 bytes plus, per sample, 100 at the backward's peak and 100 / 1.5 in the
 # forward. On a 2000-byte GPU: the backward fits up to 10 samples, the forward up to 15.
-PROFILE = ModelProfile("tiny", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
+PROFILE = ModelCosts("tiny", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
                        memory_fixed=1000, memory_per_sample=100)
 MEMORY = 2000
 

@@ -9,7 +9,7 @@ from torch import nn
 from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
-from drbalance.profiles import Measurement, ProfileNotFound, extrapolate, load_profile, run_profile
+from drbalance.profiling.store import Measurement, ProfileNotFound, extrapolate, load_profile, run_profile
 
 
 def test_profile_command_measures_a_real_script_and_the_session_resolves_the_name(ipc_env, tmp_path, capsys):

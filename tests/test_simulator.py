@@ -8,14 +8,14 @@ import pytest
 from drbalance import policy as policy_package
 from drbalance import sim as sim_package
 from drbalance.cli import main as drbalance
-from drbalance.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_profile
 from drbalance.report.metrics import load_run, summarise
-from drbalance.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 from drbalance.sim import SimConfig, Simulation, simulate
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.calibration import fit_capacity, simulated_pair_speed
 from drbalance.sim.command import to_run
 from drbalance.slowdown import SlowdownTracker
+from drbalance.workload.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_costs
+from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 
 VARIANTS = {
     "paper": SimConfig(policy="paper", record=False),
@@ -127,7 +127,7 @@ def test_scenarios_round_trip_through_json_and_bad_ones_are_rejected(tmp_path):
     bad = {"name": "bad", "gpus": 2, "apps": [{"name": "x", "model": "vgg", "batch": 1, "epochs": 1,
                                                 "iterations_per_epoch": 1}]}
     path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="no timing profile for model 'vgg'"):
+    with pytest.raises(ValueError, match="no cost table for model 'vgg'"):
         load_scenario(str(path))
     with pytest.raises(ValueError, match="unknown scenario"):
         load_scenario("zz")
@@ -167,11 +167,11 @@ def test_placeholder_pairs_in_gavels_table_are_not_used():
 
 
 def test_a_gpu_of_half_speed_doubles_the_device_time():
-    profile = model_profile("resnet50")
+    costs = model_costs("resnet50")
     apps = (AppSpec("fast", "resnet50", 32, 1, 50, (10, 0)), AppSpec("slow", "resnet50", 32, 1, 50, (0, 10)))
     scenario = Scenario("speeds", 2, apps, gpu_speed=(1.0, 0.5))
     result = simulate(scenario, SimConfig(policy="observe", record=False))
-    host, device = profile.host_seconds(32), profile.device_seconds(32)
+    host, device = costs.host_seconds(32), costs.device_seconds(32)
     assert result.final_sd["fast"] == pytest.approx(1.0, abs=1e-9)
     assert result.final_sd["slow"] == pytest.approx((host + 2 * device) / (host + device), rel=1e-6)
     with pytest.raises(ValueError, match="gpu_speed must hold 2 positive numbers"):

@@ -4,7 +4,7 @@ from drbalance.client.backends import ChunkPlan, CpuBackend, CudaBackend, Device
 from drbalance.client.distributed import BalancedDistributedDataParallel
 from drbalance.client.parallel import BalancedDataParallel
 from drbalance.client.sampler import BalancedBatchSampler
-from drbalance.client.session import ProfileComplete, Session
+from drbalance.client.session import MeasurementComplete, Session
 from drbalance.client.timing import ReplicaTiming
 
 __all__ = [
@@ -15,7 +15,7 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "DeviceBackend",
-    "ProfileComplete",
+    "MeasurementComplete",
     "ReplicaTiming",
     "Session",
 ]

@@ -500,7 +500,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 def default_backend() -> DeviceBackend:
     """CUDA when PyTorch sees a CUDA device; else emulated GPUs when ``DRBALANCE_EMULATED_GPUS``
-    is set (their per-model cost estimated from the wrapped model, see ``drbalance.models``);
+    is set (their per-model cost estimated from the wrapped model, see ``drbalance.workload.models``);
     else the sequential CPU path."""
     if torch.cuda.is_available():
         return CudaBackend()

@@ -4,11 +4,11 @@
 counts, per sample: forward FLOPs (``torch.utils.flop_counter``), bytes of tensors autograd saves
 for the backward (``torch.autograd.graph.saved_tensors_hooks``; the model's own parameters and
 buffers are not counted), and the number of operator calls (kernel launches on a GPU, roughly).
-``drbalance.models.estimate_profile`` turns these into an emulated-GPU timing and memory profile.
+``drbalance.workload.models.estimate_costs`` turns these into an emulated-GPU cost table (timing and memory).
 
     python -m drbalance.client.costs resnet50 densenet121 --image 224
 
-prints the features of torchvision models (how the constants in ``drbalance.models`` were
+prints the features of torchvision models (how the constants in ``drbalance.workload.models`` were
 obtained).
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from drbalance.models import ModelFeatures
+from drbalance.workload.models import ModelFeatures
 
 
 class _OperatorCount(TorchDispatchMode):

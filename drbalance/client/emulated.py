@@ -17,8 +17,8 @@ does not fit raises :class:`EmulatedOutOfMemoryError`, a ``torch.cuda.OutOfMemor
 class as ``torch.OutOfMemoryError``), as a real GPU would. Reservations are kept, as PyTorch's
 caching allocator keeps memory, until :meth:`EmulatedBackend.release_memory` (``empty_cache``).
 
-Without a profile (``DRBALANCE_EMULATED_GPUS`` with ``BalancedDataParallel(model)``), the model's
-cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalance.models``).
+Without a cost table (``DRBALANCE_EMULATED_GPUS`` with ``BalancedDataParallel(model)``), the model's
+cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalance.workload.models``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 from drbalance.client.backends import ChunkPlan, CpuBackend
 from drbalance.emu.gpus import DEFAULT_MEMORY_BYTES, EmulatedGpu, EmulatedOutOfMemory, emulated_spec
 from drbalance.ipc.names import IpcNames
-from drbalance.models import ModelProfile, estimate_profile
+from drbalance.workload.models import ModelCosts, estimate_costs
 
 
 class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
@@ -52,7 +52,7 @@ class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
 class EmulatedBackend(CpuBackend):
     """Chunks run on the CPU, then hold emulated GPUs for their modelled device time.
 
-    ``profile``: the model's timing and memory profile (``drbalance.models``); None = estimate it
+    ``costs``: the model's cost table, timing and memory (``drbalance.workload.models``); None = estimate it
     from the wrapped model's first chunk. ``memory_bytes``: each emulated GPU's memory (default
     24 GiB). The emulated GPUs are opened on first use, and the backend pickles as its settings,
     so a wrapper using it can be saved, deep-copied and averaged (``AveragedModel``).
@@ -63,7 +63,7 @@ class EmulatedBackend(CpuBackend):
     def __init__(
         self,
         gpu_count: int,
-        profile: ModelProfile | None = None,
+        costs: ModelCosts | None = None,
         time_scale: float = 1.0,
         sample_scale: float = 1.0,
         namespace: str | None = None,
@@ -76,7 +76,7 @@ class EmulatedBackend(CpuBackend):
         if memory_bytes < 1:
             raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
         self.gpu_count = gpu_count
-        self.profile = profile
+        self.costs = costs
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
@@ -98,7 +98,7 @@ class EmulatedBackend(CpuBackend):
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"gpu_count": self.gpu_count, "profile": self.profile, "time_scale": self.time_scale,
+        return {"gpu_count": self.gpu_count, "costs": self.costs, "time_scale": self.time_scale,
                 "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -127,7 +127,7 @@ class EmulatedBackend(CpuBackend):
         return tuple(self.gpus[d].uuid for d in device_ids)
 
     def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
-        peaks = tuple(self._peak.get(d, 0) if self.profile is not None else None for d in device_ids)
+        peaks = tuple(self._peak.get(d, 0) if self.costs is not None else None for d in device_ids)
         self._peak.clear()
         return peaks
 
@@ -142,24 +142,24 @@ class EmulatedBackend(CpuBackend):
 
     # --- the forward -----------------------------------------------------------------------------
     def call_chunk(self, module: nn.Module, args: Any, kwargs: dict[str, Any], plan: ChunkPlan, position: int) -> Any:
-        if self.profile is not None:
+        if self.costs is not None:
             return module(*args, **kwargs)
         from drbalance.client.costs import measure_features
 
         features, output = measure_features(module, args, kwargs, plan.sizes[position])
-        self.profile = estimate_profile(type(module).__name__, features)
+        self.costs = estimate_costs(type(module).__name__, features)
         return output
 
     def after_chunk(self, device_ids: Sequence[int], plan: ChunkPlan, position: int, output: Any) -> None:
         """Reserve the chunk's forward memory now and its backward memory when the backward comes."""
-        if self.profile is None or not self.profile.memory_per_sample:
+        if self.costs is None or not self.costs.memory_per_sample:
             return
         gpu = device_ids[plan.slots[position]]
         samples = plan.sizes[position] * self.sample_scale
-        self._reserve(gpu, self.profile.memory_peak(samples, backward=False))
+        self._reserve(gpu, self.costs.memory_peak(samples, backward=False))
         tensor = _tensor_requiring_grad(output) if torch.is_grad_enabled() else None
         if tensor is not None:
-            backward_bytes = self.profile.memory_peak(samples, backward=True)
+            backward_bytes = self.costs.memory_peak(samples, backward=True)
             slot = plan.slots[position]
 
             def on_backward(grad: torch.Tensor) -> None:
@@ -185,7 +185,7 @@ class EmulatedBackend(CpuBackend):
               chunk_inputs: Sequence[Any], chunk_kwargs: Sequence[dict[str, Any]]):
         outputs, cpu_seconds = self.forward_chunks(module, device_ids, plan, chunk_inputs, chunk_kwargs)
         self._host_phase(plan, sum(cpu_seconds))
-        device = [self.time_scale * self.profile.device_seconds(size * self.sample_scale) for size in plan.sizes]
+        device = [self.time_scale * self.costs.device_seconds(size * self.sample_scale) for size in plan.sizes]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
         futures = [self._pool.submit(self.gpus[device_ids[slot]].occupy, seconds)
@@ -197,7 +197,7 @@ class EmulatedBackend(CpuBackend):
 
     def _host_phase(self, plan: ChunkPlan, forward_cpu: float) -> None:
         batch = sum(plan.sizes) * self.sample_scale
-        target = self.time_scale * (self.profile.host_seconds(batch) + self.profile.overhead_seconds(len(plan.slots)))
+        target = self.time_scale * (self.costs.host_seconds(batch) + self.costs.overhead_seconds(len(plan.slots)))
         now = time.monotonic()
         spent = now - self._last_device_end if self._last_device_end is not None else forward_cpu
         if target > spent:

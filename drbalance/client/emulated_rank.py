@@ -22,19 +22,19 @@ from torch import nn
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.emu.gpus import EmulatedGpu
 from drbalance.ipc.names import IpcNames
-from drbalance.models import ModelProfile
+from drbalance.workload.models import ModelCosts
 
 
 class EmulatedRankDevice:
     """Emulated GPU ``index`` of the namespace, as one DDP rank's device."""
 
-    def __init__(self, index: int, profile: ModelProfile, time_scale: float = 1.0, sample_scale: float = 1.0,
+    def __init__(self, index: int, costs: ModelCosts, time_scale: float = 1.0, sample_scale: float = 1.0,
                  namespace: str | None = None) -> None:
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
         self.index = index
         self.gpu = EmulatedGpu(IpcNames.current(namespace), index)
-        self.profile = profile
+        self.costs = costs
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
         self._last_device_end: float | None = None
@@ -59,12 +59,12 @@ class EmulatedRankDevice:
         if samples <= 0:
             return
         with torch.autograd.profiler.record_function("EmulatedRankDevice"):
-            target = self.time_scale * self.profile.host_seconds(samples)
+            target = self.time_scale * self.costs.host_seconds(samples)
             now = time.monotonic()
             spent = now - self._last_device_end if self._last_device_end is not None else 0.0
             if target > spent:
                 time.sleep(target - spent)
-            self.waited += self.gpu.occupy(self.time_scale * self.profile.device_seconds(samples))
+            self.waited += self.gpu.occupy(self.time_scale * self.costs.device_seconds(samples))
             self._last_device_end = time.monotonic()
 
     def close(self) -> None:

@@ -53,7 +53,7 @@ from drbalance.ipc.link import (
 )
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.profiles import Measurement, resolve_solo_time
+from drbalance.profiling.store import Measurement, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
@@ -69,8 +69,8 @@ class RatioTarget(Protocol):
     def set_ratio(self, ratio: DataRatio) -> None: ...
 
 
-class ProfileComplete(SystemExit):
-    """Raised by ``step()`` in profile mode once enough iterations are measured (exit status 0)."""
+class MeasurementComplete(SystemExit):
+    """Raised by ``step()`` in solo-measurement mode once enough iterations are measured (exit status 0)."""
 
     def __init__(self) -> None:
         super().__init__(0)
@@ -198,11 +198,11 @@ class Session:
         self.exchange_timeout = float(exchange_timeout)
         self.send_timeout = float(send_timeout)
         self.clock = clock or SystemClock()
-        self.profile_output = env.profile_output()
+        self.measurement_output = env.profile_output()
         self.own_ratio = model.ratio
         self.job = JobSync.of(model)  # None unless a DDP job: then only its rank 0 talks to the manager
-        if self.profile_output is not None:
-            self._start_profile_mode()
+        if self.measurement_output is not None:
+            self._start_solo_measurement()
             solo = 1.0  # unknown yet: this run measures it
         else:
             solo = resolve_solo_time(solo_time)
@@ -242,13 +242,13 @@ class Session:
         self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
                         epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
                         start_epoch=start_epoch, namespace=self.names.namespace,
-                        profile=self.profile_output is not None)
+                        measuring=self.measurement_output is not None)
         self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
         self._synchronize(self.clock.monotonic())
 
     # --- set-up -------------------------------------------------------------------------------
     def _default_link(self) -> ManagerLink:
-        if self.profile_output is not None or env.no_manager():
+        if self.measurement_output is not None or env.no_manager():
             return DetachedLink()
         try:
             return PosixManagerLink(self.names, self.app, self.clock)
@@ -263,15 +263,15 @@ class Session:
         path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
         return JsonLinesWriter(path, flush_every=64)
 
-    def _start_profile_mode(self) -> None:
+    def _start_solo_measurement(self) -> None:
         ratio = self.model.ratio
         if self.job is not None and self.job.model.world_size > 1:
             raise ValueError("drbalance profile measures one process on one GPU; profile a DistributedDataParallel "
                              "job's model with a single rank (torchrun --nproc_per_node 1 ...)")
         self.model.set_ratio(DataRatio.single(len(ratio), 0, ratio.total))
-        self.profile_iterations = env.profile_iterations()
-        self.profile_warmup = env.profile_warmup()
-        self.profile_times: list[float] = []
+        self.measure_iterations = env.profile_iterations()
+        self.measure_warmup = env.profile_warmup()
+        self.measured_times: list[float] = []
 
     def _install_sigterm_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -314,8 +314,8 @@ class Session:
             self._extend(now)
         duration = self.tracker.iteration_finished(now)
         self._state = AppState.RUNNING
-        if self.profile_output is not None:
-            self._profile_step(duration)
+        if self.measurement_output is not None:
+            self._measure_step(duration)
         if self.tracker.finished:
             self._finish(now)
             return
@@ -446,7 +446,7 @@ class Session:
         """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""
         self._state = AppState.FINISHED
         self._write_log("finish", now)
-        if self.profile_output is not None:
+        if self.measurement_output is not None:
             self._write_measurement()
         self._exchange(NoticeKind.FINISH, now)
         self._awaiting = None
@@ -531,12 +531,12 @@ class Session:
         self._attached_pid = 0
         self._awaiting = None
         self._cadence = self._boundary_due = None
-        if not self._warned_absent and self.profile_output is None and not isinstance(self.link, DetachedLink):
+        if not self._warned_absent and self.measurement_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",
                            self.names.namespace, reason, self.app, self.model.ratio)
 
-    # --- logs and profile mode ------------------------------------------------------------------
+    # --- logs and solo-measurement mode ------------------------------------------------------------------
     def _write_log(self, event: str, now: float, **extra: Any) -> None:
         if self.log is None:
             return
@@ -553,17 +553,17 @@ class Session:
         if event != "report":
             self.log.flush()
 
-    def _profile_step(self, duration: float) -> None:
-        self.profile_times.append(duration)
-        if len(self.profile_times) >= self.profile_iterations and not self.tracker.finished:
+    def _measure_step(self, duration: float) -> None:
+        self.measured_times.append(duration)
+        if len(self.measured_times) >= self.measure_iterations and not self.tracker.finished:
             self._write_measurement()
             self.close()
-            raise ProfileComplete()
+            raise MeasurementComplete()
 
     def _write_measurement(self) -> None:
         device = getattr(self.model, "backend", None)
         label = device.describe(self.model.device_ids, 0) if device is not None else "unknown"
-        Measurement(self.profile_times, self.profile_warmup, self.plan.total, label).write(self.profile_output)
+        Measurement(self.measured_times, self.measure_warmup, self.plan.total, label).write(self.measurement_output)
 
     def _restore_sigterm_handler(self) -> None:
         if not self._previous_sigterm or threading.current_thread() is not threading.main_thread():

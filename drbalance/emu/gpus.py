@@ -42,7 +42,7 @@ from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.records import RecordEmpty, Segment
 from drbalance.manager.nvml import MemoryInfo
-from drbalance.models import CO_LOCATION_CAPACITY
+from drbalance.workload.models import CO_LOCATION_CAPACITY
 
 ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn

@@ -16,16 +16,13 @@ import mmap
 import os
 import resource
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import posix_ipc
 
 from drbalance.ipc.private import private_dir, user_name
 
-T = TypeVar("T")
 PRIVATE_MODE = 0o600
 SHM_DIR = Path("/dev/shm")  # where Linux lists shared memory (and named semaphores as sem.<name>)
 MQUEUE_LIMITS = Path("/proc/sys/fs/mqueue")
@@ -39,16 +36,6 @@ class ForeignObject(PermissionError):
         self.name = name
         self.owner = owner
         self.reason = reason
-
-
-def retry_on_signal(call: Callable[[], T], deadline: float | None = None) -> T:
-    """Run ``call``, retrying when a signal interrupts it, until ``deadline`` (monotonic seconds)."""
-    while True:
-        try:
-            return call()
-        except posix_ipc.SignalError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise posix_ipc.BusyError("interrupted by signals until the deadline") from None
 
 
 # --- ownership -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 
 import posix_ipc
 
+from drbalance import defaults
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import ManagerEndpoint
@@ -75,12 +76,12 @@ class ManagerSettings:
 
     namespace: str | None = None
     policy: str = DEFAULT_POLICY
-    sd_threshold: float = 0.1
-    util_threshold: float = 20.0
+    sd_threshold: float = defaults.SD_THRESHOLD
+    util_threshold: float = defaults.UTIL_THRESHOLD
     dr_total: int = DEFAULT_TOTAL
-    sample_period: float = 0.5
-    window: int = 6
-    util_log_period: float = 1.0
+    sample_period: float = defaults.SAMPLE_PERIOD
+    window: int = defaults.UTIL_WINDOW
+    util_log_period: float = defaults.UTIL_LOG_PERIOD
     heartbeat_period: float = 0.5
     gc_period: float = 1.0
     rescan_period: float = 2.0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from drbalance import defaults
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 TRIGGERS = ("register", "boundary")
@@ -29,8 +30,8 @@ class PolicyConfig:
 
     gpu_count: int
     dr_total: int = DEFAULT_TOTAL
-    sd_threshold: float = 0.1
-    util_threshold: float = 20.0
+    sd_threshold: float = defaults.SD_THRESHOLD
+    util_threshold: float = defaults.UTIL_THRESHOLD
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_count, bool) or not isinstance(self.gpu_count, int) or self.gpu_count < 1:

@@ -81,7 +81,8 @@ class PaperPolicy:
         spread = sd_max - sd_min
         if me.slowdown < sd_max - SD_TIE_TOLERANCE:
             return _decision(me.name, me.ratio, "not-max", sd=me.slowdown, sd_max=sd_max)
-        if spread < config.sd_threshold or len(known) < 2:
+        # balance() runs only with more apps than GPUs (>= 2), all with an SD: spread is defined
+        if spread < config.sd_threshold:
             return _decision(me.name, me.ratio, "below-threshold", spread=spread, sd_threshold=config.sd_threshold)
         utils = snapshot.utilization
         if all(value is not None for value in utils):

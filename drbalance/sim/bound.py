@@ -25,24 +25,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from drbalance.models import model_profile
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.model import ContentionModel, Interference
+from drbalance.workload.models import model_costs
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 
 def fastest_iteration(app: AppSpec, speeds: Sequence[float]) -> float:
     """The shortest iteration time of ``app`` on GPUs of these speeds with no contention (seconds)."""
-    profile = model_profile(app.model)
+    costs = model_costs(app.model)
     fastest = sorted(speeds, reverse=True)
     best = float("inf")
     for k in range(1, len(fastest) + 1):
-        device = profile.fixed / fastest[0] + profile.per_sample * app.batch / sum(fastest[:k])
-        best = min(best, profile.host_seconds(app.batch) + profile.overhead_seconds(k) + device)
+        device = costs.fixed / fastest[0] + costs.per_sample * app.batch / sum(fastest[:k])
+        best = min(best, costs.host_seconds(app.batch) + costs.overhead_seconds(k) + device)
     return best
 
 
 def device_work(app: AppSpec) -> float:
-    return app.iterations * model_profile(app.model).device_seconds(app.batch)
+    return app.iterations * model_costs(app.model).device_seconds(app.batch)
 
 
 def _feasible(apps: Sequence[AppSpec], solo: Sequence[float], work: Sequence[float], bound: float,

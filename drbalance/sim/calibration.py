@@ -17,10 +17,10 @@ import json
 import statistics
 from pathlib import Path
 
-from drbalance.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_PROFILES, model_profile
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import ContentionModel
+from drbalance.workload.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_COSTS, model_costs
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 TITAN_RTX_MS = {  # ryujaehun/pytorch-gpu-benchmark, TITAN RTX, 12 images per GPU: 1, 2, 4 GPUs
     "densenet121": (103.4, 182.5, 276.6),
@@ -75,12 +75,12 @@ GAVEL_BATCHES = (16, 32, 64, 128)
 
 
 def write_gavel_rates(path: Path | None = None) -> Path:
-    """Fit every pair of (model, batch) workloads of ``MODEL_PROFILES`` x ``GAVEL_BATCHES`` and
+    """Fit every pair of (model, batch) workloads of ``MODEL_COSTS`` x ``GAVEL_BATCHES`` and
     store the rates with the shares they reproduce."""
     from drbalance.sim.interference import RATES, GavelTable, fit_pair, measured_shares
 
     table = GavelTable.load()
-    workloads = [(model, batch) for model in MODEL_PROFILES for batch in GAVEL_BATCHES]
+    workloads = [(model, batch) for model in MODEL_COSTS for batch in GAVEL_BATCHES]
     pairs = []
     for index, first in enumerate(workloads):
         for second in workloads[index:]:
@@ -97,14 +97,14 @@ def write_gavel_rates(path: Path | None = None) -> Path:
 def rows(gavel: Path | None) -> list[tuple[str, str, str, str]]:
     table = []
     for model, (_t1, t2, t4) in TITAN_RTX_MS.items():
-        profile = MODEL_PROFILES[model]
-        device12 = profile.device_seconds(12) * 1000
+        costs = MODEL_COSTS[model]
+        device12 = costs.device_seconds(12) * 1000
         for gpus, measured in ((2, t2), (4, t4)):
-            modelled = device12 + profile.overhead_seconds(gpus) * 1000
+            modelled = device12 + costs.overhead_seconds(gpus) * 1000
             table.append((f"{model}, {gpus} GPUs x 12 img (ms)", f"{measured:.1f}", f"{modelled:.1f}",
                           f"{100 * (modelled - measured) / measured:+.1f}%"))
     b1, s1, b2, s2 = POLLUX_RESNET50
-    resnet = model_profile("resnet50")
+    resnet = model_costs("resnet50")
     modelled_ratio = resnet.device_seconds(b2) / resnet.device_seconds(b1)
     table.append(("resnet50 t(200)/t(20) (Pollux)", f"{s2 / s1:.2f}", f"{modelled_ratio:.2f}",
                   f"{100 * (modelled_ratio - s2 / s1) / (s2 / s1):+.1f}%"))

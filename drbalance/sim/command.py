@@ -14,14 +14,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from drbalance import defaults
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.policy import DEFAULT_POLICY, POLICIES, PolicyConfig
+from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
-from drbalance.scenarios import PLACEMENTS, Scenario, load_scenario
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.engine import SimConfig, SimResult, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+from drbalance.workload.scenarios import PLACEMENTS, Scenario, load_scenario
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DR granularity (shares per mini-batch; default: the scenario's, 10)")
     parser.add_argument("--decide-every", type=int, default=None,
                         help="iterations between decisions besides epoch ends (default: the policy's choice)")
-    parser.add_argument("--sd-threshold", type=float, default=PolicyConfig.sd_threshold, help="SD_th (paper policy)")
-    parser.add_argument("--util-threshold", type=float, default=PolicyConfig.util_threshold,
+    parser.add_argument("--sd-threshold", type=float, default=defaults.SD_THRESHOLD, help="SD_th (paper policy)")
+    parser.add_argument("--util-threshold", type=float, default=defaults.UTIL_THRESHOLD,
                         help="Util_th in percent points (paper policy)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from drbalance import defaults
 from drbalance.manager.utilization import UtilizationWindow
-from drbalance.models import ModelProfile, model_profile
 from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot
 from drbalance.ratio import DataRatio
-from drbalance.scenarios import AppSpec, Scenario
 from drbalance.sim.model import ContentionModel, Interference, Workload
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
+from drbalance.workload.models import ModelCosts, model_costs
+from drbalance.workload.scenarios import AppSpec, Scenario
 
 ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(7)
 
@@ -44,13 +45,13 @@ class SimConfig:
 
     policy: str = DEFAULT_POLICY
     placement: str | None = None  # override the scenario's initial placement
-    sd_threshold: float = 0.1
-    util_threshold: float = 20.0
+    sd_threshold: float = defaults.SD_THRESHOLD
+    util_threshold: float = defaults.UTIL_THRESHOLD
     decide_every: int | None = None  # None: decide at epoch ends only
     report_every: int = 5
-    sample_period: float = 0.5
-    window: int = 6
-    util_log_period: float = 1.0
+    sample_period: float = defaults.SAMPLE_PERIOD
+    window: int = defaults.UTIL_WINDOW
+    util_log_period: float = defaults.UTIL_LOG_PERIOD
     contention: Interference = field(default_factory=ContentionModel)
     scheduler: str | None = None  # "themis": time-slicing finish-time fairness instead of a DR policy
     round_seconds: float = 60.0
@@ -97,13 +98,13 @@ class _Gpu:
 
 
 class _App:
-    __slots__ = ("spec", "profile", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
+    __slots__ = ("spec", "costs", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
                  "alive", "arrived", "running", "suspend", "records", "gpu", "workload", "host_end", "timings",
                  "slot_window", "published", "cadence", "boundary_due", "pushed")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
-        self.profile: ModelProfile = model_profile(spec.model)
+        self.costs: ModelCosts = model_costs(spec.model)
         self.name = spec.name
         self.index = index
         self.tracker = SlowdownTracker(IterationPlan(spec.epochs, spec.iterations_per_epoch), spec.solo_time(),
@@ -276,11 +277,11 @@ class Simulation:
         replicas = sum(1 for size in app.sizes if size)
         app.chunks_left = replicas
         app.running = True
-        host = app.profile.host_seconds(batch) + app.profile.overhead_seconds(replicas)
+        host = app.costs.host_seconds(batch) + app.costs.overhead_seconds(replicas)
         self.push(self.now + host, HOST_END, app)
 
     def _host_end(self, app: _App) -> None:
-        device = app.profile.device_seconds
+        device = app.costs.device_seconds
         app.host_end = self.now
         app.timings = []
         for gpu, size in zip(self.gpus, app.sizes):

@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drbalance.models import model_profile
 from drbalance.sim.model import Workload
+from drbalance.workload.models import model_costs
 
 DATA = Path(__file__).with_name("gavel_pairs.json")
 RATES = Path(__file__).with_name("gavel_rates.json")
@@ -58,8 +58,8 @@ def family_of(model: str) -> str:
         return "ResNet-50"
     if model in LIGHT:
         return "ResNet-18"
-    reference = model_profile("resnet50").per_sample
-    return "ResNet-50" if model_profile(model).per_sample >= 0.5 * reference else "ResNet-18"
+    reference = model_costs("resnet50").per_sample
+    return "ResNet-50" if model_costs(model).per_sample >= 0.5 * reference else "ResNet-18"
 
 
 def _job(family: str, batch: int) -> str:
@@ -151,13 +151,13 @@ def fit_pair(table: GavelTable, first: Workload, second: Workload, rounds: int =
     Starts from the closed form and corrects each rate by the ratio of measured to simulated
     share (a pair simulated alone on one GPU, 200 iterations each), at most ``rounds`` times.
     """
-    from drbalance.scenarios import AppSpec, Scenario  # the engine imports this module
     from drbalance.sim.engine import SimConfig, simulate
+    from drbalance.workload.scenarios import AppSpec, Scenario  # the engine imports this module
 
     wanted = measured_shares(table, first, second)
-    profile_a, profile_b = model_profile(first[0]), model_profile(second[0])
-    rates = pair_rates(wanted[0], wanted[1], profile_a.host_seconds(first[1]), profile_a.device_seconds(first[1]),
-                       profile_b.host_seconds(second[1]), profile_b.device_seconds(second[1]))
+    costs_a, costs_b = model_costs(first[0]), model_costs(second[0])
+    rates = pair_rates(wanted[0], wanted[1], costs_a.host_seconds(first[1]), costs_a.device_seconds(first[1]),
+                       costs_b.host_seconds(second[1]), costs_b.device_seconds(second[1]))
     apps = (AppSpec("x", first[0], first[1], 1, 200, (10,)), AppSpec("y", second[0], second[1], 1, 200, (10,)))
     scenario = Scenario("pair", 1, apps)
     for _ in range(rounds):

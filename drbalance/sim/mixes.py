@@ -22,9 +22,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from types import MappingProxyType
 
-from drbalance.scenarios import SCENARIOS, Scenario, sized_app
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+from drbalance.workload.scenarios import SCENARIOS, Scenario, sized_app
 
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
 

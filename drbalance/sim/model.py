@@ -17,7 +17,7 @@ One iteration of an app with batch B and DR split into chunks b_g (k of them non
 4. Utilisation (as NVML reports it): the fraction of a sample period during which at least one
    chunk was active on the GPU.
 
-Per-model parameters come from ``drbalance.models`` (calibrated there).
+Per-model parameters come from ``drbalance.workload.models`` (calibrated there).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from drbalance.models import CO_LOCATION_CAPACITY
+from drbalance.workload.models import CO_LOCATION_CAPACITY
 
 Workload = tuple[str, int]
 """What runs on a GPU, for the interference model: (model name, batch of the app)."""

@@ -20,11 +20,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from drbalance.report.metrics import summarise
-from drbalance.scenarios import SCENARIOS
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.command import to_run
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+from drbalance.workload.scenarios import SCENARIOS
 
 POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
 

@@ -4,8 +4,8 @@ Data: ``torchvision.datasets.FakeData`` (default) or an ImageFolder path. Device
 emulated GPUs (``--devices emulated:4``; no GPU needed), or the CPU. Run it alone, or let
 ``drbalance launch`` / ``drbalance demo`` start several of it beside a manager.
 
-    python examples/train.py --model resnet50 --epochs 2 --iterations 20 --solo-time 120
-    python examples/train.py --model densenet121 --devices emulated:4 --time-scale 10 --solo-time auto
+    python -m drbalance.runs.train --model resnet50 --epochs 2 --iterations 20 --solo-time 120
+    python -m drbalance.runs.train --model densenet121 --devices emulated:4 --time-scale 10 --solo-time auto
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance import env
+from drbalance import defaults, env
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ratio import DataRatio
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per epoch (default: the whole dataset; FakeData then has 20 batches)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per iteration (default 8)")
-    parser.add_argument("--image-size", type=int, default=64,
+    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE,
                         help="image side in pixels (default 64: the smallest at which every model trains "
                         "with 1-sample chunks)")
     parser.add_argument("--devices", default="auto",
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
-                        "model's timing profile). Required unless profiling.")
+                        "model's cost table). Required unless profiling.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
     parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
     parser.add_argument("--decide-every", type=int, default=None,
@@ -116,9 +116,9 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
         return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)
     if kind == "emulated":
         from drbalance.client.emulated import EmulatedBackend
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        backend = EmulatedBackend(emulated_gpus.count, model_profile(args.model), args.time_scale, args.sample_scale,
+        backend = EmulatedBackend(emulated_gpus.count, model_costs(args.model), args.time_scale, args.sample_scale,
                                   memory_bytes=emulated_gpus.memory_bytes)
         return BalancedDataParallel(network, ratio=ratio, backend=backend)
     return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
@@ -134,9 +134,9 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     if value == "auto":
         if kind != "emulated":
             raise SystemExit("train.py: --solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
+        per_iteration = model_costs(args.model).solo_iteration(args.batch_size * args.sample_scale)
         return iterations * args.epochs * per_iteration * args.time_scale
     try:
         seconds = float(value)

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from drbalance.models import SHORT_NAMES, model_profile
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+from drbalance.workload.models import SHORT_NAMES, model_costs
 
 PLACEMENTS = ("round-robin", "spread")
 SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res
@@ -48,7 +48,7 @@ class AppSpec:
     ddp: bool = False
 
     def __post_init__(self) -> None:
-        model_profile(self.model)  # raises for an unknown model
+        model_costs(self.model)  # raises for an unknown model
         if not isinstance(self.ddp, bool):
             raise ValueError(f"app {self.name!r}: ddp must be true or false; got {self.ddp!r}")
         for what in ("batch", "epochs", "iterations_per_epoch"):
@@ -64,7 +64,7 @@ class AppSpec:
 
     def solo_time(self) -> float:
         """Modelled seconds alone on one reference GPU (the SD denominator)."""
-        return self.iterations * model_profile(self.model).solo_iteration(self.batch)
+        return self.iterations * model_costs(self.model).solo_iteration(self.batch)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
 
 def sized_app(name: str, model: str, batch: int, solo_seconds: float, epochs: int, arrival: float = 0.0) -> AppSpec:
     """An app whose plan lasts about ``solo_seconds`` alone on one GPU."""
-    per_iteration = model_profile(model).solo_iteration(batch)
+    per_iteration = model_costs(model).solo_iteration(batch)
     per_epoch = max(1, round(solo_seconds / per_iteration / epochs))
     return AppSpec(name, model, batch, epochs, per_epoch, None, arrival)
 

@@ -115,7 +115,7 @@ def resolve_solo_time(solo_time: float | str) -> float:
 
 @dataclass(frozen=True)
 class Measurement:
-    """What a session in profile mode writes: its iteration times and its full plan."""
+    """What a session in solo-measurement mode writes: its iteration times and its full plan."""
 
     iteration_times: list[float]
     warmup: int
@@ -149,7 +149,7 @@ def run_profile(
     name: str, command: Sequence[str], iterations: int, warmup: int, path: Path | None = None,
     timeout: float | None = None,
 ) -> Profile:
-    """Run ``command`` in profile mode and store the result as ``name``."""
+    """Run ``command`` in solo-measurement mode and store the result as ``name``."""
     check_profile_name(name)
     if not command:
         raise ValueError("give the training command after '--', e.g. drbalance profile NAME -- python train.py")

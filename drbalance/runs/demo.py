@@ -14,10 +14,10 @@ import argparse
 import time
 from pathlib import Path
 
-from drbalance.launcher import LaunchOptions, cuda_gpu_count, launch
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
-from drbalance.scenarios import load_scenario
+from drbalance.runs.launch import LaunchOptions, cuda_gpu_count, launch
+from drbalance.workload.scenarios import load_scenario
 
 EMULATED_NOTICE = (
     "NOTE: no {gpus} CUDA GPUs here, so the {gpus} GPUs are EMULATED: time-shared device slots on "
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(EMULATED_NOTICE.format(gpus=scenario.gpus, scale=args.time_scale))
     else:
         print(f"Using {scenario.gpus} real CUDA GPUs; solo-run times come from stored profiles named after "
-              f"the models (drbalance profile MODEL -- python examples/train.py --model MODEL ...).")
+              f"the models (drbalance profile MODEL -- python -m drbalance.runs.train --model MODEL ...).")
     started = time.monotonic()
     runs = []
     for policy in args.policies:

@@ -1,4 +1,4 @@
-"""Per-model timing profiles of the paper's six models, shared by the emulated GPUs and the simulator.
+"""Per-model cost tables of the paper's six models, shared by the emulated GPUs and the simulator.
 
 Times are seconds on the paper's GPU class (Quadro RTX 6000; the public stand-in is the TITAN
 RTX, the same TU102 chip), FP32, forward + backward of one iteration. Derivation (every source is
@@ -26,7 +26,7 @@ in ../shared/data/README.md; the full table and its caveats are in docs/calibrat
   ``BACKWARD_PEAK_FACTOR`` = 1.5 for gradient buffers and allocator slack (an assumption; no
   GPU measurement was possible). The forward's peak is the saved activations alone.
 
-Any other model (:func:`estimate_profile`): its features are measured on the CPU from one real
+Any other model (:func:`estimate_costs`): its features are measured on the CPU from one real
 forward (FLOPs, saved activation bytes, operator calls, modules, parameter bytes) and turned into
 times by a least-squares fit over the six models above (relative error, non-negative
 coefficients): device time of a chunk of b samples = 0.0952 ms per forward operator call (the
@@ -55,7 +55,7 @@ HOST_RATIO = (1.0 - BUSY_FRACTION) / BUSY_FRACTION  # 0.36
 BACKWARD_PEAK_FACTOR = 1.5  # peak activation memory of the backward / saved activations (assumed)
 MEMORY_FIXED_FACTOR = 3  # weights + gradients + one optimizer state, in parameter bytes
 
-# The fit of estimate_profile (see the module docstring), milliseconds.
+# The fit of estimate_costs (see the module docstring), milliseconds.
 MS_PER_OPERATOR = 0.0952
 MS_PER_GFLOP = 0.294
 MS_PER_SAVED_MB = 0.0172
@@ -64,7 +64,7 @@ DP_OVERHEAD_MS_PER_MODULE = 0.126
 
 
 @dataclass(frozen=True)
-class ModelProfile:
+class ModelCosts:
     """Timing of one model's training iteration on one reference GPU (seconds)."""
 
     name: str
@@ -117,11 +117,11 @@ class ModelFeatures:
     modules: int  # nn.Module objects in the model (what DataParallel's replicate walks)
 
 
-def estimate_profile(name: str, features: ModelFeatures) -> ModelProfile:
-    """A profile for any model from its measured features (the fit in the module docstring)."""
+def estimate_costs(name: str, features: ModelFeatures) -> ModelCosts:
+    """A cost table for any model from its measured features (the fit in the module docstring)."""
     per_sample_ms = (MS_PER_GFLOP * features.flops_per_sample / 1e9
                      + MS_PER_SAVED_MB * features.saved_bytes_per_sample / 1e6)
-    return ModelProfile(
+    return ModelCosts(
         name,
         fixed=MS_PER_OPERATOR * features.operators / 1000.0,
         per_sample=per_sample_ms / 1000.0,
@@ -136,11 +136,11 @@ def memory_model(features: ModelFeatures) -> dict[str, float]:
             "memory_per_sample": BACKWARD_PEAK_FACTOR * features.saved_bytes_per_sample}
 
 
-def _from_table(name: str, t12_ms: float, t4gpu_ms: float | None, dp_overhead_ms: float | None = None) -> ModelProfile:
+def _from_table(name: str, t12_ms: float, t4gpu_ms: float | None, dp_overhead_ms: float | None = None) -> ModelCosts:
     fixed = FIXED_FRACTION_AT_12 * t12_ms / 1000.0
     per_sample = (1.0 - FIXED_FRACTION_AT_12) * t12_ms / 1000.0 / 12.0
     overhead = dp_overhead_ms / 1000.0 if dp_overhead_ms is not None else (t4gpu_ms - t12_ms) / 3.0 / 1000.0
-    return ModelProfile(name, fixed, per_sample, overhead, **memory_model(TABLE_FEATURES[name]))
+    return ModelCosts(name, fixed, per_sample, overhead, **memory_model(TABLE_FEATURES[name]))
 
 
 TABLE_FEATURES: Mapping[str, ModelFeatures] = MappingProxyType({
@@ -157,7 +157,7 @@ TABLE_FEATURES: Mapping[str, ModelFeatures] = MappingProxyType({
 RESNET50_T12_MS = 64.9
 ALEXNET_OVER_RESNET50 = 14.56 / 103.58  # jcjohnson/cnn-benchmarks, Pascal Titan X, batch 16
 
-MODEL_PROFILES: Mapping[str, ModelProfile] = MappingProxyType({
+MODEL_COSTS: Mapping[str, ModelCosts] = MappingProxyType({
     "densenet121": _from_table("densenet121", 103.4, 276.6),
     "resnet50": _from_table("resnet50", RESNET50_T12_MS, 138.6),
     "alexnet": _from_table("alexnet", RESNET50_T12_MS * ALEXNET_OVER_RESNET50, None, dp_overhead_ms=20.0),
@@ -172,30 +172,30 @@ SHORT_NAMES: Mapping[str, str] = MappingProxyType({
 })
 
 
-def model_profile(name: str) -> ModelProfile:
-    """The profile of a model by torchvision name (or the paper's short name, e.g. ``dense``).
+def model_costs(name: str) -> ModelCosts:
+    """The cost table of a model by torchvision name (or the paper's short name, e.g. ``dense``).
 
     The paper's six models come from the published timings; any other torchvision model is
-    estimated (:func:`estimate_profile`) from features measured on the CPU at 224 x 224 (this
+    estimated (:func:`estimate_costs`) from features measured on the CPU at 224 x 224 (this
     needs torch and torchvision and takes a few seconds, once per model and process). For a
-    model of your own, use ``drbalance.client.costs.measure_features`` and ``estimate_profile``
+    model of your own, use ``drbalance.client.costs.measure_features`` and ``estimate_costs``
     (``BalancedDataParallel`` on emulated GPUs does this by itself on its first forward).
     """
     full = SHORT_NAMES.get(name, name)
-    known = MODEL_PROFILES.get(full)
-    return known if known is not None else _measured_profile(full)
+    known = MODEL_COSTS.get(full)
+    return known if known is not None else _measured_costs(full)
 
 
 @lru_cache(maxsize=32)
-def _measured_profile(name: str) -> ModelProfile:
+def _measured_costs(name: str) -> ModelCosts:
     try:
         from drbalance.client.costs import measure_torchvision
     except ImportError as error:
-        raise ValueError(f"no timing profile for model {name!r} (known: {', '.join(MODEL_PROFILES)}), and it "
+        raise ValueError(f"no cost table for model {name!r} (known: {', '.join(MODEL_COSTS)}), and it "
                          f"cannot be measured without torch and torchvision ({error})") from None
     try:
         features = measure_torchvision(name)
     except (ImportError, ValueError) as error:
-        raise ValueError(f"no timing profile for model {name!r} (known: {', '.join(MODEL_PROFILES)}), and it "
+        raise ValueError(f"no cost table for model {name!r} (known: {', '.join(MODEL_COSTS)}), and it "
                          f"cannot be measured: {error}") from None
-    return replace(estimate_profile(name, features), name=name)
+    return replace(estimate_costs(name, features), name=name)

@@ -5,8 +5,8 @@ One process per rank, started by torchrun; each rank trains on its share of ever
 with NCCL (``--devices cuda``), one emulated GPU per rank with gloo (``--devices emulated:N``; no
 GPU needed), or the CPU with gloo. Data: FakeData (default) or an ImageFolder path.
 
-    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --model resnet50 --solo-time 120
-    torchrun --standalone --nproc_per_node 2 examples/train_ddp.py --devices emulated:4 --gpus 2,3 \\
+    torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp --model resnet50 --solo-time 120
+    torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp --devices emulated:4 --gpus 2,3 \\
         --model alexnet --batch-size 16 --time-scale 10 --solo-time auto
 
 ``--batch-size`` is the global batch (all ranks together); ``--ratio`` the initial DR over the
@@ -29,9 +29,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance import env
+from drbalance import defaults, env
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
-from drbalance.examples.train import MODELS
+from drbalance.runs.train import MODELS
 
 PROGRAM = "train_ddp.py"
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations", type=int, default=None,
                         help="global batches per epoch (default: the whole dataset; FakeData then has 20)")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per global batch, all ranks (default 16)")
-    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels (default 64)")
     parser.add_argument("--devices", default="auto",
                         help="'cuda' (NCCL), 'emulated:N' (gloo), 'cpu' (gloo), or 'auto' (CUDA if present, else "
                         "DRBALANCE_EMULATED_GPUS, else the CPU)")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratio", default=None, help="initial DR over the ranks, e.g. 3,7 (sums to 10; default even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
-                        "timing profile). Required.")
+                        "cost table). Required.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
     parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
     parser.add_argument("--decide-every", type=int, default=None,
@@ -83,7 +83,7 @@ def torchrun_environment() -> tuple[int, int, int]:
                if not os.environ.get(name)]
     if missing:
         raise fail(f"{', '.join(missing)} not set: start it with torchrun, e.g. "
-                   f"'torchrun --standalone --nproc_per_node 2 examples/train_ddp.py ...'")
+                   f"'torchrun --standalone --nproc_per_node 2 -m drbalance.runs.train_ddp ...'")
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
@@ -155,9 +155,9 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     if value == "auto":
         if kind != "emulated":
             raise fail("--solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        per_iteration = model_profile(args.model).solo_iteration(args.batch_size * args.sample_scale)
+        per_iteration = model_costs(args.model).solo_iteration(args.batch_size * args.sample_scale)
         return iterations * args.epochs * per_iteration * args.time_scale
     try:
         seconds = float(value)
@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", gpu)
     elif kind == "emulated":
         from drbalance.client.emulated_rank import EmulatedRankDevice
-        from drbalance.models import model_profile
+        from drbalance.workload.models import model_costs
 
-        emulated = EmulatedRankDevice(gpu, model_profile(args.model), args.time_scale, args.sample_scale)
+        emulated = EmulatedRankDevice(gpu, model_costs(args.model), args.time_scale, args.sample_scale)
         emulated.attach(network)
         model = BalancedDistributedDataParallel(network, ratio=ratio, device_label=emulated.label,
                                                 device_uuid=emulated.uuid)

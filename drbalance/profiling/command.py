@@ -5,24 +5,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from drbalance import env
-from drbalance.profiles import run_profile
+from drbalance import defaults, env
+from drbalance.profiling.store import run_profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a training script alone for a few hundred iterations, extrapolate its solo-run time "
         "(iterations in its full plan x mean iteration time after warm-up) and store it under NAME. "
-        "The script must use a drbalance Session; in profile mode the session trains on its first "
+        "The script must use a drbalance Session; in solo-measurement mode the session trains on its first "
         "device only, never contacts a manager, and ends the script after --iterations iterations. "
         "Refer to the result with Session(..., solo_time=NAME)."
     )
     parser.usage = "drbalance profile NAME [options] -- TRAINING COMMAND..."
     parser.add_argument("name", help="profile name (letters, digits, '_', '.', '-'); the training command "
-                        "follows '--', e.g. -- python examples/train.py --model resnet50")
-    parser.add_argument("--iterations", type=int, default=200,
+                        "follows '--', e.g. -- python -m drbalance.runs.train --model resnet50")
+    parser.add_argument("--iterations", type=int, default=defaults.MEASURE_ITERATIONS,
                         help="iterations to run, warm-up included (default 200)")
-    parser.add_argument("--warmup", type=int, default=10,
+    parser.add_argument("--warmup", type=int, default=defaults.MEASURE_WARMUP,
                         help="leading iterations left out of the mean (default 10)")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     parser.add_argument("--profiles", default=None,

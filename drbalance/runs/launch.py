@@ -8,7 +8,7 @@ On emulated GPUs every modelled time is stretched by ``--time-scale`` (so that t
 work of six jobs on a small machine hides inside the modelled host time), each app's real
 mini-batch is ``--real-batch`` images of ``--image-size`` pixels standing for the scenario's
 batch, and solo-run times come from the timing model. On CUDA GPUs solo-run times come from
-stored profiles named after the models (``drbalance profile resnet50 -- python examples/train.py ...``).
+stored profiles named after the models (``drbalance profile resnet50 -- python -m drbalance.runs.train ...``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drbalance import defaults
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.policy import DEFAULT_POLICY, POLICIES
-from drbalance.scenarios import Scenario, load_scenario
+from drbalance.workload.scenarios import Scenario, load_scenario
 
 
 @dataclass
@@ -36,9 +37,9 @@ class LaunchOptions:
     policy: str
     run_dir: Path
     devices: str = "emulated"  # "emulated" or "cuda"
-    time_scale: float = 10.0
-    real_batch: int = 4
-    image_size: int = 64
+    time_scale: float = defaults.EMULATED_TIME_SCALE
+    real_batch: int = defaults.EMULATED_REAL_BATCH
+    image_size: int = defaults.IMAGE_SIZE
     decide_every: int | None = None
     report_every: int = 2
     sd_threshold: float | None = None
@@ -55,9 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
-    parser.add_argument("--time-scale", type=float, default=10.0, help="emulated GPUs: stretch modelled times")
-    parser.add_argument("--real-batch", type=int, default=4, help="emulated GPUs: real images per iteration")
-    parser.add_argument("--image-size", type=int, default=64, help="image side in pixels")
+    parser.add_argument("--time-scale", type=float, default=defaults.EMULATED_TIME_SCALE,
+                        help="emulated GPUs: stretch modelled times")
+    parser.add_argument("--real-batch", type=int, default=defaults.EMULATED_REAL_BATCH,
+                        help="emulated GPUs: real images per iteration")
+    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels")
     parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
     parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
     parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
@@ -119,10 +122,10 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
         gpus = list(ratio.used)
         shares = [ratio.shares[g] for g in gpus]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(len(gpus)),
-                   "-m", "drbalance.examples.train_ddp", "--gpus", ",".join(map(str, gpus))]
+                   "-m", "drbalance.runs.train_ddp", "--gpus", ",".join(map(str, gpus))]
     else:
         shares = list(ratio.shares)
-        command = [sys.executable, "-m", "drbalance.examples.train"]
+        command = [sys.executable, "-m", "drbalance.runs.train"]
     command += [
         "--model", app.model, "--app", app.name,
         "--epochs", str(app.epochs), "--iterations", str(app.iterations_per_epoch),

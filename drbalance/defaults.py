@@ -1,0 +1,36 @@
+"""Shared defaults, each written once: the manager, the simulator, the commands and the client import them here.
+
+Framework-free (imports nothing). A default used by one module only stays in that module (for example
+the IPC timeouts in ``drbalance.ipc.link``, the DR granularity ``drbalance.ratio.DEFAULT_TOTAL`` and the
+policy ``drbalance.policy.DEFAULT_POLICY``); a default that two places must agree on lives here.
+"""
+
+from __future__ import annotations
+
+# --- the policies' thresholds (manager, simulator, their command lines) -------------------------------
+SD_THRESHOLD = 0.1
+"""SD_th: no DR moves while the largest SD minus the smallest is below this (a ratio of slow-downs)."""
+UTIL_THRESHOLD = 20.0
+"""Util_th, percentage points: above it the paper policy's utilisation branch runs, else its SD branch."""
+
+# --- utilisation sampling (manager and simulator) ----------------------------------------------------
+SAMPLE_PERIOD = 0.5
+"""Seconds between utilisation samples."""
+UTIL_WINDOW = 6
+"""Utilisation smoothing window, in samples (6 x 0.5 s = the last 3 s)."""
+UTIL_LOG_PERIOD = 1.0
+"""Seconds between utilisation records in the manager log."""
+
+# --- solo-run measurement (``drbalance profile`` and the session it starts) ---------------------------
+MEASURE_ITERATIONS = 200
+"""Iterations a solo-run measurement runs, warm-up included."""
+MEASURE_WARMUP = 10
+"""Leading iterations of a solo-run measurement left out of the mean."""
+
+# --- the training jobs that ``drbalance launch`` / ``demo`` start --------------------------------------
+EMULATED_TIME_SCALE = 10.0
+"""Emulated GPUs: how many times slower than the modelled GPU (so that a small machine keeps up)."""
+EMULATED_REAL_BATCH = 4
+"""Emulated GPUs: real images computed per iteration (the modelled batch is the scenario's)."""
+IMAGE_SIZE = 64
+"""Side of the synthetic (FakeData) images, pixels."""

@@ -1,1 +1,0 @@
-"""Example workloads shipped with the package (need torch and torchvision)."""

@@ -1,0 +1,1 @@
+"""Workload data: per-model cost tables and the paper's scenarios (framework-free; no torch)."""
