@@ -8,7 +8,7 @@ import re
 from tests.conftest import ROOT
 
 IMPORT_NAMES = {"torch": "torch", "posix-ipc": "posix_ipc", "nvidia-ml-py": "pynvml",
-                "prometheus-client": "prometheus_client"}
+                "prometheus-client": "prometheus_client", "tqdm": "tqdm"}
 
 
 def test_ci_runs_the_readmes_test_command_verbatim_with_ruff():

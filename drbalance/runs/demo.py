@@ -14,6 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
+from drbalance import progress
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
 from drbalance.runs.launch import LaunchOptions, cuda_gpu_count, launch
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decide-every", type=int, default=2, help="iterations between decisions (default 2)")
     parser.add_argument("--policies", type=parse_policies, default=DEMO_POLICIES,
                         help=f"comma-separated policies to run in turn (default {','.join(DEMO_POLICIES)})")
+    progress.add_argument(parser)
 
 
 DEMO_POLICIES = ("observe", "paper", "fair")
@@ -66,15 +68,20 @@ def run(args: argparse.Namespace) -> int:
               f"the models (drbalance profile MODEL -- python -m drbalance.runs.train --model MODEL ...).")
     started = time.monotonic()
     runs = []
+    show = progress.wanted(args.progress)
+    bar = progress.bar(show, len(args.policies), "demo", "runs")  # per policy run; launch's bar: per iteration
     for policy in args.policies:
         label = LABELS.get(policy, policy)
-        print(f"\nrun {len(runs) + 1}/{len(args.policies)}: {label} ...", flush=True)
+        bar.set_postfix_str(policy)
+        bar.write(f"\nrun {len(runs) + 1}/{len(args.policies)}: {label} ...")
         run_dir = args.out / policy
         options = LaunchOptions(scenario, policy, run_dir, devices, args.time_scale, decide_every=args.decide_every,
-                                label=label)
+                                label=label, progress=show)
         launch(options)
         runs.append(run_dir)
-        print(f"  done in {time.monotonic() - started:.0f} s; logs in {run_dir}", flush=True)
+        bar.update(1)
+        bar.write(f"  done in {time.monotonic() - started:.0f} s; logs in {run_dir}")
+    bar.close()
     from drbalance.report.command import format_table
     from drbalance.report.plots import plot_runs
 

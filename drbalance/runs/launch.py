@@ -24,9 +24,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drbalance import defaults
+from drbalance import defaults, progress
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
+from drbalance.ipc.private import make_dirs, open_private
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.workload.scenarios import Scenario, load_scenario
 
@@ -47,6 +48,7 @@ class LaunchOptions:
     timeout: float | None = None
     label: str | None = None
     extra_manager_args: list[str] = field(default_factory=list)
+    progress: bool = False  # a bar of the apps' iterations (all apps together) with the time left, on stderr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
     parser.add_argument("--timeout", type=float, default=None, help="stop every app after this many seconds")
     parser.add_argument("--label", default=None, help="name of this run in reports (default: the policy)")
+    progress.add_argument(parser)
 
 
 def cuda_gpu_count() -> int:
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     options = LaunchOptions(
         scenario, args.policy, args.run_dir, devices, args.time_scale, args.real_batch, args.image_size,
         args.decide_every, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
-        timeout=args.timeout, label=args.label,
+        timeout=args.timeout, label=args.label, progress=progress.wanted(args.progress),
     )
     launch(options)
     from drbalance.report.command import summarise_runs
@@ -147,7 +150,7 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
 def launch(options: LaunchOptions) -> Path:
     """Run the scenario to completion (or ``timeout``); return the run directory."""
     scenario, run_dir = options.scenario, options.run_dir
-    (run_dir / "apps").mkdir(parents=True, exist_ok=True)
+    make_dirs(run_dir / "apps")
     namespace = f"run-{uuid.uuid4().hex[:12]}"
     child_env = dict(os.environ)
     child_env.update({
@@ -175,7 +178,7 @@ def launch(options: LaunchOptions) -> Path:
         "time_scale": options.time_scale if options.devices == "emulated" else 1.0,
         "namespace": namespace, "apps": {}, "scenario_json": json.loads(scenario.to_json()),
     }
-    manager_out = open(run_dir / "manager.out", "w")
+    manager_out = private_output(run_dir / "manager.out")
     manager = subprocess.Popen(manager_command, env=child_env, stdout=manager_out, stderr=subprocess.STDOUT)
     names = IpcNames(namespace, os.getuid())
     apps: dict[str, subprocess.Popen] = {}
@@ -191,20 +194,14 @@ def launch(options: LaunchOptions) -> Path:
             delay = info["started"] + app.arrival * info["time_scale"] - time.time()
             if delay > 0:
                 time.sleep(delay)
-            out = open(run_dir / "apps" / f"{app.name}.out", "w")
+            out = private_output(run_dir / "apps" / f"{app.name}.out")
             outputs.append(out)
             command = app_command(options, index, devices_arg)
             apps[app.name] = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
             info["apps"][app.name] = {"model": app.model, "command": command, "pid": apps[app.name].pid,
                                       "initial_dr": scenario.initial_ratio(index).to_list()}
         deadline = None if options.timeout is None else info["started"] + options.timeout
-        for name, process in apps.items():
-            remaining = None if deadline is None else max(0.1, deadline - time.time())
-            try:
-                process.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                info["apps"][name]["stopped"] = "timeout"
-                _stop(process)
+        _wait_for_apps(apps, info, deadline, scenario, status_file, options.progress)
     finally:
         for process in apps.values():
             _stop(process)
@@ -224,6 +221,57 @@ def launch(options: LaunchOptions) -> Path:
     if failed:
         raise RuntimeError(f"apps failed: {failed}; see {run_dir / 'apps'}/*.out")
     return run_dir
+
+
+def private_output(path: Path):
+    """A process's output file, mode 0600 (it may show what the user's jobs do)."""
+    fd, _ = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w")
+
+
+def iterations_done(status: dict | None, totals: dict[str, int], finished: set[str]) -> int:
+    """Iterations the scenario's apps have done: a finished app counts in full, a running one as far
+    as the manager's ``status`` (its status file) shows it (0 when the manager does not show it)."""
+    shown = {}
+    if isinstance(status, dict) and isinstance(status.get("apps"), list):
+        for app in status["apps"]:
+            if isinstance(app, dict) and isinstance(app.get("iteration"), int):
+                shown[app.get("name")] = app["iteration"]
+    return sum(total if name in finished else min(total, max(0, shown.get(name, 0)))
+               for name, total in totals.items())
+
+
+def _wait_for_apps(apps: dict[str, subprocess.Popen], info: dict, deadline: float | None, scenario: Scenario,
+                   status_file: Path, show: bool) -> None:
+    """Wait until every app has exited (or ``deadline``: the rest are stopped); a bar of iterations if ``show``."""
+    totals = {app.name: app.epochs * app.iterations_per_epoch for app in scenario.apps}
+    bar = progress.bar(show, sum(totals.values()), scenario.name, "iterations")
+    pending = dict(apps)
+    try:
+        while pending:
+            for name, process in list(pending.items()):
+                if process.poll() is not None:
+                    del pending[name]
+            if show:
+                bar.update(iterations_done(_read_json(status_file), totals, set(apps) - set(pending)) - bar.n)
+                bar.set_postfix_str(f"{len(apps) - len(pending)}/{len(apps)} apps done")
+            if pending and deadline is not None and time.time() >= deadline:
+                for name, process in pending.items():
+                    info["apps"][name]["stopped"] = "timeout"
+                    _stop(process)
+                return
+            if pending:
+                time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write(run_dir: Path, info: dict) -> None:

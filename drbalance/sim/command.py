@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from drbalance import defaults
+from drbalance import defaults, progress
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    progress.add_argument(parser)
 
 
 def to_run(result: SimResult, label: str, scenario: Scenario) -> RunData:
@@ -102,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
                      util_threshold=args.util_threshold, contention=make_interference(args.interference))
     variants = baselines(base) if args.compare else [Variant(args.scheduler or args.policy, base)]
     summaries, report = [], {}
+    bar = progress.bar(progress.wanted(args.progress) and len(variants) > 1, len(variants),
+                       f"simulate {scenario.name}", "runs")
     for variant in variants:
+        bar.set_postfix_str(variant.label.split(" ")[0])
         started = time.perf_counter()
         result = simulate(scenario, variant.config)
         spent = time.perf_counter() - started
@@ -116,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             safe = variant.label.split(" ")[0]
             write_run_dir(result, variant.label, scenario, args.out / safe)
+        bar.update(1)
+    bar.close()
     bound = lower_bound(scenario, base.contention)
     if args.json:
         print(json.dumps({"scenario": scenario.name, "interference": args.interference, "bound_max_sd": bound,
