@@ -16,7 +16,7 @@ from drbalance.manager.cli import main as manager_main
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
 from drbalance.manager.nvml import MemoryInfo
 from tests.conftest import leftovers, wait_for
-from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, drain, first_line, toy_app
 
 GIB = 1024 ** 3
 TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} (INFO|WARNING|ERROR|DEBUG) ")  # every manager line
@@ -122,6 +122,7 @@ def test_a_manager_serves_a_running_apps_series_over_loopback_and_drops_them_whe
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")  # loopback by default
         app = toy_app("metered", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
         first_line(app)
+        drain(app)  # it prints a line per iteration: a full pipe would block it
         found = scrape_until(url, lambda f: named(f, "drbalance_app_slowdown"), timeout=90)
         assert named(found, "drbalance_apps") == {(): 1}
         slowdown = named(found, "drbalance_app_slowdown")[(("app", "metered"),)]
@@ -143,7 +144,7 @@ def test_a_manager_serves_a_running_apps_series_over_loopback_and_drops_them_whe
         assert set(named(found, "drbalance_gpu_memory_total_bytes").values()) == {16 * GIB}
 
         app.terminate()
-        app.wait(timeout=60)
+        app.wait(timeout=120)
         gone = scrape_until(url, lambda f: named(f, "drbalance_apps") == {(): 0}, timeout=60)
         assert named(gone, "drbalance_app_slowdown") == {}
         assert named(gone, "drbalance_app_dr_share_ratio") == {}

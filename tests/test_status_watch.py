@@ -11,7 +11,7 @@ import pytest
 from drbalance.cli import main as drbalance
 from drbalance.manager.status import CLEAR_SCREEN, StatusError, app_state, format_watch, utilization_bar, watch
 from tests.conftest import python_process, wait_for
-from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, drain, first_line, toy_app
 
 GIB = 1024 ** 3
 
@@ -132,6 +132,7 @@ def test_watch_against_a_real_manager_shows_the_running_app_frame_after_frame(ip
     app = toy_app("watched", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
     try:
         first_line(app)
+        drain(app)  # it prints a line per iteration: a full pipe would block it
         wait_for(lambda: json.loads(ipc_env.manager_status().read_text())["apps"])  # written once a second
         watcher = python_process("drbalance.cli", "status", "--watch", "--interval", "0.5", "--count", "3")
         stdout, stderr = watcher.communicate(timeout=120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,14 @@ class ManagerProcess:
 
 def toy_app(name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     return python_process("tests.helpers.toy_app", "--app", name, *args, env=env)
+
+
+def drain(process: subprocess.Popen) -> threading.Thread:
+    """Read (and drop) the rest of ``process``'s stdout in a thread, so that a long-running process
+    never blocks on a full pipe (e.g. while it handles SIGTERM)."""
+    reader = threading.Thread(target=process.stdout.read, daemon=True)
+    reader.start()
+    return reader
 
 
 def first_line(process: subprocess.Popen) -> dict:
