@@ -32,7 +32,7 @@ times by a least-squares fit over the six models above (relative error, non-nega
 coefficients): device time of a chunk of b samples = 0.0952 ms per forward operator call (the
 fixed part: kernel launches of forward and backward) + b x (0.294 ms per forward GFLOP + 0.0172 ms
 per MB of saved activations). On the six models this reproduces the 12-image time within 15%
-(0.85x to 1.13x; ``tests/test_models.py``). DataParallel overhead per extra replica = 3.05 ms +
+(0.85x to 1.13x; ``tests/test_dropin.py``). DataParallel overhead per extra replica = 3.05 ms +
 0.126 ms per module (fit over the five models with 4-GPU data, within 10%).
 """
 

@@ -1,0 +1,74 @@
+"""A DistributedDataParallel job under torchrun, steered by drbalance (docs/ddp.md).
+
+Copy it and put your own model, data and loop in. drbalance's part: ``BalancedDistributedDataParallel``
+in place of ``DistributedDataParallel``, ``BalancedBatchSampler`` for the loader (it cuts every
+GLOBAL batch into the ranks' current shares), and a ``Session`` on every rank with the same
+arguments (rank 0 talks to the manager, the others follow).
+
+    torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py              # CUDA (NCCL) or CPU (gloo)
+    torchrun --standalone --nproc_per_node 4 examples/torchrun_ddp.py --epochs 10 --batch-size 64 \\
+        --image-size 64 --iterations 100 --solo-time resnet50
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--app", default="torchrun-ddp", help="this job's name for the manager")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=4, help="global batches per epoch")
+    parser.add_argument("--batch-size", type=int, default=16, help="the GLOBAL batch, all ranks together")
+    parser.add_argument("--image-size", type=int, default=32, help="image side, pixels")
+    parser.add_argument("--solo-time", default="60", help="seconds alone, or a stored profile's name")
+    args = parser.parse_args()
+    torch.manual_seed(0)  # the same initial weights on every rank
+
+    local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+
+    net = torchvision.models.resnet18(weights=None, num_classes=10).to(device)
+    model = BalancedDistributedDataParallel(net, device_ids=[local_rank] if device.type == "cuda" else None)
+    data = torchvision.datasets.FakeData(size=args.batch_size * args.iterations, num_classes=10,
+                                         image_size=(3, args.image_size, args.image_size),
+                                         transform=transforms.ToTensor())
+    sampler = BalancedBatchSampler(data, batch_size=args.batch_size, model=model)
+    loader = DataLoader(data, batch_sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    criterion = torch.nn.CrossEntropyLoss()  # the mean over this rank's samples
+    solo_time = float(args.solo_time) if args.solo_time.replace(".", "", 1).isdigit() else args.solo_time
+
+    iterations = 0
+    with Session(model, app=args.app, epochs=args.epochs, iterations_per_epoch=len(sampler),
+                 solo_time=solo_time) as session:  # on EVERY rank, with the same arguments
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for images, labels in loader:
+                loss = criterion(model(images.to(device)), labels.to(device))
+                optimizer.zero_grad()
+                loss.backward()  # a sample-weighted all-reduce: the gradient of the global batch's mean loss
+                optimizer.step()
+                session.step()
+                iterations += 1
+    print(f"rank {dist.get_rank()}: done: {iterations} iterations, final loss {loss.item():.4f}, "
+          f"{len(images)} of {args.batch_size} samples in the last batch", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

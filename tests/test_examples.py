@@ -1,0 +1,45 @@
+"""The scripts in examples/ run as a user copies them: on the CPU, in seconds, with no manager running."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+EXAMPLES = ROOT / "examples"
+
+
+def _run(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _log_events(path) -> list[str]:
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_integrate_trains_the_readme_loop_and_its_session_logs_start_to_finish(ipc_env, tmp_path):
+    result = _run([sys.executable, str(EXAMPLES / "integrate.py"), "--app", "copied", "--epochs", "2",
+                   "--iterations", "3"])
+    assert result.returncode == 0, result.stderr
+    done = re.search(r"done: (\d+) iterations, final loss ([0-9.]+)", result.stdout)
+    assert done is not None, result.stdout
+    assert int(done.group(1)) == 6 and math.isfinite(float(done.group(2)))
+    events = _log_events(tmp_path / "logs" / "copied.sd.jsonl")
+    assert events[0] == "start" and "finish" in events
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env, tmp_path):
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(EXAMPLES / "torchrun_ddp.py"), "--app", "copied-ddp", "--batch-size", "12"], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = {int(m.group(1)): int(m.group(2)) for m in
+             re.finditer(r"rank (\d): done: 8 iterations, final loss [0-9.]+, (\d+) of 12 samples", result.stdout)}
+    assert set(ranks) == {0, 1} and sum(ranks.values()) == 12, result.stdout
+    events = _log_events(tmp_path / "logs" / "copied-ddp.sd.jsonl")  # rank 0's session speaks for the job
+    assert events[0] == "start" and "finish" in events
