@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
 
-from drbalance.jsonlog import read_json_lines
+from drbalance.jsonlog import read_json_lines, rotated_files
 
 SD_EVENTS = {"report", "boundary", "finish", "update"}
 
@@ -62,7 +62,10 @@ class RunData:
 
 
 def load_run(path: str | Path) -> RunData:
-    """Read ``run.json``, ``apps/*.sd.jsonl`` and ``manager.jsonl`` of a run directory."""
+    """Read ``run.json``, ``apps/*.sd.jsonl`` and ``manager.jsonl`` of a run directory.
+
+    The manager's log is read with its rotated predecessors (``manager.jsonl.N`` ... ``.1``,
+    oldest first), so a long run's early utilisation samples are not lost to rotation."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"run directory {root} does not exist")
@@ -73,7 +76,7 @@ def load_run(path: str | Path) -> RunData:
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
     records = {log.name[: -len(".sd.jsonl")]: list(read_json_lines(log)) for log in logs}
-    manager = list(read_json_lines(root / "manager.jsonl")) if (root / "manager.jsonl").exists() else []
+    manager = [record for log in rotated_files(root / "manager.jsonl") for record in read_json_lines(log)]
     return run_from_records(info.get("label") or root.name, records, manager, info, root)
 
 
