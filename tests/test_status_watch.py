@@ -157,3 +157,20 @@ def test_watch_against_a_real_manager_shows_the_running_app_frame_after_frame(ip
         app.wait()
         manager.stop()
 
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_the_watch_even_when_sigint_was_inherited_ignored(ipc_env):
+    # A background job of a non-interactive shell starts with SIGINT ignored; the view must still stop.
+    watcher = python_process("drbalance.cli", "status", "--watch", "--interval", "0.2",
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for(lambda: "watching; Ctrl-C to stop" in watcher.stdout.readline(), timeout=60)  # no manager here
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=60)
+        assert watcher.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()

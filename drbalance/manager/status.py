@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -242,6 +243,13 @@ def watch(read: Callable[[], dict[str, Any]], interval: float, count: int | None
     return 0
 
 
+def _stop_on_ctrl_c() -> None:
+    """Make Ctrl-C (SIGINT) end the live view even when this process inherited SIGINT ignored,
+    as commands started in the background by a non-interactive shell do (Python then leaves it
+    ignored and no KeyboardInterrupt would ever come)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.watch and (args.interval is not None or args.count is not None):
         raise ValueError("--interval and --count go with --watch")
@@ -249,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--watch shows a live view; --json prints the status once: choose one")
     names = IpcNames.current(args.namespace)
     if args.watch:
+        _stop_on_ctrl_c()
         interval = 2.0 if args.interval is None else args.interval
         return watch(lambda: read_status(names), interval, args.count, sys.stdout, clear=sys.stdout.isatty())
     status = read_status(names)
