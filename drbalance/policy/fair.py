@@ -39,7 +39,7 @@ class FairConfig:
     noise: float = 0.03  # predicted SD differences below this count as ties when they go against a change
     error_prior: float = 0.05  # relative error of predicted iteration times before any move is measured
     error_smoothing: float = 0.2  # weight of each measured move in that error
-    error_floor: float = 0.3  # a measured relative error up to this needs no extra gain (a precise predictor)
+    error_floor: float = 0.2  # a measured relative error up to this needs no extra gain (a precise predictor)
     mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
     idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
     protect_windows: int = 1
