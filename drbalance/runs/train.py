@@ -30,6 +30,19 @@ from drbalance.ratio import DataRatio
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
 
 
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """The options train.py and train_ddp.py share word for word: reporting, decisions, the
+    learning rate, and the emulated GPUs' time and sample scales."""
+    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
+    parser.add_argument("--decide-every", type=int, default=None,
+                        help="iterations between DR decisions (default: epoch ends only)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="emulated GPUs: multiply modelled times by this (default 1)")
+    parser.add_argument("--sample-scale", type=float, default=1.0,
+                        help="emulated GPUs: modelled samples per real sample (default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
@@ -51,14 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
                         "model's cost table). Required unless profiling.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
-    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
-    parser.add_argument("--decide-every", type=int, default=None,
-                        help="iterations between DR decisions (default: epoch ends only)")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="emulated GPUs: multiply modelled times by this (default 1)")
-    parser.add_argument("--sample-scale", type=float, default=1.0,
-                        help="emulated GPUs: modelled samples per real sample (default 1)")
+    add_training_options(parser)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

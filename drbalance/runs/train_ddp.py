@@ -31,7 +31,7 @@ from torchvision import transforms
 
 from drbalance import defaults, env
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
-from drbalance.runs.train import MODELS
+from drbalance.runs.train import MODELS, add_training_options
 
 PROGRAM = "train_ddp.py"
 
@@ -56,15 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
                         "cost table). Required.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
-    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
-    parser.add_argument("--decide-every", type=int, default=None,
-                        help="iterations between DR decisions (default: epoch ends only)")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="emulated GPUs: multiply modelled times by this (default 1)")
-    parser.add_argument("--sample-scale", type=float, default=1.0,
-                        help="emulated GPUs: modelled samples per real sample (default 1)")
+    add_training_options(parser)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch per rank (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0; the same on every rank)")
     parser.add_argument("--timeout", type=float, default=300.0,
