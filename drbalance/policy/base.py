@@ -145,6 +145,11 @@ class Decision:
     next_boundary: float | None = None
     others: Mapping[str, DataRatio] = field(default_factory=lambda: MappingProxyType({}))
 
+    @classmethod
+    def of(cls, app: str, ratio: DataRatio, branch: str, **details: Any) -> Decision:
+        """A decision with its details given as keyword arguments (stored read-only)."""
+        return cls(app, ratio, branch, MappingProxyType(details))
+
     def __post_init__(self) -> None:
         if self.next_boundary is not None and not (math.isfinite(self.next_boundary) and self.next_boundary > 0):
             raise ValueError(f"next_boundary must be a positive number of seconds or None; got {self.next_boundary!r}")

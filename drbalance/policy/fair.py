@@ -118,12 +118,12 @@ class FairPolicy:
         me = snapshot.app(app)
         ratio = current_ratio(me, config)
         if ratio is None:
-            return _decision(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
+            return Decision.of(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
         predictor = self._predictor(snapshot, app)
         track = self.tracks.setdefault(app, _Track())
         self._note_window(track, me)
         if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
-            return _decision(app, me.ratio, "no-measurement")
+            return Decision.of(app, me.ratio, "no-measurement")
         search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app))
         checked = self._check_last_move(me, ratio, track, search)
         if checked is not None:
@@ -131,12 +131,12 @@ class FairPolicy:
         move = track.last_move
         if move is not None and move.quiet > 0:
             move.quiet -= 1
-            return _decision(app, me.ratio, "protected", decisions_left=move.quiet)
+            return Decision.of(app, me.ratio, "protected", decisions_left=move.quiet)
         if track.moves.get(me.epoch, 0) >= self.config.max_moves_per_epoch:
-            return _decision(app, me.ratio, "move-cap", epoch=me.epoch)
+            return Decision.of(app, me.ratio, "move-cap", epoch=me.epoch)
         best = search.best(ratio, track)
         if best is None:
-            return _decision(app, me.ratio, "keep", locked=sorted(search.locked))
+            return Decision.of(app, me.ratio, "keep", locked=sorted(search.locked))
         changes, gain = best
         others = {other: their for other, their in changes.items() if other != app}
         for other, their in others.items():  # pushed to them now: each is a move of theirs too
@@ -231,7 +231,7 @@ class FairPolicy:
         predicted = search.predicted_time(me.name, {me.name: new})
         track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows)
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
-        return _decision(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
+        return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse: going
@@ -257,7 +257,7 @@ class FairPolicy:
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
         track.last_move = _Move(move.after, move.before, me.iteration, 0.0, quiet=self.config.protect_windows,
                                 checked=True)
-        return _decision(me.name, move.before, "revert", gain=found.gain, **details)
+        return Decision.of(me.name, move.before, "revert", gain=found.gain, **details)
 
 
 class _Search:
@@ -483,5 +483,3 @@ def _gained(before: DataRatio, after: DataRatio) -> list[int]:
     return [g for g, (a, b) in enumerate(zip(before.shares, after.shares)) if b * before.total > a * after.total]
 
 
-def _decision(app: str, ratio: DataRatio, branch: str, **details: Any) -> Decision:
-    return Decision(app, ratio, branch, MappingProxyType(details))

@@ -8,8 +8,6 @@ data returns a DR with the configured total.
 from __future__ import annotations
 
 import math
-from types import MappingProxyType
-from typing import Any
 
 from drbalance.policy.base import AppView, Decision, Snapshot, current_ratio, violations
 from drbalance.ratio import DataRatio
@@ -21,8 +19,6 @@ def round_half_up(value: float) -> int:
     return math.floor(value + 0.5)
 
 
-def _decision(app: str, ratio: DataRatio, branch: str, **details: Any) -> Decision:
-    return Decision(app, ratio, branch, MappingProxyType(details))
 
 
 class PaperPolicy:
@@ -35,7 +31,7 @@ class PaperPolicy:
         me = snapshot.app(app)
         ratio = current_ratio(me, config)
         if ratio is None:
-            return _decision(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
+            return Decision.of(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
         if len(snapshot.apps) <= config.gpu_count:
             decision = self.exclusive(me, ratio, snapshot)
         else:
@@ -51,7 +47,7 @@ class PaperPolicy:
         problems = violations(me, decision.ratio, snapshot.config)
         if not problems:
             return decision
-        return _decision(me.name, me.ratio, "constrained", wanted=decision.ratio.to_list(),
+        return Decision.of(me.name, me.ratio, "constrained", wanted=decision.ratio.to_list(),
                          wanted_branch=decision.branch, problems=problems)
 
     # --- Alg. 1, lines 2-10 ----------------------------------------------------------------------
@@ -61,29 +57,29 @@ class PaperPolicy:
         others_per_gpu = gpu_occupancy(snapshot, exclude=me.name)
         used = ratio.used
         if len(used) == 1 and others_per_gpu[used[0]] == 0:
-            return _decision(me.name, me.ratio, "exclusive-keep", gpu=used[0])
+            return Decision.of(me.name, me.ratio, "exclusive-keep", gpu=used[0])
         fewest = min(others_per_gpu)
         candidates = [g for g in range(config.gpu_count) if others_per_gpu[g] == fewest]
         gpu = min(candidates, key=lambda g: (_util_or(snapshot, g, math.inf), g))
-        return _decision(me.name, DataRatio.single(config.gpu_count, gpu, config.dr_total), "exclusive",
+        return Decision.of(me.name, DataRatio.single(config.gpu_count, gpu, config.dr_total), "exclusive",
                          gpu=gpu, others_on_gpu=fewest, util=snapshot.utilization[gpu])
 
     # --- Alg. 1, lines 11-23 ---------------------------------------------------------------------
     def balance(self, me: AppView, ratio: DataRatio, snapshot: Snapshot) -> Decision:
         config = snapshot.config
         if me.slowdown is None:
-            return _decision(me.name, me.ratio, "no-sd")
+            return Decision.of(me.name, me.ratio, "no-sd")
         unknown = [app.name for app in snapshot.apps if app.slowdown is None]
         if unknown:  # SD_max and SD_max^diff are undefined until every app has measured its SD
-            return _decision(me.name, me.ratio, "incomplete-sd", waiting_for=unknown)
+            return Decision.of(me.name, me.ratio, "incomplete-sd", waiting_for=unknown)
         known = [app.slowdown for app in snapshot.apps if app.slowdown is not None]
         sd_max, sd_min = max(known), min(known)
         spread = sd_max - sd_min
         if me.slowdown < sd_max - SD_TIE_TOLERANCE:
-            return _decision(me.name, me.ratio, "not-max", sd=me.slowdown, sd_max=sd_max)
+            return Decision.of(me.name, me.ratio, "not-max", sd=me.slowdown, sd_max=sd_max)
         # balance() runs only with more apps than GPUs (>= 2), all with an SD: spread is defined
         if spread < config.sd_threshold:
-            return _decision(me.name, me.ratio, "below-threshold", spread=spread, sd_threshold=config.sd_threshold)
+            return Decision.of(me.name, me.ratio, "below-threshold", spread=spread, sd_threshold=config.sd_threshold)
         utils = snapshot.utilization
         if all(value is not None for value in utils):
             used = ratio.used
@@ -107,7 +103,7 @@ class PaperPolicy:
             remaining = dict.fromkeys(targets, 1.0)  # every GPU saturated: spread evenly
         weights = [remaining.get(g, 0.0) for g in range(config.gpu_count)]
         new = DataRatio.from_weights(weights, config.dr_total)
-        return _decision(me.name, new, "util", gpu_max=gpu_max, gpu_min=gpu_min, util_gap=gap,
+        return Decision.of(me.name, new, "util", gpu_max=gpu_max, gpu_min=gpu_min, util_gap=gap,
                          remaining={str(g): remaining[g] for g in targets})
 
     # --- Alg. 2, lines 13-19 ---------------------------------------------------------------------
@@ -121,22 +117,22 @@ class PaperPolicy:
         averages = average_sd_per_gpu(snapshot)
         destinations = [g for g in range(config.gpu_count) if g != src]
         if not destinations:
-            return _decision(me.name, me.ratio, "sd-no-destination", src=src)
+            return Decision.of(me.name, me.ratio, "sd-no-destination", src=src)
         dest = min(destinations, key=lambda g: (averages[g], _util_or(snapshot, g, math.inf), g))
         sd = me.slowdown
         if sd <= 1.0:
-            return _decision(me.name, me.ratio, "sd-not-slowed", sd=sd, src=src, dest=dest)
+            return Decision.of(me.name, me.ratio, "sd-not-slowed", sd=sd, src=src, dest=dest)
         e_mbr = (sd - 1.0) / ratio[src]
         wanted = (sd - (sd_max + sd_min) / 2.0) / e_mbr
         moved = max(0, min(ratio[src], round_half_up(wanted)))
         details = dict(src=src, dest=dest, e_mbr=e_mbr, r_exact=wanted, r=moved, util_gap=util_gap,
                        dest_avg_sd=averages[dest])
         if moved == 0:
-            return _decision(me.name, me.ratio, "sd-zero-move", **details)
+            return Decision.of(me.name, me.ratio, "sd-zero-move", **details)
         shares = list(ratio.shares)
         shares[src] -= moved
         shares[dest] += moved
-        return _decision(me.name, DataRatio(shares, config.dr_total), "sd", **details)
+        return Decision.of(me.name, DataRatio(shares, config.dr_total), "sd", **details)
 
 
 def gpu_occupancy(snapshot: Snapshot, exclude: str | None = None) -> list[int]:
