@@ -123,8 +123,10 @@ class Predictor:
         keep = set(live)
         for name in [name for name in self.apps if name not in keep]:
             del self.apps[name]
-        for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
-            self._set_kappa(pair, None)
+        # the running sums name every app in a learned pair: the pairs are walked only when one is gone
+        if any(name not in keep for name in self._suffered) or any(name not in keep for name in self._caused):
+            for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
+                self._set_kappa(pair, None)
 
     def model(self, view: AppView) -> AppModel:
         model = self.apps.get(view.name)
@@ -290,30 +292,52 @@ class Neighbourhood:
     app outside that set counts on the GPUs it shares with the set by its measured duty (chunk
     time over iteration time; a prior before it is measured). Comparing the affected apps before
     and after a change is then cheap, whatever the number of apps.
+
+    The predictor must not learn while a neighbourhood is in use: what does not depend on the
+    change (each app's chunks under a DR, pair kappas, measured duties, the solution without a
+    change for a set of apps) is computed once and kept.
     """
 
     ROUNDS = 3
 
     def __init__(self, predictor: Predictor, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> None:
         self.predictor = predictor
+        self.views = views
         self.ratios = {name: ratio for name, ratio in ratios.items() if name in predictor.apps}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
         for name, ratio in self.ratios.items():
             for gpu in self.gpus_of(name, ratio):
                 self.on_gpu[gpu].append(name)
-        self.measured_duty: dict[tuple[str, int], float] = {}
-        prior = predictor.config.duty_prior
-        for name, ratio in self.ratios.items():
-            view = views.get(name)
-            seconds = view.chunk_seconds if view is not None else None
-            for gpu in self.gpus_of(name, ratio):
-                value = seconds[gpu] if seconds is not None and view.iteration_time else None
-                self.measured_duty[(name, gpu)] = min(1.0, value / view.iteration_time) if value else prior
+        self._duty: dict[tuple[str, int], float] = {}
+        self._kappa: dict[tuple[str, str], float] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...], int], tuple[list[tuple[int, float]], float]] = {}
+        self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
 
-    def gpus_of(self, name: str, ratio: DataRatio) -> list[int]:
+    def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
         """The GPUs that get samples of the app's batch under ``ratio`` (a small share of a small
         batch can round to none)."""
-        return [gpu for gpu, size in enumerate(samples(ratio, self.predictor.apps[name].batch)) if size]
+        return _used(ratio.shares, ratio.total, self.predictor.apps[name].batch)
+
+    def measured_duty(self, name: str, gpu: int) -> float:
+        """The share of time the app keeps ``gpu`` busy in its current configuration: its measured
+        chunk time there over its iteration time (``duty_prior`` before it is measured)."""
+        key = (name, gpu)
+        value = self._duty.get(key)
+        if value is None:
+            view = self.views.get(name)
+            seconds = view.chunk_seconds if view is not None else None
+            measured = seconds[gpu] if seconds is not None and view.iteration_time else None
+            value = min(1.0, measured / view.iteration_time) if measured else self.predictor.config.duty_prior
+            self._duty[key] = value
+        return value
+
+    def kappa(self, app: str, other: str) -> float:
+        """``Predictor.pair_kappa``, kept for the neighbourhood's lifetime."""
+        key = (app, other)
+        value = self._kappa.get(key)
+        if value is None:
+            value = self._kappa[key] = self.predictor.pair_kappa(app, other)
+        return value
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
         """The changed apps and every app on a GPU they use before or after the change."""
@@ -333,61 +357,93 @@ class Neighbourhood:
         names = self.affected(changes)
         return self.solve(names, {}), self.solve(names, changes)
 
-    def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
-        """Predicted (corrected) seconds per iteration of ``names`` with ``changes`` applied."""
-        predictor = self.predictor
-        config = predictor.config
-        apps = predictor.apps
-        speed = predictor.speed
-        kappa = predictor.pair_kappa
-        ratios = self.ratios
-        inside = set(names)
-        chunks: dict[str, list[tuple[int, float]]] = {}
-        fixed: dict[str, float] = {}
-        occupants: dict[int, list[str]] = {}
-        for name in names:
-            model = apps[name]
-            ratio = changes.get(name) or ratios[name]
+    def chunks(self, name: str, ratio: DataRatio) -> tuple[list[tuple[int, float]], float]:
+        """The app's chunks under ``ratio`` as (GPU, seconds alone), and its seconds per iteration
+        outside them (host time and the replicas' overhead)."""
+        key = (name, ratio.shares, ratio.total)
+        found = self._chunks.get(key)
+        if found is None:
+            predictor = self.predictor
+            config = predictor.config
+            speed = predictor.speed
+            model = predictor.apps[name]
             sizes = samples(ratio, model.batch)
             work = model.work(config)
             placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
-            chunks[name] = placed
-            fixed[name] = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
-        for name in names:
-            for gpu, _ in chunks[name]:
-                if gpu not in occupants:
-                    occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in inside]
-                occupants[gpu].append(name)
+            fixed = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
+            found = self._chunks[key] = (placed, fixed)
+        return found
+
+    def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
+        """Predicted (corrected) seconds per iteration of ``names`` with ``changes`` applied."""
+        unchanged = None
+        if not changes:
+            unchanged = tuple(names)
+            found = self._unchanged.get(unchanged)
+            if found is not None:
+                return dict(found)
+        apps = self.predictor.apps
+        ratios = self.ratios
+        kappa = self.kappa
         duty = self.measured_duty
-        # per chunk: the stretch from apps outside the set (fixed) and (kappa, other) for those inside
-        plans = []
+        index = {name: position for position, name in enumerate(names)}
+        count = len(index)
+        chunks: list[list[tuple[int, float]]] = []
+        fixed: list[float] = []
+        occupants: dict[int, list[str]] = {}
         for name in names:
-            for gpu, chunk in chunks[name]:
+            placed, seconds = self.chunks(name, changes.get(name) or ratios[name])
+            chunks.append(placed)
+            fixed.append(seconds)
+        for position, name in enumerate(names):
+            for gpu, _ in chunks[position]:
+                if gpu not in occupants:
+                    occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in index]
+                occupants[gpu].append(name)
+        # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
+        # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
+        slot: dict[tuple[str, int], int] = {}
+        for position, name in enumerate(names):
+            for gpu, _ in chunks[position]:
+                slot[(name, gpu)] = len(slot)
+        plans = []
+        stretched: list[float] = []
+        for position, name in enumerate(names):
+            for gpu, chunk in chunks[position]:
                 outside = 1.0
                 partners = []
                 for other in occupants[gpu]:
                     if other == name:
                         continue
-                    if other in inside:
-                        partners.append((kappa(name, other), (other, gpu), other))
+                    if other in index:
+                        partners.append((kappa(name, other), slot[(other, gpu)], index[other]))
                     else:
-                        outside += kappa(name, other) * duty[(other, gpu)]
-                plans.append((name, gpu, chunk, outside, partners))
-        stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
-        times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
+                        outside += kappa(name, other) * duty(other, gpu)
+                plans.append((position, chunk, outside, partners))
+                stretched.append(chunk)
+        times = [fixed[position] + max((c for _, c in chunks[position]), default=0.0) for position in range(count)]
         for _ in range(self.ROUNDS):
-            longest = dict.fromkeys(names, 0.0)
-            for name, gpu, chunk, outside, partners in plans:
+            longest = [0.0] * count
+            for number, (position, chunk, outside, partners) in enumerate(plans):
                 stretch = outside
                 for factor, key, other in partners:
-                    stretch += factor * min(1.0, stretched[key] / times[other])
+                    share = stretched[key] / times[other]
+                    stretch += factor * (share if share < 1.0 else 1.0)
                 value = chunk * stretch
-                stretched[(name, gpu)] = value
-                if value > longest[name]:
-                    longest[name] = value
-            for name in names:
-                times[name] = fixed[name] + longest[name]
-        return {name: times[name] * apps[name].correction for name in names}
+                stretched[number] = value
+                if value > longest[position]:
+                    longest[position] = value
+            times = [fixed[position] + longest[position] for position in range(count)]
+        result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
+        if unchanged is not None:
+            self._unchanged[unchanged] = dict(result)
+        return result
+
+
+@lru_cache(maxsize=65536)
+def _used(shares: tuple[int, ...], total: int, batch: int) -> tuple[int, ...]:
+    """The GPUs that get at least one sample of a batch split by these shares."""
+    return tuple(gpu for gpu, size in enumerate(_split(shares, total, batch)) if size)
 
 
 def predicted_slowdown(view: AppView, iteration_time: float) -> float | None:
