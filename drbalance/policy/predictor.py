@@ -384,46 +384,59 @@ class Neighbourhood:
                 return dict(found)
         apps = self.predictor.apps
         ratios = self.ratios
-        kappa = self.kappa
-        duty = self.measured_duty
-        index = {name: position for position, name in enumerate(names)}
-        count = len(index)
+        kappas = self._kappa
+        pair_kappa = self.predictor.pair_kappa
+        duties = self._duty
+        on_gpu = self.on_gpu
+        index: dict[str, int] = {}
         chunks: list[list[tuple[int, float]]] = []
         fixed: list[float] = []
-        occupants: dict[int, list[str]] = {}
-        for name in names:
+        inside_on: dict[int, list[tuple[str, int, int]]] = {}  # per GPU: (app, its index, chunk number)
+        slots = 0
+        for position, name in enumerate(names):
+            index[name] = position
             placed, seconds = self.chunks(name, changes.get(name) or ratios[name])
             chunks.append(placed)
             fixed.append(seconds)
-        for position, name in enumerate(names):
-            for gpu, _ in chunks[position]:
-                if gpu not in occupants:
-                    occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in index]
-                occupants[gpu].append(name)
+            for gpu, _ in placed:
+                entry = inside_on.get(gpu)
+                if entry is None:
+                    entry = inside_on[gpu] = []
+                entry.append((name, position, slots))
+                slots += 1
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
         # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
-        slot: dict[tuple[str, int], int] = {}
-        for position, name in enumerate(names):
-            for gpu, _ in chunks[position]:
-                slot[(name, gpu)] = len(slot)
+        outside_on: dict[int, list[str]] = {}
         plans = []
         stretched: list[float] = []
+        times: list[float] = []
         for position, name in enumerate(names):
             for gpu, chunk in chunks[position]:
+                outsiders = outside_on.get(gpu)
+                if outsiders is None:
+                    outsiders = outside_on[gpu] = [other for other in on_gpu[gpu] if other not in index]
                 outside = 1.0
+                for other in outsiders:
+                    factor = kappas.get((name, other))
+                    if factor is None:
+                        factor = kappas[(name, other)] = pair_kappa(name, other)
+                    duty = duties.get((other, gpu))
+                    if duty is None:
+                        duty = self.measured_duty(other, gpu)
+                    outside += factor * duty
                 partners = []
-                for other in occupants[gpu]:
-                    if other == name:
-                        continue
-                    if other in index:
-                        partners.append((kappa(name, other), slot[(other, gpu)], index[other]))
-                    else:
-                        outside += kappa(name, other) * duty(other, gpu)
+                for other, where, number in inside_on[gpu]:
+                    if other != name:
+                        factor = kappas.get((name, other))
+                        if factor is None:
+                            factor = kappas[(name, other)] = pair_kappa(name, other)
+                        partners.append((factor, number, where))
                 plans.append((position, chunk, outside, partners))
                 stretched.append(chunk)
-        times = [fixed[position] + max((c for _, c in chunks[position]), default=0.0) for position in range(count)]
+            times.append(fixed[position] + max((chunk for _, chunk in chunks[position]), default=0.0))
+        count = len(times)
         for _ in range(self.ROUNDS):
-            longest = [0.0] * count
+            longest_of = [0.0] * count
             for number, (position, chunk, outside, partners) in enumerate(plans):
                 stretch = outside
                 for factor, key, other in partners:
@@ -431,9 +444,9 @@ class Neighbourhood:
                     stretch += factor * (share if share < 1.0 else 1.0)
                 value = chunk * stretch
                 stretched[number] = value
-                if value > longest[position]:
-                    longest[position] = value
-            times = [fixed[position] + longest[position] for position in range(count)]
+                if value > longest_of[position]:
+                    longest_of[position] = value
+            times = [fixed[position] + longest_of[position] for position in range(count)]
         result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
         if unchanged is not None:
             self._unchanged[unchanged] = dict(result)
