@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from drbalance.policy.base import AppView, Decision, PolicyConfig, Snapshot, current_ratio, violations
-from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
+from drbalance.policy.predictor import Neighbourhood, Predictor, PredictorConfig, predicted_slowdown
 from drbalance.ratio import DataRatio
 
 
@@ -153,12 +153,9 @@ class FairPolicy:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
         No more load goes there meanwhile."""
         locked: set[int] = set()
-        for view in snapshot.apps:
-            track = self.tracks.get(view.name)
-            if view.name == app or track is None:
-                continue
+        for name, track in self.tracks.items():  # the live apps' (``_predictor`` dropped the others')
             move = track.last_move
-            if move is not None and not move.checked:
+            if move is not None and not move.checked and name != app:
                 locked.update(_gained(move.before, move.after))
         return locked
 
@@ -206,7 +203,7 @@ class FairPolicy:
     def _predictor(self, snapshot: Snapshot, app: str) -> Predictor:
         if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
             self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
-        live = [view.name for view in snapshot.apps]
+        live = {view.name for view in snapshot.apps}
         self.predictor.forget(live)
         for name in [name for name in self.tracks if name not in live]:
             del self.tracks[name]
@@ -276,9 +273,18 @@ class _Search:
         self.locked = locked
         self.views = {view.name: view for view in snapshot.apps}
         self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio) == self.config.gpu_count}
-        self.neighbourhood = predictor.neighbourhood(self.ratios, self.views)
         self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
         self._all_sds: dict[str, float] | None = None
+        self._neighbourhood: Neighbourhood | None = None
+        self._users: list[int] | None = None
+
+    @property
+    def neighbourhood(self) -> Neighbourhood:
+        """The predictor's what-ifs around the current configuration (built at first use: a
+        decision that scores nothing does not pay for it)."""
+        if self._neighbourhood is None:
+            self._neighbourhood = self.predictor.neighbourhood(self.ratios, self.views)
+        return self._neighbourhood
 
     def predicted_time(self, name: str, changes: Mapping[str, DataRatio]) -> float:
         return self.neighbourhood.solve(self.neighbourhood.affected(changes), changes).get(name, 0.0)
@@ -333,13 +339,23 @@ class _Search:
 
     def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
         """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
-        before: set[int] = set()
-        for ratio in self.ratios.values():
-            before.update(ratio.used)
-        after: set[int] = set()
-        for ratio in {**self.ratios, **changes}.values():
-            after.update(ratio.used)
-        return len(after) > len(before)
+        users = self._users
+        if users is None:  # per GPU, the apps with a share there now
+            users = self._users = [0] * self.config.gpu_count
+            for ratio in self.ratios.values():
+                for gpu in ratio.used:
+                    users[gpu] += 1
+        change: dict[int, int] = {}
+        for name, ratio in changes.items():
+            current = self.ratios.get(name)
+            if current is not None:
+                for gpu in current.used:
+                    change[gpu] = change.get(gpu, 0) - 1
+            for gpu in ratio.used:
+                change[gpu] = change.get(gpu, 0) + 1
+        taken = sum(1 for gpu, delta in change.items() if users[gpu] == 0 and delta > 0)
+        emptied = sum(1 for gpu, delta in change.items() if users[gpu] > 0 and users[gpu] + delta == 0)
+        return taken > emptied
 
     def _use_idle_gpu(self, candidates: list[dict[str, DataRatio]]) -> tuple[dict[str, DataRatio], float] | None:
         """A GPU nobody uses is worth taking even without a predicted gain, as long as no app's
@@ -357,7 +373,7 @@ class _Search:
         return None if best is None else (best[1], best[0] / self.app_count)
 
     def _touches_lock(self, before: DataRatio, after: DataRatio) -> bool:
-        return any(g in self.locked for g in _gained(before, after))
+        return bool(self.locked) and any(g in self.locked for g in _gained(before, after))
 
     def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config
