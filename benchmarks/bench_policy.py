@@ -85,6 +85,16 @@ def _key(decision: Decision) -> tuple:
 
 def policy_at(revision: str, name: str) -> Policy:
     """A new ``name`` policy built from the policy modules as they were at git ``revision``."""
+    modules = modules_at(revision)
+    classes = {"fair": modules["fair"].FairPolicy, "f-sched": modules["fsched"].FSchedPolicy}
+    if name not in classes:
+        raise ValueError(f"--against compares {', '.join(classes)} only; got {name!r}")
+    return classes[name]()
+
+
+def modules_at(revision: str) -> dict[str, types.ModuleType]:
+    """The modules of ``REVISABLE`` as they were at git ``revision`` (under private names; each
+    imports the others at that revision, and everything else as it is now)."""
     modules: dict[str, types.ModuleType] = {}
     tag = f"_bench_{abs(hash(revision))}"
     for stem in REVISABLE:
@@ -101,10 +111,7 @@ def policy_at(revision: str, name: str) -> Policy:
         sys.modules[qualified] = module
         exec(compile(source, module.__file__, "exec"), module.__dict__)
         modules[stem] = module
-    classes = {"fair": modules["fair"].FairPolicy, "f-sched": modules["fsched"].FSchedPolicy}
-    if name not in classes:
-        raise ValueError(f"--against compares {', '.join(classes)} only; got {name!r}")
-    return classes[name]()
+    return modules
 
 
 def run(policy: str, apps: int, gpus: int, against: str | None = None) -> dict:

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from drbalance.policy.base import AppView, Decision, PolicyConfig, Snapshot, current_ratio, violations
-from drbalance.policy.predictor import Neighbourhood, Predictor, PredictorConfig, predicted_slowdown
+from drbalance.policy.predictor import Neighbourhood, Predictor, PredictorConfig
 from drbalance.ratio import DataRatio
 
 
@@ -277,6 +277,8 @@ class _Search:
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
         self._users: list[int] | None = None
+        self._compared: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
+        self._eq2: dict[str, tuple[float, int, float] | None] = {}
 
     @property
     def neighbourhood(self) -> Neighbourhood:
@@ -291,11 +293,23 @@ class _Search:
 
     def _sds(self, times: Mapping[str, float]) -> dict[str, float]:
         sds = {}
+        terms = self._eq2
         for name, seconds in times.items():
-            sd = predicted_slowdown(self.views[name], seconds)
-            if sd is not None:
-                sds[name] = sd
+            if name not in terms:
+                terms[name] = _eq2_terms(self.views[name])
+            found = terms[name]
+            if found is not None:  # as predicted_slowdown computes it
+                elapsed, left, solo = found
+                sds[name] = (elapsed + left * seconds) / solo
         return sds
+
+    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
+        """``Neighbourhood.compare``, kept for the search (a change may be judged twice)."""
+        key = tuple((name, ratio.shares, ratio.total) for name, ratio in changes.items())
+        found = self._compared.get(key)
+        if found is None:
+            found = self._compared[key] = self.neighbourhood.compare(changes)
+        return dict(found[0]), dict(found[1])
 
     def sds(self, times: Mapping[str, float]) -> dict[str, float]:
         """Predicted SDs at finish for these predicted iteration times (apps with an SD so far)."""
@@ -309,7 +323,7 @@ class _Search:
 
     def mean_gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """A change that lowers the predicted SDs at finish by ``min_gain`` in sum, or None."""
-        before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+        before, after = (self._sds(times) for times in self.compare(changes))
         fall = sum(before.values()) - sum(after.values())
         if fall < self.policy.config.min_gain:
             return None
@@ -317,7 +331,7 @@ class _Search:
 
     def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """The policy's judgement of a change, or None if it does not pay."""
-        before, after = self.neighbourhood.compare(changes)
+        before, after = self.compare(changes)
         return self.policy.judge(self, before, after)
 
     def best(self, ratio: DataRatio, track: _Track) -> tuple[dict[str, DataRatio], float] | None:
@@ -364,7 +378,7 @@ class _Search:
         best: tuple[float, dict[str, DataRatio]] | None = None
         tolerance = self.policy.config.idle_tolerance
         for changes in candidates:
-            before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+            before, after = (self._sds(times) for times in self.compare(changes))
             if any(after.get(name, 0.0) - sd > tolerance for name, sd in before.items()):
                 continue
             fall = sum(before.values()) - sum(after.values())
@@ -373,7 +387,9 @@ class _Search:
         return None if best is None else (best[1], best[0] / self.app_count)
 
     def _touches_lock(self, before: DataRatio, after: DataRatio) -> bool:
-        return bool(self.locked) and any(g in self.locked for g in _gained(before, after))
+        """Whether ``after`` adds load to a locked GPU (one of ``_gained(before, after)``)."""
+        old, new = before.shares, after.shares
+        return any(new[g] * before.total > old[g] * after.total for g in self.locked)
 
     def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config
@@ -492,6 +508,15 @@ class _Search:
             if name != self.me.name and not self.policy.protected(name):
                 candidates.append((self.views[name].slowdown or 0.0, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
+
+
+def _eq2_terms(view: AppView) -> tuple[float, int, float] | None:
+    """What ``predicted_slowdown`` computes from the app's record alone: the time elapsed at
+    finish but for the iterations left, those iterations, the solo-run time."""
+    if view.slowdown is None or view.iteration_time is None:
+        return None
+    left = max(0, view.iterations_total - view.iteration)
+    return view.slowdown * view.solo_time - left * view.iteration_time, left, view.solo_time
 
 
 def _gained(before: DataRatio, after: DataRatio) -> list[int]:

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from drbalance.policy.base import AppView
 from drbalance.ratio import DataRatio
@@ -284,6 +285,16 @@ class Predictor:
         return self.neighbourhood(ratios, views).solve(list(ratios), {})
 
 
+class Chunks(NamedTuple):
+    """An app's iteration under one DR before any sharing: ``placed`` its chunks as (GPU, seconds
+    alone on it), ``fixed`` its seconds outside them (host time and the replicas' overhead),
+    ``alone`` the iteration's seconds (fixed + its longest chunk)."""
+
+    placed: list[tuple[int, float]]
+    fixed: float
+    alone: float
+
+
 class Neighbourhood:
     """Predicted iteration times for changes around one configuration, solved locally.
 
@@ -309,8 +320,10 @@ class Neighbourhood:
             for gpu in self.gpus_of(name, ratio):
                 self.on_gpu[gpu].append(name)
         self._duty: dict[tuple[str, int], float] = {}
-        self._kappa: dict[tuple[str, str], float] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...], int], tuple[list[tuple[int, float]], float]] = {}
+        self._kappa: dict[str, dict[str, float]] = {}  # app -> other -> kappa
+        self._terms: dict[tuple[str, int], list[tuple[str, float]]] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...], int], Chunks] = {}
+        self._current: dict[str, Chunks] = {}  # chunks under the current DRs
         self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
 
     def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
@@ -333,20 +346,32 @@ class Neighbourhood:
 
     def kappa(self, app: str, other: str) -> float:
         """``Predictor.pair_kappa``, kept for the neighbourhood's lifetime."""
-        key = (app, other)
-        value = self._kappa.get(key)
+        row = self._kappa.get(app)
+        if row is None:
+            row = self._kappa[app] = {}
+        value = row.get(other)
         if value is None:
-            value = self._kappa[key] = self.predictor.pair_kappa(app, other)
+            value = row[other] = self.predictor.pair_kappa(app, other)
         return value
+
+    def _outside_terms(self, name: str, gpu: int) -> list[tuple[str, float]]:
+        """Per app of the current configuration on ``gpu`` (but ``name``): how much it stretches
+        ``name``'s chunk there while it counts by its measured duty (kappa x duty)."""
+        key = (name, gpu)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._terms[key] = [(other, self.kappa(name, other) * self.measured_duty(other, gpu))
+                                        for other in self.on_gpu[gpu] if other != name]
+        return terms
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
         """The changed apps and every app on a GPU they use before or after the change."""
         gpus: set[int] = set()
         for name, ratio in changes.items():
-            gpus.update(self.gpus_of(name, ratio))
+            gpus.update(gpu for gpu, _ in self.chunks(name, ratio).placed)  # the GPUs that get samples
             current = self.ratios.get(name)
             if current is not None:
-                gpus.update(self.gpus_of(name, current))
+                gpus.update(gpu for gpu, _ in self._current_chunks(name).placed)
         names = set(changes)
         for gpu in gpus:
             names.update(self.on_gpu[gpu])
@@ -357,9 +382,8 @@ class Neighbourhood:
         names = self.affected(changes)
         return self.solve(names, {}), self.solve(names, changes)
 
-    def chunks(self, name: str, ratio: DataRatio) -> tuple[list[tuple[int, float]], float]:
-        """The app's chunks under ``ratio`` as (GPU, seconds alone), and its seconds per iteration
-        outside them (host time and the replicas' overhead)."""
+    def chunks(self, name: str, ratio: DataRatio) -> Chunks:
+        """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them."""
         key = (name, ratio.shares, ratio.total)
         found = self._chunks.get(key)
         if found is None:
@@ -371,7 +395,13 @@ class Neighbourhood:
             work = model.work(config)
             placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
             fixed = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
-            found = self._chunks[key] = (placed, fixed)
+            found = self._chunks[key] = Chunks(placed, fixed, fixed + max((c for _, c in placed), default=0.0))
+        return found
+
+    def _current_chunks(self, name: str) -> Chunks:
+        found = self._current.get(name)
+        if found is None:
+            found = self._current[name] = self.chunks(name, self.ratios[name])
         return found
 
     def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
@@ -383,21 +413,24 @@ class Neighbourhood:
             if found is not None:
                 return dict(found)
         apps = self.predictor.apps
-        ratios = self.ratios
-        kappas = self._kappa
-        pair_kappa = self.predictor.pair_kappa
-        duties = self._duty
-        on_gpu = self.on_gpu
+        current = self._current
         index: dict[str, int] = {}
         chunks: list[list[tuple[int, float]]] = []
         fixed: list[float] = []
+        times: list[float] = []  # before the first round: every chunk alone
         inside_on: dict[int, list[tuple[str, int, int]]] = {}  # per GPU: (app, its index, chunk number)
         slots = 0
         for position, name in enumerate(names):
             index[name] = position
-            placed, seconds = self.chunks(name, changes.get(name) or ratios[name])
+            ratio = changes.get(name) if changes else None
+            if ratio is None:
+                found = current.get(name) or self._current_chunks(name)
+            else:
+                found = self.chunks(name, ratio)
+            placed = found.placed
             chunks.append(placed)
-            fixed.append(seconds)
+            fixed.append(found.fixed)
+            times.append(found.alone)
             for gpu, _ in placed:
                 entry = inside_on.get(gpu)
                 if entry is None:
@@ -406,37 +439,30 @@ class Neighbourhood:
                 slots += 1
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
         # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
-        outside_on: dict[int, list[str]] = {}
         plans = []
         stretched: list[float] = []
-        times: list[float] = []
+        kappa_rows = self._kappa
         for position, name in enumerate(names):
+            row = kappa_rows.get(name)
+            if row is None:
+                row = kappa_rows[name] = {}
             for gpu, chunk in chunks[position]:
-                outsiders = outside_on.get(gpu)
-                if outsiders is None:
-                    outsiders = outside_on[gpu] = [other for other in on_gpu[gpu] if other not in index]
                 outside = 1.0
-                for other in outsiders:
-                    factor = kappas.get((name, other))
-                    if factor is None:
-                        factor = kappas[(name, other)] = pair_kappa(name, other)
-                    duty = duties.get((other, gpu))
-                    if duty is None:
-                        duty = self.measured_duty(other, gpu)
-                    outside += factor * duty
+                for other, term in self._outside_terms(name, gpu):
+                    if other not in index:
+                        outside += term
                 partners = []
                 for other, where, number in inside_on[gpu]:
                     if other != name:
-                        factor = kappas.get((name, other))
+                        factor = row.get(other)
                         if factor is None:
-                            factor = kappas[(name, other)] = pair_kappa(name, other)
+                            factor = self.kappa(name, other)
                         partners.append((factor, number, where))
                 plans.append((position, chunk, outside, partners))
                 stretched.append(chunk)
-            times.append(fixed[position] + max((chunk for _, chunk in chunks[position]), default=0.0))
         count = len(times)
         for _ in range(self.ROUNDS):
-            longest_of = [0.0] * count
+            longest = [0.0] * count
             for number, (position, chunk, outside, partners) in enumerate(plans):
                 stretch = outside
                 for factor, key, other in partners:
@@ -444,9 +470,9 @@ class Neighbourhood:
                     stretch += factor * (share if share < 1.0 else 1.0)
                 value = chunk * stretch
                 stretched[number] = value
-                if value > longest_of[position]:
-                    longest_of[position] = value
-            times = [fixed[position] + longest_of[position] for position in range(count)]
+                if value > longest[position]:
+                    longest[position] = value
+            times = [fixed[position] + longest[position] for position in range(count)]
         result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
         if unchanged is not None:
             self._unchanged[unchanged] = dict(result)
