@@ -117,6 +117,7 @@ class Predictor:
         self._suffered: dict[str, list[float]] = {}
         self._caused: dict[str, list[float]] = {}
         self._total = [0.0, 0]
+        self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
 
     # --- learning ---------------------------------------------------------------------------------
     def forget(self, live: Iterable[str]) -> None:
@@ -124,6 +125,7 @@ class Predictor:
         keep = set(live)
         for name in [name for name in self.apps if name not in keep]:
             del self.apps[name]
+            self._modelled.pop(name, None)
         # the running sums name every app in a learned pair: the pairs are walked only when one is gone
         if any(name not in keep for name in self._suffered) or any(name not in keep for name in self._caused):
             for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
@@ -145,8 +147,11 @@ class Predictor:
         The daemon calls a policy at an app's decision boundary, right after the app published a
         whole window's measurements: learning from that app alone uses every window once.
         """
+        seen, apps = self._modelled, self.apps
         for view in views:
-            self.model(view)
+            if seen.get(view.name) is not view or view.name not in apps:  # a record read before changes nothing
+                self.model(view)
+                seen[view.name] = view
         wanted = None if learn_from is None else set(learn_from)
         for view in views:
             if wanted is not None and view.name not in wanted and self.apps[view.name].measured_iteration >= 0:
@@ -314,16 +319,21 @@ class Neighbourhood:
     def __init__(self, predictor: Predictor, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> None:
         self.predictor = predictor
         self.views = views
-        self.ratios = {name: ratio for name, ratio in ratios.items() if name in predictor.apps}
+        self.ratios: dict[str, DataRatio] = {}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
-        for name, ratio in self.ratios.items():
-            for gpu in self.gpus_of(name, ratio):
-                self.on_gpu[gpu].append(name)
+        on_gpu, apps = self.on_gpu, predictor.apps
+        for name, ratio in ratios.items():
+            model = apps.get(name)
+            if model is not None:
+                self.ratios[name] = ratio
+                for gpu in _used(ratio.shares, ratio.total, model.batch):  # as gpus_of
+                    on_gpu[gpu].append(name)
         self._duty: dict[tuple[str, int], float] = {}
         self._kappa: dict[str, dict[str, float]] = {}  # app -> other -> kappa
         self._terms: dict[tuple[str, int], list[tuple[str, float]]] = {}
         self._chunks: dict[tuple[str, tuple[int, ...], int], Chunks] = {}
         self._current: dict[str, Chunks] = {}  # chunks under the current DRs
+        self._models: dict[str, tuple[int, float, float, float]] = {}  # batch, work, host, overhead seconds
         self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
 
     def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
@@ -388,14 +398,26 @@ class Neighbourhood:
         found = self._chunks.get(key)
         if found is None:
             predictor = self.predictor
-            config = predictor.config
             speed = predictor.speed
-            model = predictor.apps[name]
-            sizes = samples(ratio, model.batch)
-            work = model.work(config)
-            placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
-            fixed = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
-            found = self._chunks[key] = Chunks(placed, fixed, fixed + max((c for _, c in placed), default=0.0))
+            constants = self._models.get(name)
+            if constants is None:
+                config = predictor.config
+                model = predictor.apps[name]
+                constants = self._models[name] = (model.batch, model.work(config), model.host_time(config),
+                                                  model.overhead_time(config))
+            batch, work, host, overhead = constants
+            phi = predictor.config.fixed_fraction
+            placed = []
+            longest = None
+            for g, n in enumerate(_split(ratio.shares, ratio.total, batch)):  # samples(ratio, batch)
+                if n:
+                    # work * size_factor(n, batch) / speed[g], written out
+                    seconds = work * (phi + (1.0 - phi) * n / max(1, batch) if n > 0 else 0.0) / speed[g]
+                    placed.append((g, seconds))
+                    if longest is None or seconds > longest:  # as max() keeps the first largest
+                        longest = seconds
+            fixed = host + overhead * (len(placed) - 1)
+            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest))
         return found
 
     def _current_chunks(self, name: str) -> Chunks:
