@@ -359,6 +359,8 @@ class _Search:
             for ratio in self.ratios.values():
                 for gpu in ratio.used:
                     users[gpu] += 1
+        if 0 not in users:
+            return False  # no GPU is idle: none can be taken
         change: dict[int, int] = {}
         for name, ratio in changes.items():
             current = self.ratios.get(name)

@@ -293,11 +293,12 @@ class Predictor:
 class Chunks(NamedTuple):
     """An app's iteration under one DR before any sharing: ``placed`` its chunks as (GPU, seconds
     alone on it), ``fixed`` its seconds outside them (host time and the replicas' overhead),
-    ``alone`` the iteration's seconds (fixed + its longest chunk)."""
+    ``alone`` the iteration's seconds (fixed + its longest chunk), ``gpus`` the GPUs it uses."""
 
     placed: list[tuple[int, float]]
     fixed: float
     alone: float
+    gpus: tuple[int, ...]
 
 
 class Neighbourhood:
@@ -378,10 +379,9 @@ class Neighbourhood:
         """The changed apps and every app on a GPU they use before or after the change."""
         gpus: set[int] = set()
         for name, ratio in changes.items():
-            gpus.update(gpu for gpu, _ in self.chunks(name, ratio).placed)  # the GPUs that get samples
-            current = self.ratios.get(name)
-            if current is not None:
-                gpus.update(gpu for gpu, _ in self._current_chunks(name).placed)
+            gpus.update(self.chunks(name, ratio).gpus)  # the GPUs that get samples
+            if name in self.ratios:
+                gpus.update(self._current_chunks(name).gpus)
         names = set(changes)
         for gpu in gpus:
             names.update(self.on_gpu[gpu])
@@ -417,7 +417,8 @@ class Neighbourhood:
                     if longest is None or seconds > longest:  # as max() keeps the first largest
                         longest = seconds
             fixed = host + overhead * (len(placed) - 1)
-            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest))
+            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest),
+                                               tuple(gpu for gpu, _ in placed))
         return found
 
     def _current_chunks(self, name: str) -> Chunks:
@@ -436,6 +437,8 @@ class Neighbourhood:
                 return dict(found)
         apps = self.predictor.apps
         current = self._current
+        if len(names) == 1 and self.ROUNDS >= 1:
+            return self._solve_one(names[0], changes)
         index: dict[str, int] = {}
         chunks: list[list[tuple[int, float]]] = []
         fixed: list[float] = []
@@ -463,14 +466,18 @@ class Neighbourhood:
         # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
         plans = []
         stretched: list[float] = []
-        kappa_rows = self._kappa
+        kappa_rows, all_terms = self._kappa, self._terms
+        coupled = False  # whether any two apps of the set share a GPU
         for position, name in enumerate(names):
             row = kappa_rows.get(name)
             if row is None:
                 row = kappa_rows[name] = {}
             for gpu, chunk in chunks[position]:
                 outside = 1.0
-                for other, term in self._outside_terms(name, gpu):
+                terms = all_terms.get((name, gpu))
+                if terms is None:
+                    terms = self._outside_terms(name, gpu)
+                for other, term in terms:
                     if other not in index:
                         outside += term
                 partners = []
@@ -480,10 +487,12 @@ class Neighbourhood:
                         if factor is None:
                             factor = self.kappa(name, other)
                         partners.append((factor, number, where))
+                coupled = coupled or bool(partners)
                 plans.append((position, chunk, outside, partners))
                 stretched.append(chunk)
         count = len(times)
-        for _ in range(self.ROUNDS):
+        # with no two apps of the set on one GPU, no round reads another's result: one is all three
+        for _ in range(self.ROUNDS if coupled else min(1, self.ROUNDS)):
             longest = [0.0] * count
             for number, (position, chunk, outside, partners) in enumerate(plans):
                 stretch = outside
@@ -494,10 +503,32 @@ class Neighbourhood:
                 stretched[number] = value
                 if value > longest[position]:
                     longest[position] = value
-            times = [fixed[position] + longest[position] for position in range(count)]
+            times = [alone + most for alone, most in zip(fixed, longest)]
         result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
         if unchanged is not None:
             self._unchanged[unchanged] = dict(result)
+        return result
+
+    def _solve_one(self, name: str, changes: Mapping[str, DataRatio]) -> dict[str, float]:
+        """``solve`` of a single app, written out: it shares no GPU with another app of the set,
+        so one round is the fixed point (the same operations in the same order)."""
+        ratio = changes.get(name) if changes else None
+        found = self._current.get(name) or self._current_chunks(name) if ratio is None else self.chunks(name, ratio)
+        longest = 0.0
+        all_terms = self._terms
+        for gpu, chunk in found.placed:
+            outside = 1.0
+            terms = all_terms.get((name, gpu))
+            if terms is None:
+                terms = self._outside_terms(name, gpu)
+            for _, term in terms:  # every other app is outside the set
+                outside += term
+            value = chunk * outside
+            if value > longest:
+                longest = value
+        result = {name: (found.fixed + longest) * self.predictor.apps[name].correction}
+        if not changes:
+            self._unchanged[(name,)] = dict(result)
         return result
 
 
