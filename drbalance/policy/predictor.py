@@ -171,17 +171,22 @@ class Predictor:
         """For each GPU the app used: the other apps there and their duty (measured, else a prior)."""
         used = [g for g, n in enumerate(placement) if n > 0]
         found: dict[int, dict[str, float]] = {g: {} for g in used}
+        places = [(gpu, found[gpu]) for gpu in used]
+        prior = self.config.duty_prior
         for other in views:
             if other.name == view.name:
                 continue
-            measured = other.chunk_seconds is not None and bool(other.iteration_time)
-            for gpu in used:
-                if measured:
-                    seconds = other.chunk_seconds[gpu]
+            chunk_seconds, iteration_time = other.chunk_seconds, other.iteration_time
+            if chunk_seconds is not None and iteration_time:  # measured
+                for gpu, there in places:
+                    seconds = chunk_seconds[gpu]
                     if seconds is not None:
-                        found[gpu][other.name] = min(1.0, seconds / other.iteration_time)
-                elif gpu < len(other.ratio) and other.ratio[gpu] > 0:
-                    found[gpu][other.name] = self.config.duty_prior
+                        there[other.name] = min(1.0, seconds / iteration_time)
+            else:
+                shares = other.ratio.shares
+                for gpu, there in places:
+                    if gpu < len(shares) and shares[gpu] > 0:
+                        there[other.name] = prior
         return found
 
     def _measured_configuration_time(self, view: AppView, model: AppModel, placement: Sequence[int],
