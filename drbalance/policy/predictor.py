@@ -411,19 +411,16 @@ class Neighbourhood:
                 constants = self._models[name] = (model.batch, model.work(config), model.host_time(config),
                                                   model.overhead_time(config))
             batch, work, host, overhead = constants
-            phi = predictor.config.fixed_fraction
+            gpus, factors = _size_factors(ratio.shares, ratio.total, batch, predictor.config.fixed_fraction)
             placed = []
             longest = None
-            for g, n in enumerate(_split(ratio.shares, ratio.total, batch)):  # samples(ratio, batch)
-                if n:
-                    # work * size_factor(n, batch) / speed[g], written out
-                    seconds = work * (phi + (1.0 - phi) * n / max(1, batch) if n > 0 else 0.0) / speed[g]
-                    placed.append((g, seconds))
-                    if longest is None or seconds > longest:  # as max() keeps the first largest
-                        longest = seconds
+            for g, factor in zip(gpus, factors):
+                seconds = work * factor / speed[g]  # work * size_factor(n, batch) / speed[g]
+                placed.append((g, seconds))
+                if longest is None or seconds > longest:  # as max() keeps the first largest
+                    longest = seconds
             fixed = host + overhead * (len(placed) - 1)
-            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest),
-                                               tuple(gpu for gpu, _ in placed))
+            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest), gpus)
         return found
 
     def _current_chunks(self, name: str) -> Chunks:
@@ -535,6 +532,19 @@ class Neighbourhood:
         if not changes:
             self._unchanged[(name,)] = dict(result)
         return result
+
+
+@lru_cache(maxsize=65536)
+def _size_factors(shares: tuple[int, ...], total: int, batch: int,
+                  phi: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The GPUs that get samples of a batch split by these shares, and each chunk's device time
+    as a share of the full batch's (``Predictor.size_factor`` with this ``phi``)."""
+    gpus, factors = [], []
+    for gpu, size in enumerate(_split(shares, total, batch)):
+        if size:
+            gpus.append(gpu)
+            factors.append(phi + (1.0 - phi) * size / max(1, batch) if size > 0 else 0.0)
+    return tuple(gpus), tuple(factors)
 
 
 @lru_cache(maxsize=65536)
