@@ -272,7 +272,8 @@ class _Search:
         self.me = me
         self.locked = locked
         self.views = {view.name: view for view in snapshot.apps}
-        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio) == self.config.gpu_count}
+        gpus = self.config.gpu_count
+        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio.shares) == gpus}
         self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
@@ -390,8 +391,11 @@ class _Search:
 
     def _touches_lock(self, before: DataRatio, after: DataRatio) -> bool:
         """Whether ``after`` adds load to a locked GPU (one of ``_gained(before, after)``)."""
-        old, new = before.shares, after.shares
-        return any(new[g] * before.total > old[g] * after.total for g in self.locked)
+        old, new, old_total, new_total = before.shares, after.shares, before.total, after.total
+        for gpu in self.locked:
+            if new[gpu] * old_total > old[gpu] * new_total:
+                return True
+        return False
 
     def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config

@@ -118,6 +118,7 @@ class Predictor:
         self._caused: dict[str, list[float]] = {}
         self._total = [0.0, 0]
         self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
+        self._placed: dict[str, tuple[DataRatio, int, tuple[int, ...]]] = {}  # per app: DR, batch, GPUs with samples
 
     # --- learning ---------------------------------------------------------------------------------
     def forget(self, live: Iterable[str]) -> None:
@@ -126,6 +127,7 @@ class Predictor:
         for name in [name for name in self.apps if name not in keep]:
             del self.apps[name]
             self._modelled.pop(name, None)
+            self._placed.pop(name, None)
         # the running sums name every app in a learned pair: the pairs are walked only when one is gone
         if any(name not in keep for name in self._suffered) or any(name not in keep for name in self._caused):
             for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
@@ -327,12 +329,18 @@ class Neighbourhood:
         self.views = views
         self.ratios: dict[str, DataRatio] = {}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
-        on_gpu, apps = self.on_gpu, predictor.apps
+        on_gpu, apps, placed = self.on_gpu, predictor.apps, predictor._placed
         for name, ratio in ratios.items():
             model = apps.get(name)
             if model is not None:
                 self.ratios[name] = ratio
-                for gpu in _used(ratio.shares, ratio.total, model.batch):  # as gpus_of
+                known = placed.get(name)  # the same DR object as at the last decision: the same GPUs
+                if known is not None and known[0] is ratio and known[1] == model.batch:
+                    gpus = known[2]
+                else:
+                    gpus = _used(ratio.shares, ratio.total, model.batch)  # as gpus_of
+                    placed[name] = (ratio, model.batch, gpus)
+                for gpu in gpus:
                     on_gpu[gpu].append(name)
         self._duty: dict[tuple[str, int], float] = {}
         self._kappa: dict[str, dict[str, float]] = {}  # app -> other -> kappa
