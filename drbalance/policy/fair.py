@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -527,6 +528,12 @@ def _eq2_terms(view: AppView) -> tuple[float, int, float] | None:
 
 def _gained(before: DataRatio, after: DataRatio) -> list[int]:
     """GPUs whose share grows from ``before`` to ``after`` (compared as fractions of the batch)."""
-    return [g for g, (a, b) in enumerate(zip(before.shares, after.shares)) if b * before.total > a * after.total]
+    return list(_gained_shares(before.shares, before.total, after.shares, after.total))
+
+
+@lru_cache(maxsize=4096)
+def _gained_shares(before: tuple[int, ...], before_total: int, after: tuple[int, ...],
+                   after_total: int) -> tuple[int, ...]:
+    return tuple(g for g, (a, b) in enumerate(zip(before, after)) if b * before_total > a * after_total)
 
 
