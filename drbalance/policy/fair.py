@@ -154,10 +154,14 @@ class FairPolicy:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
         No more load goes there meanwhile."""
         locked: set[int] = set()
-        for name, track in self.tracks.items():  # the live apps' (``_predictor`` dropped the others')
+        live: set[str] | None = None
+        for name, track in self.tracks.items():
             move = track.last_move
             if move is not None and not move.checked and name != app:
-                locked.update(_gained(move.before, move.after))
+                if live is None:
+                    live = {view.name for view in snapshot.apps}
+                if name in live:
+                    locked.update(_gained(move.before, move.after))
         return locked
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float]) -> Verdict | None:
