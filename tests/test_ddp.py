@@ -98,7 +98,7 @@ def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
 def test_counting_steps_give_the_full_batch_mean_and_every_rank_agrees_on_k(tmp_path):
     ranks = spawn("counting", 3, tmp_path)
     for rank, found in enumerate(ranks):
-        for part in ("agreed", "pinned", "summed"):
+        for part in ("agreed", "pinned", "summed", "deep"):
             for step in found[part]:
                 assert step["counts"] == step["sizes"], (rank, part, step)
                 assert step["error"] <= 1e-6 * max(1.0, step["scale"]), (rank, part, step)
@@ -106,6 +106,8 @@ def test_counting_steps_give_the_full_batch_mean_and_every_rank_agrees_on_k(tmp_
         assert [s["exchanged"] for s in found["pinned"]] == [True, False, False, True, False]
         assert [s["sizes"][1] for s in found["pinned"]][1::3] == [0, 0]
         assert [s["exchanged"] for s in found["summed"]] == [True, False, False, True, False]
+        assert [s["exchanged"] for s in found["deep"]] == [True, False, False, True, False, False]
+        assert found["buckets"] >= 3 and len({tuple(s["sizes"]) for s in found["deep"]}) > 1
     agreed = [[(s["exchanged"], s["plan"]) for s in found["agreed"]] for found in ranks]
     assert agreed[1] == agreed[0] and agreed[2] == agreed[0]  # the same K, from the same values, everywhere
     plans = {tuple(plan) for _, plan in agreed[0]}

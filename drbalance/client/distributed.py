@@ -352,30 +352,49 @@ class _BalanceState:
             logger.warning(message)
 
 
-def _scale_local(buffer: torch.Tensor, mine: int, total: int, reduction: str) -> None:
-    """Weight this rank's bucket: ``mine / total`` for mean losses, ``1 / total`` for summed ones."""
+def _local_weight(mine: int, total: int, reduction: str) -> float:
+    """This rank's weight: ``mine / total`` for mean losses, ``1 / total`` for summed ones (0 for an empty rank)."""
     if reduction == "sum":
-        buffer.mul_(1.0 / total)  # each rank's loss is a sum over its samples
-    elif mine == 0:
-        buffer.zero_()  # an empty rank contributes nothing (its mean loss would be NaN)
+        return 1.0 / total  # each rank's loss is a sum over its samples
+    # With equal counts mine / total rounds to exactly 1 / world: the very factor DDP's own
+    # reducer multiplies by, so equal shares give plain DDP's gradients bit for bit.
+    return mine / total
+
+
+def _weigh(source: torch.Tensor, weight: float, out: torch.Tensor) -> None:
+    """``out = source * weight``; zeros for weight 0 (an empty rank's mean loss is NaN: nothing to scale)."""
+    if weight == 0.0:
+        out.zero_()
     else:
-        # With equal counts mine / total rounds to exactly 1 / world: the very factor DDP's own
-        # reducer multiplies by, so equal shares give plain DDP's gradients bit for bit.
-        buffer.mul_(mine / total)
+        torch.mul(source, weight, out=out)
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 def _weighted_allreduce_hook(state: _BalanceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Weight this rank's bucket by its share of the global batch's samples, then all-reduce (sum)."""
-    if bucket.is_last() and state.forward_started is not None:
+    """Weight this rank's bucket by its share of the global batch's samples, then all-reduce (sum).
+
+    On CPU buckets the last bucket's all-reduce is awaited here, on the backward's own thread, and
+    its result returned as a completed future: DDP waits for the last bucket right after its hook
+    anyway, and a callback on a gloo thread (a Python callback needs the GIL) costs a thread
+    hand-off that shows in steps of a few milliseconds. Earlier buckets stay asynchronous.
+    """
+    last = bucket.is_last()
+    if last and state.forward_started is not None:
         state.compute_seconds = time.perf_counter() - state.forward_started
         state.forward_started = None
     step = state.step
     if step is None or step.exchange:
-        return _exchange_step_allreduce(state, bucket)
-    return _counting_step_allreduce(state, step, bucket)
+        return _exchange_step_allreduce(state, bucket, last)
+    return _counting_step_allreduce(state, step, bucket, last)
 
 
-def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket,
+                             last: bool) -> torch.futures.Future[torch.Tensor]:
     """A control-exchange step: every count is known (the exchange) before the bucket is weighted."""
     buffer = bucket.buffer()
     counts = state.exchanged_counts() if state.step is not None else None
@@ -384,13 +403,16 @@ def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket) -> t
                         "input to count?); averaging gradients evenly as plain DDP does")
         buffer.mul_(1.0 / state.world_size)
     else:
-        _scale_local(buffer, counts[state.rank], sum(counts), state.reduction)
-    future = dist.all_reduce(buffer, group=state.gradients, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
+        _weigh(buffer, _local_weight(counts[state.rank], sum(counts), state.reduction), buffer)
+    work = dist.all_reduce(buffer, group=state.gradients, async_op=True)
+    if last and not buffer.is_cuda:
+        work.wait()
+        return _completed(buffer)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _counting_step_allreduce(state: _BalanceState, step: _Step,
-                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.GradBucket,
+                             last: bool) -> torch.futures.Future[torch.Tensor]:
     """A counting step: weight by ``n_r / B_ref`` now, correct by ``B_ref / B`` once the first bucket says B."""
     buffer = bucket.buffer()
     if buffer.dtype not in COUNT_DTYPES:
@@ -398,77 +420,87 @@ def _counting_step_allreduce(state: _BalanceState, step: _Step,
             f"drbalance: gradient bucket {bucket.index()} is {buffer.dtype}, which cannot carry sample counts "
             f"exactly; the model's parameters changed dtype after it was wrapped (wrap it after .half()/.to())"
         )
-    _scale_local(buffer, step.samples, step.ref, state.reduction)
+    weight = _local_weight(step.samples, step.ref, state.reduction)
     if bucket.index() == 0:
-        return _reduce_first_bucket(state, step, buffer)
+        return _reduce_first_bucket(state, step, buffer, weight, last)
     if step.first is None:
         raise RuntimeError(f"drbalance: gradient bucket {bucket.index()} was reduced before bucket 0, whose "
                            f"reduction carries the sample counts (DDP reduces buckets in index order)")
-    future = dist.all_reduce(buffer, group=state.gradients, async_op=True).get_future()
+    _weigh(buffer, weight, buffer)
+    work = dist.all_reduce(buffer, group=state.gradients, async_op=True)
     if buffer.is_cuda:
         # NCCL: collectives of one group run in order on one stream, and the first bucket's callback
         # (which made step.factor) ran when its collective was queued. Not run on a GPU.
-        return future.then(lambda fut: _corrected_on_device(fut, step))
+        return work.get_future().then(lambda fut: _corrected_on_device(fut, step))
+    if last:
+        work.wait()
+        step.first.wait()  # done before this one on gloo, normally; raises if it failed
+        return _completed(_corrected_on_host(step, buffer))
     # gloo may complete collectives out of order: wait for the first bucket's counts without blocking.
-    return torch.futures.collect_all([future, step.first]).then(lambda both: _corrected_on_host(both, step, buffer))
+    return torch.futures.collect_all([work.get_future(), step.first]).then(
+        lambda both: _corrected_on_host(step, buffer, both))
 
 
-def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce the first bucket with ``world_size`` count slots appended: the gradient sum and every count."""
+def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor, weight: float,
+                         last: bool) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the first bucket with ``world_size`` count slots appended: the gradient sum and every count.
+
+    The result handed back to DDP is the longer vector: DDP reads each gradient from it by offset
+    (its views of a hook's result) and copies them out, so the count slots are never copied back.
+    """
     size = buffer.numel()
     staging = state.staging_for(buffer)
-    staging[:size].copy_(buffer)
+    _weigh(buffer, weight, staging[:size])
     slots = staging[size:]
     slots.zero_()
     slots[state.rank] = step.samples
-    future = dist.all_reduce(staging, group=state.gradients, async_op=True).get_future()
+    work = dist.all_reduce(staging, group=state.gradients, async_op=True)
     if buffer.is_cuda:
-        step.first = future.then(lambda fut: _first_bucket_on_device(state, step, fut, buffer))
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_device(state, step, fut, size))
+    elif last:
+        work.wait()
+        step.first = _completed(_first_bucket_on_host(state, step, staging, size))
     else:
-        step.first = future.then(lambda fut: _first_bucket_on_host(state, step, fut, buffer))
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_host(state, step, fut.value()[0], size))
     return step.first
 
 
-def _first_bucket_on_host(state: _BalanceState, step: _Step, future: Any, buffer: torch.Tensor) -> torch.Tensor:
-    staging = future.value()[0]
-    size = buffer.numel()
+def _first_bucket_on_host(state: _BalanceState, step: _Step, staging: torch.Tensor, size: int) -> torch.Tensor:
+    """Read every rank's count from the reduced slots; correct the bucket by ``B_ref / B`` unless they are equal."""
     counts = tuple(int(round(v)) for v in staging[size:].tolist())
     now = sum(counts)
-    ref = step.ref
-    if now == ref:
-        buffer.copy_(staging[:size])  # step.factor stays None: nothing to correct
-    else:
+    if now != step.ref:
         if now <= 0:
             state.warn_once("drbalance: no rank counted a sample in this step (no tensor input to count?); "
                             "the gradient is the plain DDP average of what the ranks computed")
-        step.factor = ref / now if now > 0 else ref / state.world_size
-        torch.mul(staging[:size], step.factor, out=buffer)
+        step.factor = step.ref / now if now > 0 else step.ref / state.world_size
+        staging[:size].mul_(step.factor)
     step.now = now
     state.counted(counts)
-    return buffer
+    return staging
 
 
-def _corrected_on_host(both: Any, step: _Step, buffer: torch.Tensor) -> torch.Tensor:
-    for future in both.value():
-        future.wait()  # raises if either reduction failed
+def _corrected_on_host(step: _Step, buffer: torch.Tensor, both: Any = None) -> torch.Tensor:
+    if both is not None:
+        for future in both.value():
+            future.wait()  # raises if either reduction failed
     if step.factor is not None:
         buffer.mul_(step.factor)
     return buffer
 
 
-def _first_bucket_on_device(state: _BalanceState, step: _Step, future: Any, buffer: torch.Tensor) -> torch.Tensor:
+def _first_bucket_on_device(state: _BalanceState, step: _Step, future: Any, size: int) -> torch.Tensor:
     """CUDA: the correction as a device tensor, no host sync; the host reads the counts later. Not run on a GPU."""
     staging = future.value()[0]
-    size = buffer.numel()
     slots = staging[size:]
     now = slots.sum()
     ref = torch.full_like(now, float(step.ref))
     # B_ref / B is exactly 1.0 when they are equal, so equal shares stay bit for bit.
     factor = torch.where(now > 0, ref / now, ref / state.world_size)
-    torch.mul(staging[:size], factor, out=buffer)
+    staging[:size].mul_(factor)
     step.factor = factor
     state.device_counts = _DeviceCounts(slots)
-    return buffer
+    return staging
 
 
 def _corrected_on_device(future: Any, step: _Step) -> torch.Tensor:

@@ -33,6 +33,11 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def deep_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
 def dataset(samples: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(samples, 6, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
@@ -216,13 +221,13 @@ def counting(rank: int, world: int, out: str) -> None:
     x, y = dataset(400)
     generator = torch.Generator().manual_seed(7)  # the same draws on every rank
 
-    def one_step(model: BalancedDistributedDataParallel, sizes: list[int], reduction: str) -> dict:
+    def one_step(model: BalancedDistributedDataParallel, sizes: list[int], reduction: str, net=small_net) -> dict:
         start = sum(sizes[:rank])
         mine = list(range(start, start + sizes[rank]))
         whole = list(range(sum(sizes)))
         model.zero_grad()
         functional.cross_entropy(model(x[mine]), y[mine], reduction=reduction).backward()
-        reference = small_net()
+        reference = net()
         functional.cross_entropy(reference(x[whole]), y[whole]).backward()
         plan = model.exchange_plan
         return {"sizes": sizes, "counts": list(model.last_chunk_sizes), "exchanged": model.last_step_exchanged,
@@ -238,5 +243,12 @@ def counting(rank: int, world: int, out: str) -> None:
     pinned_steps = [one_step(pinned, sizes, "mean") for sizes in plan]
     summed = BalancedDistributedDataParallel(small_net(), exchange_every=3, loss_reduction="sum")
     summed_steps = [one_step(summed, draw_sizes(generator, world), "sum") for _ in range(5)]
-    write(out, "counting", rank, {"agreed": agreed, "pinned": pinned_steps, "summed": summed_steps})
+    # several gradient buckets (a tiny bucket cap): the first carries the counts, the middle ones wait for
+    # it through combined futures, the last is awaited in the hook; gradients as views of the buckets
+    deep = BalancedDistributedDataParallel(deep_net(), exchange_every=3, bucket_cap_mb=0.0002,
+                                           gradient_as_bucket_view=True)
+    deep_steps = [one_step(deep, draw_sizes(generator, world), "mean", deep_net) for _ in range(6)]
+    buckets = len(deep._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+    write(out, "counting", rank, {"agreed": agreed, "pinned": pinned_steps, "summed": summed_steps,
+                                  "deep": deep_steps, "buckets": buckets})
     dist.destroy_process_group()
