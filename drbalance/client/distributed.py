@@ -74,8 +74,12 @@ LOSS_REDUCTIONS = ("mean", "sum")
 EXCHANGE_BUDGET = 0.005
 """Share of the step time the control exchange may cost on average (0.5%): sets the adaptive K."""
 
-MAX_EXCHANGE_INTERVAL = 64
-"""The most synchronising steps between two control exchanges (bounds the delay of a DR change)."""
+MAX_EXCHANGE_INTERVAL = 256
+"""The most synchronising steps between two control exchanges (bounds the delay of a DR change).
+
+At 64, the exchange alone still cost about 2% of a 4 ms step on the loaded 2-core test machine
+(an exchange there takes 2-5 ms); 256 steps of 4 ms are about a second, the delay a DR change
+then waits at most."""
 
 COUNT_DTYPES = (torch.float32, torch.float64)
 """Gradient bucket dtypes that hold sample counts exactly (half precision does not)."""
@@ -92,10 +96,11 @@ def exchange_interval(step_seconds: float, cost_seconds: float, budget: float = 
                       most: int = MAX_EXCHANGE_INTERVAL) -> int:
     """Synchronising steps until the next control exchange: ``clamp(ceil(cost / (budget * step)), 1, most)``.
 
-    ``step_seconds``: rank 0's mean seconds per synchronising step since the exchange before;
-    ``cost_seconds``: rank 0's latency of that exchange (start to completion, an upper bound of
-    what it costs the step). 1 when either is unknown (0). Every rank computes it from the same
-    float64 values read from the same all-reduce, so every rank gets the same K.
+    ``step_seconds``: rank 0's mean compute seconds per synchronising step (forward start to
+    the last gradient bucket ready) since the exchange before; ``cost_seconds``: rank 0's latency
+    of that exchange (start to completion, which includes waiting for the slowest rank: an upper
+    bound of what it costs the step). 1 when either is unknown (0). Every rank computes it from
+    the same float64 values read from the same all-reduce, so every rank gets the same K.
     """
     if step_seconds <= 0 or cost_seconds <= 0:
         return 1
@@ -108,7 +113,8 @@ class ExchangePlan:
 
     ``step``: index of its synchronising step (0 = the first); ``interval``: K, synchronising
     steps until the next exchange; ``step_seconds`` and ``cost_seconds``: rank 0's measurements
-    K was derived from (0 when unknown, or when ``exchange_every`` pinned K).
+    K was derived from (see :func:`exchange_interval`; 0 when unknown, or when ``exchange_every``
+    pinned K).
     """
 
     step: int
@@ -215,7 +221,7 @@ class _BalanceState:
                  "counts_ride", "count_limit", "step", "steps", "plan", "pending", "vector", "work",
                  "exchange_index", "exchange_forward_at", "exchange_latency", "carried", "proposal", "agreed",
                  "counts", "ref", "timed_counts", "times", "device_counts", "staging", "forward_started",
-                 "compute_seconds", "lock", "warned")
+                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned")
 
     def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str,
                  schedule: RatioSchedule, pinned: int | None, counts_ride: bool, count_limit: int) -> None:
@@ -249,6 +255,8 @@ class _BalanceState:
         self.staging: torch.Tensor | None = None  # the first bucket plus its count slots
         self.forward_started: float | None = None
         self.compute_seconds = 0.0  # this rank's forward start -> last bucket ready, previous step
+        self.compute_total = 0.0  # the sum of compute_seconds since the last exchange
+        self.compute_steps = 0  # and how many steps it sums
         self.lock = threading.Lock()
         self.warned = False
 
@@ -272,9 +280,10 @@ class _BalanceState:
     def _start_exchange(self, index: int, samples: int) -> None:
         now = time.perf_counter()
         step_seconds = cost_seconds = 0.0
-        if self.rank == 0 and self.pinned is None and self.plan is not None and index > self.plan.step:
-            step_seconds = (now - self.exchange_forward_at) / (index - self.plan.step)
+        if self.rank == 0 and self.pinned is None and self.compute_steps:
+            step_seconds = self.compute_total / self.compute_steps
             cost_seconds = self.exchange_latency
+        self.compute_total, self.compute_steps = 0.0, 0
         carried = self.proposal if self.rank == 0 else None
         self.vector = self.exchange.message(self.rank, samples, self.compute_seconds, self.schedule.next_batch,
                                             step_seconds, cost_seconds, carried)
@@ -386,6 +395,8 @@ def _weighted_allreduce_hook(state: _BalanceState, bucket: dist.GradBucket) -> t
     last = bucket.is_last()
     if last and state.forward_started is not None:
         state.compute_seconds = time.perf_counter() - state.forward_started
+        state.compute_total += state.compute_seconds
+        state.compute_steps += 1
         state.forward_started = None
     step = state.step
     if step is None or step.exchange:
