@@ -214,6 +214,36 @@ class _DeviceCounts:
         return tuple(int(round(v)) for v in self.host.tolist())
 
 
+def _allreduce(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a sum all-reduce of ``tensor`` over ``group``; the Work.
+
+    The process group's own method: ``dist.all_reduce``'s Python wrapper (argument checks, logging
+    decorators) cost about 2% of a 4 ms step on the loaded test machine, once per bucket.
+    """
+    return group.allreduce([tensor])
+
+
+class _Staging:
+    """The first bucket's gradients followed by ``world`` count slots, reused from step to step.
+
+    ``whole`` is what is all-reduced and handed back to DDP; ``gradients`` and ``slots`` are views
+    of it; ``mine`` is 1 in this rank's slot and 0 elsewhere (scaled by the count into ``slots``).
+    """
+
+    __slots__ = ("size", "dtype", "device", "whole", "gradients", "slots", "mine")
+
+    def __init__(self, buffer: torch.Tensor, rank: int, world: int) -> None:
+        self.size, self.dtype, self.device = buffer.numel(), buffer.dtype, buffer.device
+        self.whole = torch.empty(self.size + world, dtype=buffer.dtype, device=buffer.device)
+        self.gradients = self.whole[:self.size]
+        self.slots = self.whole[self.size:]
+        self.mine = torch.zeros(world, dtype=buffer.dtype, device=buffer.device)
+        self.mine[rank] = 1
+
+    def fits(self, buffer: torch.Tensor) -> bool:
+        return buffer.numel() == self.size and buffer.dtype == self.dtype and buffer.device == self.device
+
+
 class _BalanceState:
     """Per-step state of the weighting hook (a plain object: module attribute access is slow)."""
 
@@ -252,7 +282,7 @@ class _BalanceState:
         self.timed_counts: tuple[int, ...] | None = None  # every rank's samples in the step `times` measured
         self.times: tuple[float, ...] | None = None  # every rank's compute seconds in that step
         self.device_counts: _DeviceCounts | None = None  # CUDA: a counting step's counts, not read yet
-        self.staging: torch.Tensor | None = None  # the first bucket plus its count slots
+        self.staging: _Staging | None = None  # the first bucket plus its count slots
         self.forward_started: float | None = None
         self.compute_seconds = 0.0  # this rank's forward start -> last bucket ready, previous step
         self.compute_total = 0.0  # the sum of compute_seconds since the last exchange
@@ -290,7 +320,7 @@ class _BalanceState:
         self.carried = carried
         self.exchange_index = index
         self.exchange_forward_at = now
-        self.work = dist.all_reduce(self.vector, group=self.control, async_op=True)
+        self.work = _allreduce(self.control, self.vector)
         self.work.get_future().add_done_callback(self._exchange_done)
 
     def _exchange_done(self, _future: Any) -> None:
@@ -346,13 +376,11 @@ class _BalanceState:
         with self.lock:
             self.counts, self.ref = counts, sum(counts)
 
-    def staging_for(self, buffer: torch.Tensor) -> torch.Tensor:
+    def staging_for(self, buffer: torch.Tensor) -> _Staging:
         """A reused vector of the first bucket's size plus ``world_size`` count slots, like ``buffer``."""
-        size = buffer.numel() + self.world_size
         staging = self.staging
-        if staging is None or staging.numel() != size or staging.dtype != buffer.dtype \
-                or staging.device != buffer.device:
-            staging = self.staging = torch.empty(size, dtype=buffer.dtype, device=buffer.device)
+        if staging is None or not staging.fits(buffer):
+            staging = self.staging = _Staging(buffer, self.rank, self.world_size)
         return staging
 
     def warn_once(self, message: str) -> None:
@@ -415,7 +443,7 @@ def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket,
         buffer.mul_(1.0 / state.world_size)
     else:
         _weigh(buffer, _local_weight(counts[state.rank], sum(counts), state.reduction), buffer)
-    work = dist.all_reduce(buffer, group=state.gradients, async_op=True)
+    work = _allreduce(state.gradients, buffer)
     if last and not buffer.is_cuda:
         work.wait()
         return _completed(buffer)
@@ -438,7 +466,7 @@ def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.Gra
         raise RuntimeError(f"drbalance: gradient bucket {bucket.index()} was reduced before bucket 0, whose "
                            f"reduction carries the sample counts (DDP reduces buckets in index order)")
     _weigh(buffer, weight, buffer)
-    work = dist.all_reduce(buffer, group=state.gradients, async_op=True)
+    work = _allreduce(state.gradients, buffer)
     if buffer.is_cuda:
         # NCCL: collectives of one group run in order on one stream, and the first bucket's callback
         # (which made step.factor) ran when its collective was queued. Not run on a GPU.
@@ -459,36 +487,35 @@ def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor
     The result handed back to DDP is the longer vector: DDP reads each gradient from it by offset
     (its views of a hook's result) and copies them out, so the count slots are never copied back.
     """
-    size = buffer.numel()
     staging = state.staging_for(buffer)
-    _weigh(buffer, weight, staging[:size])
-    slots = staging[size:]
-    slots.zero_()
-    slots[state.rank] = step.samples
-    work = dist.all_reduce(staging, group=state.gradients, async_op=True)
+    _weigh(buffer, weight, staging.gradients)
+    torch.mul(staging.mine, float(step.samples), out=staging.slots)  # this rank's count in its slot, zeros elsewhere
+    work = _allreduce(state.gradients, staging.whole)
     if buffer.is_cuda:
-        step.first = work.get_future().then(lambda fut: _first_bucket_on_device(state, step, fut, size))
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_device(state, step, staging, fut))
     elif last:
         work.wait()
-        step.first = _completed(_first_bucket_on_host(state, step, staging, size))
+        step.first = _completed(_first_bucket_on_host(state, step, staging))
     else:
-        step.first = work.get_future().then(lambda fut: _first_bucket_on_host(state, step, fut.value()[0], size))
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_host(state, step, staging, fut))
     return step.first
 
 
-def _first_bucket_on_host(state: _BalanceState, step: _Step, staging: torch.Tensor, size: int) -> torch.Tensor:
+def _first_bucket_on_host(state: _BalanceState, step: _Step, staging: _Staging, future: Any = None) -> torch.Tensor:
     """Read every rank's count from the reduced slots; correct the bucket by ``B_ref / B`` unless they are equal."""
-    counts = tuple(int(round(v)) for v in staging[size:].tolist())
+    if future is not None:
+        future.value()  # raises if the reduction failed
+    counts = tuple(int(v) for v in staging.slots.tolist())  # whole numbers, exact in the bucket's dtype
     now = sum(counts)
     if now != step.ref:
         if now <= 0:
             state.warn_once("drbalance: no rank counted a sample in this step (no tensor input to count?); "
                             "the gradient is the plain DDP average of what the ranks computed")
         step.factor = step.ref / now if now > 0 else step.ref / state.world_size
-        staging[:size].mul_(step.factor)
+        staging.gradients.mul_(step.factor)
     step.now = now
     state.counted(counts)
-    return staging
+    return staging.whole
 
 
 def _corrected_on_host(step: _Step, buffer: torch.Tensor, both: Any = None) -> torch.Tensor:
@@ -500,18 +527,17 @@ def _corrected_on_host(step: _Step, buffer: torch.Tensor, both: Any = None) -> t
     return buffer
 
 
-def _first_bucket_on_device(state: _BalanceState, step: _Step, future: Any, size: int) -> torch.Tensor:
+def _first_bucket_on_device(state: _BalanceState, step: _Step, staging: _Staging, future: Any) -> torch.Tensor:
     """CUDA: the correction as a device tensor, no host sync; the host reads the counts later. Not run on a GPU."""
-    staging = future.value()[0]
-    slots = staging[size:]
-    now = slots.sum()
+    future.value()  # raises if the reduction failed
+    now = staging.slots.sum()
     ref = torch.full_like(now, float(step.ref))
     # B_ref / B is exactly 1.0 when they are equal, so equal shares stay bit for bit.
     factor = torch.where(now > 0, ref / now, ref / state.world_size)
-    staging[:size].mul_(factor)
+    staging.gradients.mul_(factor)
     step.factor = factor
-    state.device_counts = _DeviceCounts(slots)
-    return staging
+    state.device_counts = _DeviceCounts(staging.slots)
+    return staging.whole
 
 
 def _corrected_on_device(future: Any, step: _Step) -> torch.Tensor:
