@@ -218,8 +218,23 @@ def draw_sizes(generator: torch.Generator, world: int, low: int = 1, high: int =
 def counting(rank: int, world: int, out: str) -> None:
     """Counting steps with uneven, changing counts: an agreed K, then K pinned with summed losses and an empty rank."""
     init(rank, world, out)
-    x, y = dataset(400)
+    count_and_compare(rank, world, out, torch.device("cpu"))
+
+
+def counting_nccl(rank: int, world: int, out: str) -> None:
+    """The same on NCCL, one CUDA GPU per rank (tests/test_ddp_cuda.py; needs 2 GPUs)."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    count_and_compare(rank, world, out, torch.device("cuda", rank))
+
+
+def count_and_compare(rank: int, world: int, out: str, device: torch.device) -> None:
+    x, y = (t.to(device) for t in dataset(400))
     generator = torch.Generator().manual_seed(7)  # the same draws on every rank
+    ids = [device.index] if device.type == "cuda" else None
+
+    def wrap(net: nn.Module, **kwargs) -> BalancedDistributedDataParallel:
+        return BalancedDistributedDataParallel(net.to(device), device_ids=ids, **kwargs)
 
     def one_step(model: BalancedDistributedDataParallel, sizes: list[int], reduction: str, net=small_net) -> dict:
         start = sum(sizes[:rank])
@@ -227,7 +242,7 @@ def counting(rank: int, world: int, out: str) -> None:
         whole = list(range(sum(sizes)))
         model.zero_grad()
         functional.cross_entropy(model(x[mine]), y[mine], reduction=reduction).backward()
-        reference = net()
+        reference = net().to(device)
         functional.cross_entropy(reference(x[whole]), y[whole]).backward()
         plan = model.exchange_plan
         return {"sizes": sizes, "counts": list(model.last_chunk_sizes), "exchanged": model.last_step_exchanged,
@@ -235,18 +250,17 @@ def counting(rank: int, world: int, out: str) -> None:
                 "error": max_difference(grads(model.module), grads(reference)),
                 "scale": max(float(g.abs().max()) for g in grads(reference))}
 
-    adaptive = BalancedDistributedDataParallel(small_net())  # K agreed from rank 0's measurements
+    adaptive = wrap(small_net())  # K agreed from rank 0's measurements
     agreed = [one_step(adaptive, draw_sizes(generator, world), "mean") for _ in range(40)]
-    pinned = BalancedDistributedDataParallel(small_net(), exchange_every=3)
+    pinned = wrap(small_net(), exchange_every=3)
     empty = [4, 0, 3][:world] if world >= 2 else [4]
     plan = [draw_sizes(generator, world), empty, draw_sizes(generator, world), draw_sizes(generator, world), empty]
     pinned_steps = [one_step(pinned, sizes, "mean") for sizes in plan]
-    summed = BalancedDistributedDataParallel(small_net(), exchange_every=3, loss_reduction="sum")
+    summed = wrap(small_net(), exchange_every=3, loss_reduction="sum")
     summed_steps = [one_step(summed, draw_sizes(generator, world), "sum") for _ in range(5)]
     # several gradient buckets (a tiny bucket cap): the first carries the counts, the middle ones wait for
     # it through combined futures, the last is awaited in the hook; gradients as views of the buckets
-    deep = BalancedDistributedDataParallel(deep_net(), exchange_every=3, bucket_cap_mb=0.0002,
-                                           gradient_as_bucket_view=True)
+    deep = wrap(deep_net(), exchange_every=3, bucket_cap_mb=0.0002, gradient_as_bucket_view=True)
     deep_steps = [one_step(deep, draw_sizes(generator, world), "mean", deep_net) for _ in range(6)]
     buckets = len(deep._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
     write(out, "counting", rank, {"agreed": agreed, "pinned": pinned_steps, "summed": summed_steps,
