@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.bench_parallel import build, make_batch
-from benchmarks.timing import add_no_write, save, summary
+from benchmarks.timing import add_no_write, percentile, save, summary
 
 
 def smallest_python_hook(scale: float, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -171,13 +171,16 @@ def ratios(samples: dict[str, list[float]]) -> dict:
     stats = {name: summary(values) for name, values in samples.items()}
     base = stats["plain"]["median"]
     candidates = tuple(name for name in ("balanced", "balanced_session", "python_hook") if name in samples)
-    paired = {name: statistics.median(c / p for c, p in zip(samples[name], samples["plain"])) for name in candidates}
+    per_round = {name: [c / p for c, p in zip(samples[name], samples["plain"])] for name in candidates}
+    paired = {name: statistics.median(values) for name, values in per_round.items()}
+    spread = {name: [percentile(values, 0.25), percentile(values, 0.75)] for name, values in per_round.items()}
     return {
         "seconds": stats,
         "median_ratio": {name: stats[name]["median"] / base for name in candidates},
         "overhead_percent": {name: 100 * (stats[name]["median"] / base - 1) for name in candidates},
         "paired_median_ratio": paired,
         "paired_overhead_percent": {name: 100 * (paired[name] - 1) for name in candidates},
+        "paired_ratio_quartiles": spread,
         "agreed_exchange_interval": None if intervals is None else dict(zip(candidates[:2], map(int, intervals))),
         "sampler_session_alone_us": None if alone is None else alone[0] * 1e6,
     }
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in result["median_ratio"]:
         print(f"  {name} / plain = {result['median_ratio'][name]:.4f} "
               f"(overhead {result['overhead_percent'][name]:+.2f}%, target <= 2%); median of per-round ratios "
-              f"{result['paired_median_ratio'][name]:.4f} ({result['paired_overhead_percent'][name]:+.2f}%)")
+              f"{result['paired_median_ratio'][name]:.4f} ({result['paired_overhead_percent'][name]:+.2f}%, quartiles "
+              f"{result['paired_ratio_quartiles'][name][0]:.3f}-{result['paired_ratio_quartiles'][name][1]:.3f})")
     print(f"  agreed K (steps between control exchanges): {result['agreed_exchange_interval']}")
     print(f"  sampler + Session.step() alone: {result['sampler_session_alone_us']:.1f} us per step")
     suffix = "gpu" if cuda else "cpu"
