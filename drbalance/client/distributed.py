@@ -638,17 +638,17 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """Exchange every rank's device and initial DR; raise on every rank if a DR is bad or they differ."""
         state = self._balance
         peers: list[Any] = [None] * state.world_size
-        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned)
+        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride)
         try:
             dist.all_gather_object(peers, mine, group=state.control)
         except RuntimeError as error:
             raise RatioSyncError(
                 f"drbalance: rank {state.rank} could not reach the job's other ranks: {error}"
             ) from error
-        for rank, (_, _, _, _, trouble, _) in enumerate(peers):
+        for rank, (_, _, _, _, trouble, _, _) in enumerate(peers):
             if trouble:
                 raise ValueError(f"rank {rank} of the job: {trouble}")
-        for rank, (_, _, shares, total, _, pinned) in enumerate(peers):
+        for rank, (_, _, shares, total, _, pinned, ride) in enumerate(peers):
             if (tuple(shares), total) != (ratio.shares, ratio.total):
                 raise ValueError(
                     f"rank {rank} was given ratio {list(shares)}/{total} but rank {state.rank} {ratio}; give every "
@@ -658,6 +658,12 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
                 raise ValueError(
                     f"rank {rank} was given exchange_every={pinned} but rank {state.rank} {state.pinned}; give every "
                     f"rank of a BalancedDistributedDataParallel the same exchange_every"
+                )
+            if ride != state.counts_ride:
+                raise ValueError(
+                    f"rank {rank}'s gradients are {'' if ride else 'not '}float32/float64 but rank {state.rank}'s "
+                    f"are{'' if state.counts_ride else ' not'}; give every rank the same parameter dtypes and "
+                    f"mixed_precision"
                 )
         return peers
 
