@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from drbalance.client.distributed import MAX_EXCHANGE_INTERVAL, exchange_interval
 from drbalance.jsonlog import read_json_lines
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
@@ -40,23 +41,28 @@ def test_gradients_equal_the_full_batch_mean_for_uneven_and_changing_ratios(tmp_
     # what ran: [1, 2, 7], then [5, 3, 2] set mid-epoch 0, then rank 0's [2, 2, 6] agreed mid-epoch 1
     assert [s["ratio"] for s in steps] == [[1, 2, 7]] * 3 + [[5, 3, 2]] * 3 + [[2, 2, 6]] * 2
     assert [s["sizes"] for s in steps][:4] == [[1, 2, 9]] * 3 + [[7, 4, 3]]  # 50 samples: the tail of 2 folded in
+    # K pinned to 4: control exchanges at steps 0 and 4; at the others the counts rode in the gradients,
+    # among them both DR changes and the change of global batch (12 -> 14 at step 3, back to 12 at 4)
+    assert [s["exchanged"] for s in steps] == [True, False, False, False, True, False, False, False]
     for rank, found in enumerate(ranks):
         for step, mine in zip(steps, found["steps"]):
-            assert (mine["index"], mine["ratio"], mine["sizes"]) == (step["index"], step["ratio"], step["sizes"])
+            assert (mine["index"], mine["ratio"], mine["sizes"], mine["exchanged"]) == (
+                step["index"], step["ratio"], step["sizes"], step["exchanged"])
             assert mine["local"] == step["sizes"][rank] and mine["counts"] == step["sizes"]
             # the gradient after DDP's all-reduce is the gradient of the mean loss over the global batch
             assert mine["error"] <= 1e-6 * max(1.0, mine["scale"]), (rank, mine)
         assert found["parameters"] < 1e-5  # and 8 SGD steps later the weights still agree
         for epoch, seen in found["seen"].items():
             assert sorted(seen) == list(range(50)), epoch  # every sample once per epoch
-        timings = found["timings"]
-        assert [t[0] for t in timings] == [0, 1, 2] and [t[1] for t in timings] == steps[-2]["sizes"]
+        timings = found["timings"]  # carried by the last control exchange (step 4): of step 3
+        assert [t[0] for t in timings] == [0, 1, 2] and [t[1] for t in timings] == steps[3]["sizes"]
         assert all(t[2] > 0 for t in timings)
 
 
 def test_equal_shares_match_plain_ddp_bit_for_bit_and_plain_ddp_gets_uneven_batches_wrong(tmp_path):
     ranks = spawn("plain_ddp", 2, tmp_path)
     for found in ranks:
+        assert found["exchanged"] == [True, False, False, True]  # K pinned to 3: two counting steps
         assert found["identical"] == [0.0] * 4  # max |difference| of every gradient, four steps
         assert found["naive_error"] > 1e-3  # plain DDP's average of unequal local means: the wrong gradient
 
@@ -77,6 +83,45 @@ def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
         assert found["uuids"] == [""] * 4 and found["labels"] == ["cpu"] * 4  # CPU ranks have no GPU UUID
         assert found["accumulated_counts"] == [2, 4, 6, 8]  # no_sync micro-batches counted together
         assert found["accumulated_error"] < 1e-6 and found["sum_error"] < 1e-6
+        # K pinned to 3: rank 0 proposes at step 1, a counting step; nothing changes until the control
+        # exchange of step 3, where every rank takes it from batch 7 (rank 3 had produced up to batch 6)
+        between = found["between"]
+        assert [s["exchanged"] for s in between["steps"]] == [True, False, False, True]
+        assert [s["agreed"] for s in between["steps"]] == [[], [], [], [[[4, 3, 2, 1], 7]]]
+        assert [s["ratio"] for s in between["steps"]] == [[1, 2, 3, 4]] * 3 + [[4, 3, 2, 1]]
+        assert [s["plan"] for s in between["steps"]] == [[0, 3]] * 3 + [[3, 3]]
+        used = dict((index, ratio) for index, ratio in between["used"])
+        assert used[7] == used[8] == [4, 3, 2, 1] and all(used[i] == [1, 2, 3, 4] for i in used if i < 7)
+    assert len({json.dumps(found["between"]["steps"]) for found in ranks}) == 1  # the same on every rank
+
+
+def test_counting_steps_give_the_full_batch_mean_and_every_rank_agrees_on_k(tmp_path):
+    check_counting(spawn("counting", 3, tmp_path))
+
+
+def check_counting(ranks: list[dict]) -> None:
+    """What tests/helpers/ddp_workers.count_and_compare found on every rank (also used on NCCL)."""
+    for rank, found in enumerate(ranks):
+        for part in ("agreed", "pinned", "summed", "deep"):
+            for step in found[part]:
+                assert step["counts"] == step["sizes"], (rank, part, step)
+                assert step["error"] <= 1e-6 * max(1.0, step["scale"]), (rank, part, step)
+        # K pinned to 3: exchanges at steps 0 and 3; an empty rank (mean loss NaN) at counting step 1 and 4
+        assert [s["exchanged"] for s in found["pinned"]] == [True, False, False, True, False]
+        assert [s["sizes"][1] for s in found["pinned"]][1::3] == [0, 0]
+        assert [s["exchanged"] for s in found["summed"]] == [True, False, False, True, False]
+        assert [s["exchanged"] for s in found["deep"]] == [True, False, False, True, False, False]
+        assert found["buckets"] >= 3 and len({tuple(s["sizes"]) for s in found["deep"]}) > 1
+    agreed = [[(s["exchanged"], s["plan"]) for s in found["agreed"]] for found in ranks]
+    assert all(other == agreed[0] for other in agreed[1:])  # the same K, from the same values, everywhere
+    plans = {tuple(plan) for _, plan in agreed[0]}
+    for _, interval, step_seconds, cost_seconds in plans:
+        assert interval == exchange_interval(step_seconds, cost_seconds) and 1 <= interval <= MAX_EXCHANGE_INTERVAL
+    # step 0 and 1 always exchange (nothing measured yet); then every exchange is K steps after the one before
+    exchanges = [index for index, (exchanged, _) in enumerate(agreed[0]) if exchanged]
+    assert exchanges[:2] == [0, 1]
+    by_step = {plan[0]: plan[1] for _, plan in agreed[0]}
+    assert all(later - earlier == by_step[earlier] for earlier, later in zip(exchanges, exchanges[1:]))
 
 
 # --- with a manager, under torchrun -----------------------------------------------------------------
@@ -119,7 +164,7 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     loop.start()
     try:
         job = torchrun(2, "--app", "ddpjob", "--ratio", "5,5", "--epochs", "2", "--iterations", "6",
-                       "--decide-every", "2", "--report-every", "1")
+                       "--decide-every", "2", "--report-every", "1", "--exchange-every", "1")
         out, err = job.communicate(timeout=150)
     finally:
         manager.request_stop("test over")
@@ -133,8 +178,9 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     assert used == [(s["batch"], s["ratio"], s["sizes"]) for s in steps[1]]  # the same DR for every batch
     for s in steps[0] + steps[1]:
         assert s["counts"] == s["sizes"] and s["local"] == s["sizes"][s["rank"]]
-    # decisions at the boundaries after steps 2, 6 and 8 travel with the next step's sample counts and
-    # apply from the next global batch not yet produced then (steps 4, 8, 10); the daemon refused the
+    # K pinned to 1 (a control exchange every step): decisions at the boundaries after steps 2, 6 and 8
+    # travel with the next step's exchange and apply from the next global batch not yet produced then
+    # (steps 4, 8, 10); the daemon refused the
     # policy's [0, 10] at step 4 (the job's minimum share is 1), so [2, 8] stayed
     assert [ratio for _, ratio, _ in used] == [[5, 5]] * 3 + [[2, 8]] * 4 + [[7, 3]] * 2 + [[6, 4]] * 3
     events = list(read_json_lines(settings.log_path))

@@ -78,3 +78,31 @@ def test_a_one_rank_ddp_job_can_be_profiled(one_rank, ipc_env, tmp_path, monkeyp
     session = Session(model, "profiled", 1, 4, "unused")
     assert isinstance(session.link, DetachedLink) and model.ratio == DataRatio([10])
     session.close()
+
+
+def test_counting_steps_between_exchanges_and_half_precision_exchanging_every_step(one_rank):
+    with pytest.raises(ValueError, match="exchange_every must be None"):
+        BalancedDistributedDataParallel(nn.Linear(3, 1), exchange_every=0)
+    torch.manual_seed(0)
+    model = BalancedDistributedDataParallel(nn.Linear(3, 2), exchange_every=4)
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(model.module.state_dict())
+    assert model.counts_ride and model.exchange_every == 4 and model.exchange_plan is None
+    kinds = []
+    for size in (4, 6, 5, 5, 7, 3):  # the global batch changes on counting steps: corrected by B_ref / B
+        x = torch.randn(size, 3)
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        kinds.append(model.last_step_exchanged)
+        assert model.last_chunk_sizes == (size,)
+        for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+            assert torch.allclose(mine.grad, theirs.grad, atol=1e-6)
+    assert kinds == [True, False, False, False, True, False]
+    assert (model.exchange_plan.step, model.exchange_plan.interval, model.exchange_plan.next_step) == (4, 4, 8)
+    half = BalancedDistributedDataParallel(nn.Linear(3, 2).to(torch.float16), exchange_every=4)
+    assert not half.counts_ride  # fp16 cannot hold the counts exactly: a control exchange every step
+    for size in (4, 6, 5):
+        half(torch.randn(size, 3, dtype=torch.float16)).float().sum().backward()
+        assert half.last_step_exchanged and half.last_chunk_sizes == (size,)

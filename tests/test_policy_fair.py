@@ -127,6 +127,29 @@ def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
     assert predicted_slowdown(lookup["c"], 0.3) > lookup["c"].slowdown
 
 
+def test_kappas_learned_in_a_crowd_do_not_decide_what_a_pair_alone_together_would_do():
+    predictor = Predictor(2)
+    # GPU 0: a, b and c crowd together (0.3 s chunks for 0.1 s of work); GPU 1: d and e alone
+    # together, each chunk only 1.5x its work. Per unit of duty a crowd partner costs more here.
+    for window in range(20):  # a new window each time: the NLMS steps settle
+        crowd = [app(name, [10, 0], [0.3, 0], 0.35, iteration=100 + window) for name in "abc"]
+        pair = [app(name, [0, 10], [0, 0.15], 0.2, iteration=100 + window) for name in "de"]
+        predictor.observe(crowd + pair)
+    in_crowd, in_pair = predictor.pair_kappa("a", "b", crowd=True), predictor.pair_kappa("d", "e")
+    assert in_crowd > 1.2 * in_pair  # the additive model fitted to a crowd overstates a pair
+    # a and b were never alone together: a pair's estimate comes from what pairs showed
+    assert predictor.pair_kappa("a", "b") == pytest.approx(in_pair, rel=0.05)
+    # ... while a crowd with a, b and a third still uses what the crowd showed
+    assert predictor.pair_kappa("a", "b", crowd=True) == pytest.approx(in_crowd)
+    # d and e were seen alone together: that holds in a crowd too
+    assert predictor.pair_kappa("d", "e", crowd=True) == pytest.approx(in_pair)
+    views = {view.name: view for view in crowd + pair}
+    # c leaves GPU 0 for GPU 1: a and b are predicted as a pair, much faster than in the crowd
+    moved = predictor.iteration_times({"a": DataRatio([10, 0]), "b": DataRatio([10, 0]), "c": DataRatio([0, 10]),
+                                       "d": DataRatio([0, 10]), "e": DataRatio([0, 10])}, views)
+    assert moved["a"] < 0.3
+
+
 def test_f_sched_takes_the_throughput_gain_that_keeps_the_variance_bounded():
     policy = FSchedPolicy()
     decision = policy.decide("a", "boundary", snapshot(app("a", [5, 5], [0.065, 0.065], 0.22)))

@@ -70,8 +70,8 @@ def configurations(draw):
 
 
 def reference_solve(predictor, ratios, views, names, changes):
-    """The fixed point written plainly (drbalance before issue 9's speed-ups): every duty and
-    kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
+    """The fixed point written plainly (drbalance before issue 9's speed-ups, with the pair and
+    crowd kappas): every duty and kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
     config, apps, speed = predictor.config, predictor.apps, predictor.speed
     ratios = {name: ratio for name, ratio in ratios.items() if name in apps}
 
@@ -104,13 +104,14 @@ def reference_solve(predictor, ratios, views, names, changes):
     for name in names:
         for gpu, chunk in chunks[name]:
             outside, partners = 1.0, []
+            crowd = len(occupants[gpu]) > 2  # the app and two others or more
             for other in occupants[gpu]:
                 if other == name:
                     continue
                 if other in inside:
-                    partners.append((predictor.pair_kappa(name, other), (other, gpu), other))
+                    partners.append((predictor.pair_kappa(name, other, crowd), (other, gpu), other))
                 else:
-                    outside += predictor.pair_kappa(name, other) * duty[(other, gpu)]
+                    outside += predictor.pair_kappa(name, other, crowd) * duty[(other, gpu)]
             plans.append((name, gpu, chunk, outside, partners))
     stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
     times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
@@ -181,12 +182,42 @@ def test_forgetting_gone_apps_keeps_the_running_sums_exactly(case, data):
     plain = copy.deepcopy(predictor)
     for name in [name for name in plain.apps if name not in live]:
         del plain.apps[name]
-    for pair in [pair for pair in plain.kappa if pair[0] not in live or pair[1] not in live]:
-        plain._set_kappa(pair, None)
+    for crowd, learned in plain.kappa.items():
+        for pair in [pair for pair in learned if pair[0] not in live or pair[1] not in live]:
+            plain._set_kappa(pair, crowd, None)
     predictor.forget(live)
-    assert predictor.kappa == plain.kappa and predictor._total == plain._total
-    assert predictor._suffered == plain._suffered and predictor._caused == plain._caused
+    assert predictor.kappa == plain.kappa
+    for crowd in (False, True):
+        mine, theirs = predictor._sums[crowd], plain._sums[crowd]
+        assert (mine.total, mine.count) == (theirs.total, theirs.count)
+        assert mine.suffered == theirs.suffered and mine.caused == theirs.caused
     assert set(predictor.apps) == set(plain.apps)
+
+
+@settings(max_examples=60)
+@given(configurations(), st.floats(1.0, 3.0))
+def test_a_neighbourhood_kept_while_the_predictor_learns_predicts_from_what_it_learned(case, factor):
+    predictor, views, changes = case
+    ratios = {v.name: v.ratio for v in views}
+    lookup = {v.name: v for v in views}
+    neighbourhood = predictor.neighbourhood(ratios, lookup)
+    names = neighbourhood.affected(changes)
+    neighbourhood.compare(changes)  # fills the caches: kappas of both contexts, chunks, solutions
+    generation = predictor.generation
+    # a new window in which every measured app ran slower: kappas, host times, corrections move
+    later = [AppView(v.name, v.ratio, v.slowdown, iteration=v.iteration + 20, iterations_total=v.iterations_total,
+                     iteration_time=v.iteration_time * factor, solo_time=v.solo_time, batch=v.batch,
+                     chunk_seconds=tuple(s * factor if s is not None else None for s in v.chunk_seconds),
+                     chunk_samples=v.chunk_samples) if v.chunk_seconds is not None else v for v in views]
+    predictor.observe(later)
+    assert predictor.generation > generation
+    expected = (reference_solve(predictor, ratios, lookup, names, {})[0],
+                reference_solve(predictor, ratios, lookup, names, changes)[0])
+    assert neighbourhood.compare(changes) == expected
+    for name in names:
+        for other in ratios:
+            for crowd in (False, True):
+                assert neighbourhood.kappa(name, other, crowd) == predictor.pair_kappa(name, other, crowd)
 
 
 class Shares(list):

@@ -4,32 +4,58 @@ Each rank of the job trains on its share of every *global* batch (:mod:`drbalanc
 hands it out); the shares follow the job's data ratio (DR), one integer share per rank. Plain DDP
 averages the ranks' gradients, which is the wrong gradient when the ranks' batches differ in size:
 the mean of unequal local means is not the mean over the global batch. This wrapper weights each
-rank's gradient by its share of the samples *before* the all-reduce, through a DDP communication
-hook, so every rank ends with the gradient of the mean loss over the whole global batch:
+rank's gradient by its share of the samples through a DDP communication hook, so every rank ends
+with the gradient of the mean loss over the whole global batch:
 
     grad = sum_r (n_r / B) * grad_r        (n_r samples on rank r, B = sum_r n_r)
 
 where ``grad_r`` is the gradient of rank r's own mean loss (PyTorch's default ``reduction="mean"``).
-The sample counts ``n_r`` are exchanged, not assumed: every synchronising forward starts a small
-asynchronous all-reduce of this rank's sample count (over a gloo group of the job's ranks, so it
-never touches the GPU stream), and the hook waits for it (long done by then) before it scales the
-first bucket. With equal counts the factor is exactly the ``1 / world_size`` that DDP's own
-reducer multiplies by, so equal shares give bit-for-bit the gradients of plain DDP.
+
+The sample counts ``n_r`` are exchanged, not assumed, and in most steps they cost no collective
+of their own. There are two kinds of synchronising step (a forward with gradient sync, and its
+backward):
+
+- **Counting steps** (most steps). Every rank already knows ``B_ref``, the global batch of the
+  last reduced step (every rank read the same sum). The hook scales this rank's bucket by
+  ``n_r / B_ref`` and appends ``W`` count slots (this rank's ``n_r`` in slot r, zeros elsewhere) to
+  the *first* gradient bucket (``bucket.index() == 0``, which DDP always reduces first), so one
+  all-reduce yields the gradient sum and every rank's count. With ``B = sum`` of the slots, every
+  bucket is then corrected by ``B_ref / B`` (skipped when they are equal), giving exactly the
+  weights ``n_r / B``. On CPU buckets (gloo) the other buckets' futures are combined with the first
+  one's (gloo may complete them out of order); on CUDA buckets (NCCL) the correction factor stays a
+  device tensor, stream-ordered after the first bucket's reduction, and the host reads the counts
+  at the next synchronising forward (the NCCL path has not been run on a GPU).
+- **Control exchanges** (step 0, then every K-th synchronising step, the same steps on every
+  rank): the exchange of issue 12's first version, a small float64 all-reduce over a gloo group of
+  the job's ranks (:class:`_StepExchange`), started at the forward and awaited by the hook before
+  the first bucket. It carries every rank's count, every rank's compute seconds of the step
+  before, every rank's sampler position (``next_batch``) and rank 0's DR proposal, and rank 0's
+  measured step time and exchange latency, from which every rank derives the same next K
+  (:func:`exchange_interval`: the exchange may cost about ``EXCHANGE_BUDGET`` of the step time,
+  K at most ``MAX_EXCHANGE_INTERVAL``; ``exchange_every=`` pins K instead).
+
+Counts ride only in float32/float64 buckets: half-precision buckets (fp16/bf16 parameters or
+DDP's ``mixed_precision``) cannot hold them exactly, and such a model exchanges at every step.
+With equal counts every factor is exactly the ``1 / world_size`` that DDP's own reducer
+multiplies by and the correction is skipped, so equal shares give plain DDP's gradients (bit for
+bit, tested on 2 ranks).
 
 The DR itself lives in a :class:`~drbalance.client.sampler.RatioSchedule` shared with the sampler.
 ``set_ratio`` changes it locally (call it on every rank alike). Rank 0's ``propose_ratio`` (what
-the manager link uses) rides on the next step's count exchange and becomes every rank's DR from
-the same global batch on, at no extra communication; ``agree_ratio`` does the same at once, as a
-collective of its own.
+the manager link uses) rides on the next control exchange and becomes every rank's DR from the
+same global batch on (at most K steps later, no extra communication); ``agree_ratio`` does the
+same at once, as a collective of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,93 +71,263 @@ logger = logging.getLogger("drbalance.client")
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
+EXCHANGE_BUDGET = 0.005
+"""Share of the step time the control exchange may cost on average (0.5%): sets the adaptive K."""
+
+MAX_EXCHANGE_INTERVAL = 256
+"""The most synchronising steps between two control exchanges (bounds the delay of a DR change).
+
+At 64, the exchange alone still cost about 2% of a 4 ms step on the loaded 2-core test machine
+(an exchange there takes 2-5 ms); 256 steps of 4 ms are about a second, the delay a DR change
+then waits at most."""
+
+COUNT_DTYPES = (torch.float32, torch.float64)
+"""Gradient bucket dtypes that hold sample counts exactly (half precision does not)."""
+
+FLOAT32_COUNT_LIMIT = 2**22
+"""Counts ride in float32 buckets only while the last global batch is below this (exact up to 2**24)."""
+
 
 class RatioSyncError(RuntimeError):
     """A collective of the job's control group failed (typically: another rank died)."""
 
 
+def exchange_interval(step_seconds: float, cost_seconds: float, budget: float = EXCHANGE_BUDGET,
+                      most: int = MAX_EXCHANGE_INTERVAL) -> int:
+    """Synchronising steps until the next control exchange: ``clamp(ceil(cost / (budget * step)), 1, most)``.
+
+    ``step_seconds``: rank 0's mean compute seconds per synchronising step (forward start to
+    the last gradient bucket ready) since the exchange before; ``cost_seconds``: rank 0's latency
+    of that exchange (start to completion, which includes waiting for the slowest rank: an upper
+    bound of what it costs the step). 1 when either is unknown (0). Every rank computes it from
+    the same float64 values read from the same all-reduce, so every rank gets the same K.
+    """
+    if step_seconds <= 0 or cost_seconds <= 0:
+        return 1
+    return max(1, min(most, math.ceil(cost_seconds / (budget * step_seconds))))
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What the last control exchange agreed (the same on every rank).
+
+    ``step``: index of its synchronising step (0 = the first); ``interval``: K, synchronising
+    steps until the next exchange; ``step_seconds`` and ``cost_seconds``: rank 0's measurements
+    K was derived from (see :func:`exchange_interval`; 0 when unknown, or when ``exchange_every``
+    pinned K).
+    """
+
+    step: int
+    interval: int
+    step_seconds: float
+    cost_seconds: float
+
+    @property
+    def next_step(self) -> int:
+        """Index of the synchronising step of the next control exchange."""
+        return self.step + self.interval
+
+
+class _Exchanged(NamedTuple):
+    counts: tuple[int, ...]
+    times: tuple[float, ...]
+    next_batch: int
+    step_seconds: float
+    cost_seconds: float
+    proposal: DataRatio | None
+
+
 class _StepExchange:
-    """The one small all-reduce every synchronising step adds: float64, ``4 * world + 2`` entries.
+    """The control exchange: one float64 all-reduce of ``4 * world + 4`` entries.
 
     Each rank fills its own slots, so a sum gives everyone every rank's values:
     ``counts`` (samples of this step), ``times`` (compute seconds of the previous step),
-    ``next_batch`` (the rank's sampler's next global batch index), then rank 0's DR proposal
-    (``flag``, ``total``, ``shares``; zeros from every other rank). Integers are exact in float64.
+    ``next_batch`` (the rank's sampler's next global batch index), then rank 0's step seconds and
+    exchange latency (for K), and rank 0's DR proposal (``flag``, ``total``, ``shares``; zeros from
+    every other rank). Integers are exact in float64, and a value plus zeros is the value.
     """
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.size = 4 * world + 2
+        self.size = 4 * world + 4
 
-    def message(self, rank: int, samples: int, seconds: float, next_batch: int,
-                proposal: DataRatio | None) -> torch.Tensor:
+    def message(self, rank: int, samples: int, seconds: float, next_batch: int, step_seconds: float,
+                cost_seconds: float, proposal: DataRatio | None) -> torch.Tensor:
         world = self.world
         vector = torch.zeros(self.size, dtype=torch.float64)
         vector[rank] = samples
         vector[world + rank] = seconds
         vector[2 * world + rank] = next_batch
-        if proposal is not None:
-            vector[3 * world] = 1.0
-            vector[3 * world + 1] = proposal.total
-            vector[3 * world + 2:] = torch.tensor(proposal.shares, dtype=torch.float64)
+        if rank == 0:
+            vector[3 * world] = step_seconds
+            vector[3 * world + 1] = cost_seconds
+            if proposal is not None:
+                vector[3 * world + 2] = 1.0
+                vector[3 * world + 3] = proposal.total
+                vector[3 * world + 4:] = torch.tensor(proposal.shares, dtype=torch.float64)
         return vector
 
-    def read(self, vector: torch.Tensor) -> tuple[tuple[int, ...], tuple[float, ...], int, DataRatio | None]:
-        """(counts, previous times, largest next batch, proposal or None) from the summed vector."""
+    def read(self, vector: torch.Tensor) -> _Exchanged:
+        """Every rank's counts and previous times, the largest next batch, rank 0's K inputs and proposal."""
         world = self.world
         values = vector.tolist()
         counts = tuple(int(round(v)) for v in values[:world])
         times = tuple(values[world:2 * world])
         next_batch = int(round(max(values[2 * world:3 * world])))
         proposal = None
-        if values[3 * world] >= 0.5:
-            shares = [int(round(v)) for v in values[3 * world + 2:]]
-            proposal = DataRatio(shares, int(round(values[3 * world + 1])))
-        return counts, times, next_batch, proposal
+        if values[3 * world + 2] >= 0.5:
+            shares = [int(round(v)) for v in values[3 * world + 4:]]
+            proposal = DataRatio(shares, int(round(values[3 * world + 3])))
+        return _Exchanged(counts, times, next_batch, values[3 * world], values[3 * world + 1], proposal)
+
+
+class _Step:
+    """One synchronising step as the hook sees it (set at its forward)."""
+
+    __slots__ = ("index", "samples", "ref", "exchange", "now", "factor", "first")
+
+    def __init__(self, index: int, samples: int, ref: int, exchange: bool) -> None:
+        self.index = index  # synchronising steps before this one
+        self.samples = samples  # this rank's samples (all forwards since the last synchronising one)
+        self.ref = ref  # B_ref: the global batch of the last reduced step, the same on every rank (0: unknown)
+        self.exchange = exchange  # a control-exchange step (else: a counting step)
+        self.now: int | None = None  # counting step, CPU buckets: this step's global batch, once reduced
+        self.factor: Any = None  # counting step: B_ref / B (float on CPU, None if 1; a tensor on CUDA)
+        self.first: Any = None  # counting step: the future of the first bucket's reduction
+
+
+class _DeviceCounts:
+    """A counting step's count slots on a CUDA device, copied to pinned host memory without a sync.
+
+    The host reads them (waiting for the copy) at the next synchronising forward, or when asked
+    (``last_chunk_sizes``). Not run on a GPU.
+    """
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
+        self.host.copy_(slots, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(slots.device))
+
+    def read(self) -> tuple[int, ...]:
+        self.event.synchronize()
+        return tuple(int(round(v)) for v in self.host.tolist())
+
+
+def _allreduce(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a sum all-reduce of ``tensor`` over ``group``; the Work.
+
+    The process group's own method: ``dist.all_reduce``'s Python wrapper (argument checks, logging
+    decorators) cost about 2% of a 4 ms step on the loaded test machine, once per bucket.
+    """
+    return group.allreduce([tensor])
+
+
+class _Staging:
+    """The first bucket's gradients followed by ``world`` count slots, reused from step to step.
+
+    ``whole`` is what is all-reduced and handed back to DDP; ``gradients`` and ``slots`` are views
+    of it; ``mine`` is 1 in this rank's slot and 0 elsewhere (scaled by the count into ``slots``).
+    """
+
+    __slots__ = ("size", "dtype", "device", "whole", "gradients", "slots", "mine")
+
+    def __init__(self, buffer: torch.Tensor, rank: int, world: int) -> None:
+        self.size, self.dtype, self.device = buffer.numel(), buffer.dtype, buffer.device
+        self.whole = torch.empty(self.size + world, dtype=buffer.dtype, device=buffer.device)
+        self.gradients = self.whole[:self.size]
+        self.slots = self.whole[self.size:]
+        self.mine = torch.zeros(world, dtype=buffer.dtype, device=buffer.device)
+        self.mine[rank] = 1
+
+    def fits(self, buffer: torch.Tensor) -> bool:
+        return buffer.numel() == self.size and buffer.dtype == self.dtype and buffer.device == self.device
 
 
 class _BalanceState:
     """Per-step state of the weighting hook (a plain object: module attribute access is slow)."""
 
-    __slots__ = ("rank", "world_size", "control", "gradients", "reduction", "schedule", "exchange", "pending",
-                 "vector", "work", "carried", "proposal", "agreed", "counts", "previous_counts", "times",
-                 "forward_started", "compute_seconds", "lock", "warned")
+    __slots__ = ("rank", "world_size", "control", "gradients", "reduction", "schedule", "exchange", "pinned",
+                 "counts_ride", "count_limit", "step", "steps", "plan", "pending", "vector", "work",
+                 "exchange_index", "exchange_forward_at", "exchange_latency", "carried", "proposal", "agreed",
+                 "counts", "ref", "timed_counts", "times", "device_counts", "staging", "forward_started",
+                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned")
 
     def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str,
-                 schedule: RatioSchedule) -> None:
+                 schedule: RatioSchedule, pinned: int | None, counts_ride: bool, count_limit: int) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.control = control  # gloo group of the job's ranks: the step exchange, DR agreement
-        self.gradients = gradients  # DDP's own process group: the gradient all-reduce
+        self.control = control  # gloo group of the job's ranks: the control exchange, DR agreement
+        self.gradients = gradients  # DDP's own process group: the gradient all-reduce (and counting steps' counts)
         self.reduction = reduction
         self.schedule = schedule
         self.exchange = _StepExchange(world_size)
+        self.pinned = pinned  # exchange_every: a fixed K, or None (agreed at every exchange)
+        self.counts_ride = counts_ride  # False: half-precision buckets, a control exchange every step
+        self.count_limit = count_limit  # counting steps only while B_ref is below this
+        self.step: _Step | None = None  # the synchronising step being run
+        self.steps = 0  # synchronising forwards so far
+        self.plan: ExchangePlan | None = None  # what the last control exchange agreed
         self.pending = 0  # samples of forwards since the last synchronising one
         self.vector: torch.Tensor | None = None
-        self.work: Any = None
+        self.work: Any = None  # the control exchange in flight
+        self.exchange_index = 0  # its step index
+        self.exchange_forward_at = 0.0  # perf_counter() at its forward
+        self.exchange_latency = 0.0  # seconds from its start to its completion (rank 0 reports it)
         self.carried: DataRatio | None = None  # the proposal the exchange in flight carries
         self.proposal: DataRatio | None = None  # rank 0: a DR for the next exchange to carry
         self.agreed: list[tuple[DataRatio, int]] = []  # (DR, first global batch) agreed, not yet collected
-        self.counts: tuple[int, ...] | None = None  # every rank's samples in the current step
-        self.previous_counts: tuple[int, ...] | None = None
-        self.times: tuple[float, ...] | None = None  # every rank's compute seconds in the previous step
+        self.counts: tuple[int, ...] | None = None  # every rank's samples in the last reduced step
+        self.ref: int | None = None  # their sum: B_ref for the next counting step
+        self.timed_counts: tuple[int, ...] | None = None  # every rank's samples in the step `times` measured
+        self.times: tuple[float, ...] | None = None  # every rank's compute seconds in that step
+        self.device_counts: _DeviceCounts | None = None  # CUDA: a counting step's counts, not read yet
+        self.staging: _Staging | None = None  # the first bucket plus its count slots
         self.forward_started: float | None = None
         self.compute_seconds = 0.0  # this rank's forward start -> last bucket ready, previous step
+        self.compute_total = 0.0  # the sum of compute_seconds since the last exchange
+        self.compute_steps = 0  # and how many steps it sums
         self.lock = threading.Lock()
         self.warned = False
 
-    def start(self, samples: int) -> None:
-        """Start this step's exchange (at a synchronising forward); finish one that no backward consumed."""
-        with self.lock:
-            self._finish()
-            carried = self.proposal if self.rank == 0 else None
-            self.vector = self.exchange.message(self.rank, samples, self.compute_seconds,
-                                                self.schedule.next_batch, carried)
-            self.carried = carried
-            self.work = dist.all_reduce(self.vector, group=self.control, async_op=True)
+    def begin(self, samples: int) -> None:
+        """A synchronising forward: settle the last step, then make this one a counting or an exchange step.
 
-    def step_counts(self) -> tuple[int, ...] | None:
-        """Every rank's sample count for the step being reduced (waits for the exchange, once per step)."""
+        Every rank decides alike from values they share (the step index, the agreed plan, B_ref):
+        no communication unless this is an exchange step.
+        """
+        with self.lock:
+            self._finish()  # an exchange whose backward never ran
+            self._read_device_counts()
+            index, self.steps = self.steps, self.steps + 1
+            ref = self.ref or 0
+            exchange = (not self.counts_ride or not 0 < ref < self.count_limit
+                        or self.plan is None or index >= self.plan.next_step)
+            self.step = _Step(index, samples, ref, exchange)
+            if exchange:
+                self._start_exchange(index, samples)
+
+    def _start_exchange(self, index: int, samples: int) -> None:
+        now = time.perf_counter()
+        step_seconds = cost_seconds = 0.0
+        if self.rank == 0 and self.pinned is None and self.compute_steps:
+            step_seconds = self.compute_total / self.compute_steps
+            cost_seconds = self.exchange_latency
+        self.compute_total, self.compute_steps = 0.0, 0
+        carried = self.proposal if self.rank == 0 else None
+        self.vector = self.exchange.message(self.rank, samples, self.compute_seconds, self.schedule.next_batch,
+                                            step_seconds, cost_seconds, carried)
+        self.carried = carried
+        self.exchange_index = index
+        self.exchange_forward_at = now
+        self.work = _allreduce(self.control, self.vector)
+        self.work.get_future().add_done_callback(self._exchange_done)
+
+    def _exchange_done(self, _future: Any) -> None:
+        self.exchange_latency = time.perf_counter() - self.exchange_forward_at
+
+    def exchanged_counts(self) -> tuple[int, ...] | None:
+        """Every rank's sample count for an exchange step being reduced (waits for the exchange, once per step)."""
         with self.lock:
             self._finish()
             return self.counts
@@ -147,43 +343,208 @@ class _BalanceState:
                 f"drbalance: rank {self.rank} could not exchange per-rank sample counts with the other ranks "
                 f"({error}); another rank of the job probably died"
             ) from error
-        counts, times, next_batch, proposal = self.exchange.read(self.vector)
-        self.previous_counts, self.counts = self.counts, counts
-        self.times = times if self.previous_counts is not None else None
+        found = self.exchange.read(self.vector)
+        if self.counts is not None:  # the times are of the step before, whose counts are self.counts
+            self.timed_counts, self.times = self.counts, found.times
+        self.counts, self.ref = found.counts, sum(found.counts)
         if self.carried is not None and self.proposal is self.carried:
             self.proposal = None  # delivered
-        if proposal is not None:
+        if found.proposal is not None:
             # Every rank reads the same sum, so every rank makes the same entry: the DR splits
             # global batches from the furthest any rank's sampler had got at this forward.
-            self.agreed.append((proposal, self.schedule.set(proposal, next_batch)))
+            self.agreed.append((found.proposal, self.schedule.set(found.proposal, found.next_batch)))
+        if self.pinned is not None:
+            self.plan = ExchangePlan(self.exchange_index, self.pinned, 0.0, 0.0)
+        else:
+            interval = exchange_interval(found.step_seconds, found.cost_seconds)
+            self.plan = ExchangePlan(self.exchange_index, interval, found.step_seconds, found.cost_seconds)
+
+    def _read_device_counts(self) -> None:
+        pending, self.device_counts = self.device_counts, None
+        if pending is not None:
+            self.counts = pending.read()
+            self.ref = sum(self.counts)
+
+    def last_counts(self) -> tuple[int, ...] | None:
+        """Every rank's samples in the last reduced step (on CUDA: waits for its count slots)."""
+        with self.lock:
+            self._read_device_counts()
+            return self.counts
+
+    def counted(self, counts: tuple[int, ...]) -> None:
+        """A counting step's counts, read from the first bucket's reduction (CPU buckets)."""
+        with self.lock:
+            self.counts, self.ref = counts, sum(counts)
+
+    def staging_for(self, buffer: torch.Tensor) -> _Staging:
+        """A reused vector of the first bucket's size plus ``world_size`` count slots, like ``buffer``."""
+        staging = self.staging
+        if staging is None or not staging.fits(buffer):
+            staging = self.staging = _Staging(buffer, self.rank, self.world_size)
+        return staging
+
+    def warn_once(self, message: str) -> None:
+        if not self.warned:
+            self.warned = True
+            logger.warning(message)
+
+
+def _local_weight(mine: int, total: int, reduction: str) -> float:
+    """This rank's weight: ``mine / total`` for mean losses, ``1 / total`` for summed ones (0 for an empty rank)."""
+    if reduction == "sum":
+        return 1.0 / total  # each rank's loss is a sum over its samples
+    # With equal counts mine / total rounds to exactly 1 / world: the very factor DDP's own
+    # reducer multiplies by, so equal shares give plain DDP's gradients bit for bit.
+    return mine / total
+
+
+def _weigh(source: torch.Tensor, weight: float, out: torch.Tensor) -> None:
+    """``out = source * weight``; zeros for weight 0 (an empty rank's mean loss is NaN: nothing to scale)."""
+    if weight == 0.0:
+        out.zero_()
+    else:
+        torch.mul(source, weight, out=out)
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 def _weighted_allreduce_hook(state: _BalanceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Scale this rank's bucket by its share of the global batch's samples, then all-reduce (sum)."""
-    buffer = bucket.buffer()
-    counts = state.step_counts()
-    world = state.world_size
-    if counts is None or sum(counts) <= 0:
-        if not state.warned:
-            state.warned = True
-            logger.warning("drbalance: no sample counts for this backward (no synchronising forward?); "
-                           "averaging gradients evenly as plain DDP does")
-        buffer.mul_(1.0 / world)
-    else:
-        mine, total = counts[state.rank], sum(counts)
-        if state.reduction == "sum":
-            buffer.mul_(1.0 / total)  # each rank's loss is a sum over its samples
-        elif mine == 0:
-            buffer.zero_()  # an empty rank contributes nothing (its mean loss would be NaN)
-        else:
-            # With equal counts mine / total rounds to exactly 1 / world: the very factor DDP's own
-            # reducer multiplies by, so equal shares give plain DDP's gradients bit for bit.
-            buffer.mul_(mine / total)
-    if bucket.is_last() and state.forward_started is not None:
+    """Weight this rank's bucket by its share of the global batch's samples, then all-reduce (sum).
+
+    On CPU buckets the last bucket's all-reduce is awaited here, on the backward's own thread, and
+    its result returned as a completed future: DDP waits for the last bucket right after its hook
+    anyway, and a callback on a gloo thread (a Python callback needs the GIL) costs a thread
+    hand-off that shows in steps of a few milliseconds. Earlier buckets stay asynchronous.
+    """
+    last = bucket.is_last()
+    if last and state.forward_started is not None:
         state.compute_seconds = time.perf_counter() - state.forward_started
+        state.compute_total += state.compute_seconds
+        state.compute_steps += 1
         state.forward_started = None
-    future = dist.all_reduce(buffer, group=state.gradients, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
+    step = state.step
+    if step is None or step.exchange:
+        return _exchange_step_allreduce(state, bucket, last)
+    return _counting_step_allreduce(state, step, bucket, last)
+
+
+def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket,
+                             last: bool) -> torch.futures.Future[torch.Tensor]:
+    """A control-exchange step: every count is known (the exchange) before the bucket is weighted."""
+    buffer = bucket.buffer()
+    counts = state.exchanged_counts() if state.step is not None else None
+    if counts is None or sum(counts) <= 0:
+        state.warn_once("drbalance: no sample counts for this backward (no synchronising forward, or no tensor "
+                        "input to count?); averaging gradients evenly as plain DDP does")
+        buffer.mul_(1.0 / state.world_size)
+    else:
+        _weigh(buffer, _local_weight(counts[state.rank], sum(counts), state.reduction), buffer)
+    work = _allreduce(state.gradients, buffer)
+    if last and not buffer.is_cuda:
+        work.wait()
+        return _completed(buffer)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.GradBucket,
+                             last: bool) -> torch.futures.Future[torch.Tensor]:
+    """A counting step: weight by ``n_r / B_ref`` now, correct by ``B_ref / B`` once the first bucket says B."""
+    buffer = bucket.buffer()
+    if buffer.dtype not in COUNT_DTYPES:
+        raise RuntimeError(
+            f"drbalance: gradient bucket {bucket.index()} is {buffer.dtype}, which cannot carry sample counts "
+            f"exactly; the model's parameters changed dtype after it was wrapped (wrap it after .half()/.to())"
+        )
+    weight = _local_weight(step.samples, step.ref, state.reduction)
+    if bucket.index() == 0:
+        return _reduce_first_bucket(state, step, buffer, weight, last)
+    if step.first is None:
+        raise RuntimeError(f"drbalance: gradient bucket {bucket.index()} was reduced before bucket 0, whose "
+                           f"reduction carries the sample counts (DDP reduces buckets in index order)")
+    _weigh(buffer, weight, buffer)
+    work = _allreduce(state.gradients, buffer)
+    if buffer.is_cuda:
+        # NCCL: collectives of one group run in order on one stream, and the first bucket's callback
+        # (which made step.factor) ran when its collective was queued. Not run on a GPU.
+        return work.get_future().then(lambda fut: _corrected_on_device(fut, step))
+    if last:
+        work.wait()
+        step.first.wait()  # done before this one on gloo, normally; raises if it failed
+        return _completed(_corrected_on_host(step, buffer))
+    # gloo may complete collectives out of order: wait for the first bucket's counts without blocking.
+    return torch.futures.collect_all([work.get_future(), step.first]).then(
+        lambda both: _corrected_on_host(step, buffer, both))
+
+
+def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor, weight: float,
+                         last: bool) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the first bucket with ``world_size`` count slots appended: the gradient sum and every count.
+
+    The result handed back to DDP is the longer vector: DDP reads each gradient from it by offset
+    (its views of a hook's result) and copies them out, so the count slots are never copied back.
+    """
+    staging = state.staging_for(buffer)
+    _weigh(buffer, weight, staging.gradients)
+    torch.mul(staging.mine, float(step.samples), out=staging.slots)  # this rank's count in its slot, zeros elsewhere
+    work = _allreduce(state.gradients, staging.whole)
+    if buffer.is_cuda:
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_device(state, step, staging, fut))
+    elif last:
+        work.wait()
+        step.first = _completed(_first_bucket_on_host(state, step, staging))
+    else:
+        step.first = work.get_future().then(lambda fut: _first_bucket_on_host(state, step, staging, fut))
+    return step.first
+
+
+def _first_bucket_on_host(state: _BalanceState, step: _Step, staging: _Staging, future: Any = None) -> torch.Tensor:
+    """Read every rank's count from the reduced slots; correct the bucket by ``B_ref / B`` unless they are equal."""
+    if future is not None:
+        future.value()  # raises if the reduction failed
+    counts = tuple(int(v) for v in staging.slots.tolist())  # whole numbers, exact in the bucket's dtype
+    now = sum(counts)
+    if now != step.ref:
+        if now <= 0:
+            state.warn_once("drbalance: no rank counted a sample in this step (no tensor input to count?); "
+                            "the gradient is the plain DDP average of what the ranks computed")
+        step.factor = step.ref / now if now > 0 else step.ref / state.world_size
+        staging.gradients.mul_(step.factor)
+    step.now = now
+    state.counted(counts)
+    return staging.whole
+
+
+def _corrected_on_host(step: _Step, buffer: torch.Tensor, both: Any = None) -> torch.Tensor:
+    if both is not None:
+        for future in both.value():
+            future.wait()  # raises if either reduction failed
+    if step.factor is not None:
+        buffer.mul_(step.factor)
+    return buffer
+
+
+def _first_bucket_on_device(state: _BalanceState, step: _Step, staging: _Staging, future: Any) -> torch.Tensor:
+    """CUDA: the correction as a device tensor, no host sync; the host reads the counts later. Not run on a GPU."""
+    future.value()  # raises if the reduction failed
+    now = staging.slots.sum()
+    ref = torch.full_like(now, float(step.ref))
+    # B_ref / B is exactly 1.0 when they are equal, so equal shares stay bit for bit.
+    factor = torch.where(now > 0, ref / now, ref / state.world_size)
+    staging.gradients.mul_(factor)
+    step.factor = factor
+    state.device_counts = _DeviceCounts(staging.slots)
+    return staging.whole
+
+
+def _corrected_on_device(future: Any, step: _Step) -> torch.Tensor:
+    if step.factor is None:
+        raise RuntimeError("drbalance: a gradient bucket's reduction finished before the first bucket's callback "
+                           "made the correction factor (expected NCCL to run them in order)")
+    return future.value()[0].mul_(step.factor)
 
 
 # DDP checks a hook's annotations against the real objects; this module's are strings (PEP 563).
@@ -218,10 +579,18 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
       with the gradient of the *mean* loss over the global batch.
     - ``device_label`` / ``device_uuid``: name and GPU UUID of this rank's device, when the
       module's device does not say it (e.g. emulated GPUs); default: from CUDA, or ``"cpu"``.
+    - ``exchange_every``: K, synchronising steps from one control exchange to the next (1 = every
+      step, as issue 12's first version). Default None: agreed at every exchange from rank 0's
+      measured step time and exchange latency (:func:`exchange_interval`; 1 for steps of a second,
+      up to ``MAX_EXCHANGE_INTERVAL`` for steps of a few milliseconds). The same on every rank
+      (checked). Half-precision gradient buckets exchange at every step whatever it says.
 
-    The constructor is a collective (as DDP's is): every rank of the group calls it. It makes a
-    gloo group of the job's ranks for control traffic (sample counts, DR agreement) and registers
-    the sample-weighting communication hook, so ``register_comm_hook`` cannot be used as well.
+    Sample counts ride in the first gradient bucket's all-reduce on most steps; a rank-0 DR
+    proposal, every rank's compute times and sampler positions travel with the control exchange,
+    every K steps (see the module docstring). The constructor is a collective (as DDP's is): every
+    rank of the group calls it. It makes a gloo group of the job's ranks for the control exchange
+    and DR agreement, and registers the sample-weighting communication hook, so
+    ``register_comm_hook`` cannot be used as well.
     Gradient accumulation with ``no_sync()`` counts the samples of every forward since the last
     synchronising one (each micro-batch's loss must then be the mean over the accumulated samples,
     i.e. scaled by its share of them, for the weighting to stay exact).
@@ -235,10 +604,15 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         loss_reduction: str = "mean",
         device_label: str | None = None,
         device_uuid: str | None = None,
+        exchange_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        if exchange_every is not None and (isinstance(exchange_every, bool) or not isinstance(exchange_every, int)
+                                           or exchange_every < 1):
+            raise ValueError(f"exchange_every must be None (agreed from measured times) or a whole number of "
+                             f"steps >= 1; got {exchange_every!r}")
         super().__init__(module, *args, **kwargs)
         group = self.process_group
         world_size, rank = group.size(), group.rank()
@@ -250,7 +624,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         control = _control_group(group)
         label, uuid = _local_device(self)
         self.ratio_schedule = RatioSchedule(initial)
-        self._balance = _BalanceState(rank, world_size, control, group, loss_reduction, self.ratio_schedule)
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+        counts_ride = dtypes <= set(COUNT_DTYPES) and kwargs.get("mixed_precision") is None
+        limit = FLOAT32_COUNT_LIMIT if torch.float32 in dtypes else 2**50
+        self._balance = _BalanceState(rank, world_size, control, group, loss_reduction, self.ratio_schedule,
+                                      exchange_every, counts_ride, limit)
         peers = self._introduce(initial, problem, device_label or label, uuid if device_uuid is None else device_uuid)
         self.device_labels: tuple[str, ...] = tuple(peer[0] for peer in peers)
         self._device_uuids: tuple[str, ...] = tuple(peer[1] for peer in peers)
@@ -260,21 +638,32 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """Exchange every rank's device and initial DR; raise on every rank if a DR is bad or they differ."""
         state = self._balance
         peers: list[Any] = [None] * state.world_size
-        mine = (label, uuid, ratio.shares, ratio.total, problem)
+        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride)
         try:
             dist.all_gather_object(peers, mine, group=state.control)
         except RuntimeError as error:
             raise RatioSyncError(
                 f"drbalance: rank {state.rank} could not reach the job's other ranks: {error}"
             ) from error
-        for rank, (_, _, _, _, trouble) in enumerate(peers):
+        for rank, (_, _, _, _, trouble, _, _) in enumerate(peers):
             if trouble:
                 raise ValueError(f"rank {rank} of the job: {trouble}")
-        for rank, (_, _, shares, total, _) in enumerate(peers):
+        for rank, (_, _, shares, total, _, pinned, ride) in enumerate(peers):
             if (tuple(shares), total) != (ratio.shares, ratio.total):
                 raise ValueError(
                     f"rank {rank} was given ratio {list(shares)}/{total} but rank {state.rank} {ratio}; give every "
                     f"rank of a BalancedDistributedDataParallel the same ratio"
+                )
+            if pinned != state.pinned:
+                raise ValueError(
+                    f"rank {rank} was given exchange_every={pinned} but rank {state.rank} {state.pinned}; give every "
+                    f"rank of a BalancedDistributedDataParallel the same exchange_every"
+                )
+            if ride != state.counts_ride:
+                raise ValueError(
+                    f"rank {rank}'s gradients are {'' if ride else 'not '}float32/float64 but rank {state.rank}'s "
+                    f"are{'' if state.counts_ride else ' not'}; give every rank the same parameter dtypes and "
+                    f"mixed_precision"
                 )
         return peers
 
@@ -316,17 +705,18 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
     def propose_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
         """Rank 0: have every rank use ``ratio`` soon, at no extra communication (other ranks: ignored).
 
-        The proposal rides on the next synchronising step's sample-count exchange; while that
-        step's gradients are reduced, every rank makes ``ratio`` its DR from the furthest global
-        batch any rank's sampler had produced at that forward. :meth:`take_agreed` lists the
-        changes made. ``ValueError`` for a DR this job cannot use.
+        The proposal rides on the next control exchange (within K synchronising steps, see
+        :attr:`exchange_plan`); while that step's gradients are reduced, every rank makes
+        ``ratio`` its DR from the furthest global batch any rank's sampler had produced at that
+        step's forward. :meth:`take_agreed` lists the changes made. ``ValueError`` for a DR this
+        job cannot use.
         """
         checked = check_rank_ratio(ratio, self.world_size)
         if self.rank == 0:
             self._balance.proposal = None if checked == self.ratio else checked
 
     def take_agreed(self) -> list[tuple[DataRatio, int]]:
-        """The (DR, first global batch) changes agreed through step exchanges since the last call."""
+        """The (DR, first global batch) changes agreed through control exchanges since the last call."""
         state = self._balance
         with state.lock:
             agreed, state.agreed = state.agreed, []
@@ -365,21 +755,47 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
     # --- what the last steps did --------------------------------------------------------------
     @property
     def last_chunk_sizes(self) -> tuple[int, ...]:
-        """Samples every rank trained on in the last synchronised step (zeros before the first)."""
-        counts = self._balance.counts
+        """Samples every rank trained on in the last synchronised step (zeros before the first).
+
+        Every step's counts are known to every rank (from the control exchange or the first
+        gradient bucket). On CUDA buckets this waits for the last step's count slots.
+        """
+        counts = self._balance.last_counts()
         return counts if counts is not None else (0,) * self.world_size
+
+    @property
+    def exchange_every(self) -> int | None:
+        """K as pinned by the constructor's ``exchange_every`` (None: agreed at every exchange)."""
+        return self._balance.pinned
+
+    @property
+    def exchange_plan(self) -> ExchangePlan | None:
+        """What the last control exchange agreed: its step, K, and rank 0's measurements (None before one)."""
+        return self._balance.plan
+
+    @property
+    def last_step_exchanged(self) -> bool:
+        """Whether the last synchronising step ran a control exchange (else its counts rode in the gradients)."""
+        step = self._balance.step
+        return step is not None and step.exchange
+
+    @property
+    def counts_ride(self) -> bool:
+        """Whether sample counts can ride in the gradient all-reduce (False: half-precision buckets)."""
+        return self._balance.counts_ride
 
     def last_replica_timings(self) -> list[ReplicaTiming]:
         """Per rank: samples and compute seconds (forward start to last gradient bucket ready).
 
-        These are the step before the last one: they travel with the next step's sample counts,
-        so they cost no extra collective. Empty until two steps have run.
+        These are of the step before the last control exchange, which carried them (so they cost
+        no collective of their own): with K > 1 they can be up to K steps old. Empty until a
+        second exchange has run.
         """
         state = self._balance
-        if state.times is None or state.previous_counts is None:
+        if state.times is None or state.timed_counts is None:
             return []
         return [
-            ReplicaTiming(rank, self.device_labels[rank], state.previous_counts[rank], seconds)
+            ReplicaTiming(rank, self.device_labels[rank], state.timed_counts[rank], seconds)
             for rank, seconds in enumerate(state.times)
         ]
 
@@ -392,7 +808,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
             state.pending += batch_size_of(inputs, kwargs, self.dim) or 0
             if self.require_backward_grad_sync:
                 samples, state.pending = state.pending, 0
-                state.start(samples)
+                state.begin(samples)
         return super().forward(*inputs, **kwargs)
 
     def extra_repr(self) -> str:
@@ -403,11 +819,11 @@ class JobSync:
     """The DDP side of the manager link: what a ``Session`` steers when its model is a DDP job.
 
     Only rank 0 (the *leader*) talks to the manager. Its session hands the manager's DR to
-    :meth:`set_ratio`, which proposes it to the job (``propose_ratio``): the next training step's
-    sample-count exchange carries it to every rank, and every rank makes it its DR from the same
-    global batch on. No extra collective, no rank waits for rank 0's talk with the manager, and a
-    rank never trains a batch with a DR the others do not use for it. :meth:`synchronize` reports
-    the changes made since it was last called.
+    :meth:`set_ratio`, which proposes it to the job (``propose_ratio``): the next control exchange
+    (within K synchronising steps) carries it to every rank, and every rank makes it its DR from
+    the same global batch on. No extra collective, no rank waits for rank 0's talk with the
+    manager, and a rank never trains a batch with a DR the others do not use for it.
+    :meth:`synchronize` reports the changes made since it was last called.
     """
 
     def __init__(self, model: BalancedDistributedDataParallel) -> None:
@@ -442,7 +858,7 @@ class JobSync:
 def _control_group(group: Any) -> Any:
     """A gloo group of ``group``'s ranks (the group itself when it is gloo already).
 
-    Sample counts and the DR are tiny CPU tensors: on gloo they cost no GPU synchronisation
+    The control exchange and the DR are tiny CPU tensors: on gloo they cost no GPU synchronisation
     whatever the gradient backend is. Only the group's members call ``new_group``.
     """
     if dist.get_backend(group) == "gloo":
@@ -451,4 +867,7 @@ def _control_group(group: Any) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
-__all__ = ["BalancedDistributedDataParallel", "JobSync", "RatioSyncError", "LOSS_REDUCTIONS"]
+__all__ = [
+    "EXCHANGE_BUDGET", "LOSS_REDUCTIONS", "MAX_EXCHANGE_INTERVAL", "BalancedDistributedDataParallel", "ExchangePlan",
+    "JobSync", "RatioSyncError", "exchange_interval",
+]

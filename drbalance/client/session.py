@@ -22,8 +22,8 @@ one, training goes on with its own DR (one warning); it re-attaches when a manag
 A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates the Session on
 every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
 the record and SD log; the manager's DR reaches the other ranks through the job's own process
-group, with the next step's sample counts (``drbalance.client.distributed.JobSync``), and every
-rank uses it from the same global batch on. See docs/ddp.md.
+group, with the job's next control exchange (every K steps, ``drbalance.client.distributed.JobSync``),
+and every rank uses it from the same global batch on. See docs/ddp.md.
 """
 
 from __future__ import annotations

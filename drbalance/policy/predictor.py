@@ -112,11 +112,11 @@ class Predictor:
         self.apps: dict[str, AppModel] = {}
         self.speed = [1.0] * gpu_count
         self._speed_measured = [False] * gpu_count
-        self.kappa: dict[tuple[str, str], float] = {}
-        # running sums for pairs never seen together: per app, kappa suffered and caused (sum, count)
-        self._suffered: dict[str, list[float]] = {}
-        self._caused: dict[str, list[float]] = {}
-        self._total = [0.0, 0]
+        # kappa per pair, learned apart in two contexts: False = the two alone on the GPU, True = in
+        # a crowd (a third app there too); with running sums for pairs never seen together
+        self.kappa: dict[bool, dict[tuple[str, str], float]] = {False: {}, True: {}}
+        self._sums = {False: _KappaSums(), True: _KappaSums()}
+        self.generation = 0  # moves on whenever anything a prediction reads is learned or forgotten
         self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
         self._placed: dict[str, tuple[DataRatio, int, tuple[int, ...]]] = {}  # per app: DR, batch, GPUs with samples
 
@@ -126,12 +126,17 @@ class Predictor:
         keep = set(live)
         for name in [name for name in self.apps if name not in keep]:
             del self.apps[name]
+            self.generation += 1
             self._modelled.pop(name, None)
             self._placed.pop(name, None)
-        # the running sums name every app in a learned pair: the pairs are walked only when one is gone
-        if any(name not in keep for name in self._suffered) or any(name not in keep for name in self._caused):
-            for pair in [pair for pair in self.kappa if pair[0] not in keep or pair[1] not in keep]:
-                self._set_kappa(pair, None)
+        for crowd, learned in self.kappa.items():
+            # a context's running sums name every app in a pair it learned: its pairs are walked
+            # only when one of those apps is gone
+            sums = self._sums[crowd]
+            if keep.issuperset(sums.suffered) and keep.issuperset(sums.caused):
+                continue
+            for pair in [pair for pair in learned if pair[0] not in keep or pair[1] not in keep]:
+                self._set_kappa(pair, crowd, None)
 
     def model(self, view: AppView) -> AppModel:
         model = self.apps.get(view.name)
@@ -139,6 +144,9 @@ class Predictor:
         solo = view.solo_time / max(1, view.iterations_total)
         if model is None:
             model = self.apps[view.name] = AppModel(solo, batch)
+            self.generation += 1
+        elif model.solo_iteration != solo or model.batch != batch:
+            self.generation += 1
         model.solo_iteration, model.batch = solo, batch
         return model
 
@@ -163,6 +171,7 @@ class Predictor:
             if placement is None or view.iteration == model.measured_iteration:
                 continue
             model.measured_iteration = view.iteration
+            self.generation += 1  # host, overhead, speeds, kappas, correction
             others = self._co_runners(view, placement, views)
             self._learn_host(view, model, placement)
             self._learn_gpus(view, model, placement, others)
@@ -198,7 +207,8 @@ class Predictor:
         work = model.work(config)
         longest = 0.0
         for gpu, duties in others.items():
-            stretch = 1.0 + sum(self.pair_kappa(view.name, name) * duty for name, duty in duties.items())
+            crowd = len(duties) > 1
+            stretch = 1.0 + sum(self.pair_kappa(view.name, name, crowd) * duty for name, duty in duties.items())
             longest = max(longest, work * self.size_factor(placement[gpu], model.batch) / self.speed[gpu] * stretch)
         return model.host_time(config) + model.overhead_time(config) * (len(others) - 1) + longest
 
@@ -231,33 +241,23 @@ class Predictor:
                     self._speed_measured[gpu] = True
                 continue
             stretch = seconds * self.speed[gpu] / unstretched - 1.0
-            predicted = sum(self.pair_kappa(view.name, name) * duty for name, duty in others.items())
+            crowd = len(others) > 1
+            predicted = sum(self.pair_kappa(view.name, name, crowd) * duty for name, duty in others.items())
             norm = sum(duty * duty for duty in others.values()) + 1e-3
             step = config.interference_step * (stretch - predicted) / norm
             for name, duty in others.items():
-                pair = (view.name, name)
-                self._set_kappa(pair, min(10.0, max(0.0, self.pair_kappa(*pair) + step * duty)))
+                value = self.pair_kappa(view.name, name, crowd) + step * duty
+                self._set_kappa((view.name, name), crowd, min(10.0, max(0.0, value)))
 
-    def _set_kappa(self, pair: tuple[str, str], value: float | None) -> None:
-        """Set (or with None forget) one pair's kappa, keeping the running sums in step."""
-        old = self.kappa.pop(pair, None)
-        for table, name in ((self._suffered, pair[0]), (self._caused, pair[1])):
-            entry = table.setdefault(name, [0.0, 0])
-            if old is not None:
-                entry[0] -= old
-                entry[1] -= 1
-            if value is not None:
-                entry[0] += value
-                entry[1] += 1
-            if entry[1] == 0:
-                del table[name]
+    def _set_kappa(self, pair: tuple[str, str], crowd: bool, value: float | None) -> None:
+        """Set (or with None forget) one pair's kappa in one context, keeping the running sums in step."""
+        self.generation += 1
+        old = self.kappa[crowd].pop(pair, None)
         if old is not None:
-            self._total[0] -= old
-            self._total[1] -= 1
+            self._sums[crowd].remove(pair, old)
         if value is not None:
-            self.kappa[pair] = value
-            self._total[0] += value
-            self._total[1] += 1
+            self.kappa[crowd][pair] = value
+            self._sums[crowd].add(pair, value)
 
     def _learn_correction(self, view: AppView, model: AppModel, predicted: float) -> None:
         if predicted > 0:
@@ -265,22 +265,34 @@ class Predictor:
             ratio = min(high, max(low, view.iteration_time / predicted))
             model.correction = _blend(model.correction, ratio, self.config.smoothing)
 
-    def pair_kappa(self, app: str, other: str) -> float:
-        """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU."""
-        learned = self.kappa.get((app, other))
-        if learned is not None:
-            return learned
-        total, count = self._total
-        if count == 0:
-            return self.config.interference_prior
-        overall = total / count
-        if overall <= 0:
-            return 0.0
-        suffered = self._suffered.get(app)
-        caused = self._caused.get(other)
-        sensitivity = suffered[0] / suffered[1] if suffered else overall
-        aggressiveness = caused[0] / caused[1] if caused else overall
-        return sensitivity * aggressiveness / overall
+    def pair_kappa(self, app: str, other: str, crowd: bool = False) -> float:
+        """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU, the two
+        alone there (``crowd`` False) or with a third app (True).
+
+        The additive model is not exact, so kappas are learned apart in the two contexts: in
+        scenario (a) from spread, kappas learned with all six apps on every GPU were about 0.9
+        where the same pairs alone together measured 0.6, and predicting pairs from the crowd's
+        values kept every swap out of reach. What a pair showed alone together is the best
+        knowledge of it in either context; a kappa learned in a crowd comes next for a crowd, and
+        for a pair only after an estimate from the kappas learned in pairs. An estimate for a
+        pair never seen together is the app's mean sensitivity times the other's mean
+        aggressiveness over the mean; with nothing learned, ``interference_prior``.
+        """
+        pair = (app, other)
+        learned, sums = self.kappa, self._sums
+        found = learned[False].get(pair)
+        if crowd:
+            if found is None:
+                found = learned[True].get(pair)
+            if found is None:
+                found = sums[False].estimate(app, other)
+        elif found is None:
+            found = sums[False].estimate(app, other)
+            if found is None:
+                found = learned[True].get(pair)
+        if found is None:
+            found = sums[True].estimate(app, other)
+        return self.config.interference_prior if found is None else found
 
     # --- prediction -------------------------------------------------------------------------------
     def size_factor(self, size: float, batch: int) -> float:
@@ -295,6 +307,44 @@ class Predictor:
     def iteration_times(self, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> dict[str, float]:
         """Predicted seconds per iteration of every app if each used the DR given for it."""
         return self.neighbourhood(ratios, views).solve(list(ratios), {})
+
+
+class _KappaSums:
+    """Running sums of a set of learned kappas, for estimating pairs never seen together."""
+
+    def __init__(self) -> None:
+        self.suffered: dict[str, list[float]] = {}  # per app: kappa it suffered (sum, count)
+        self.caused: dict[str, list[float]] = {}  # per app: kappa it caused (sum, count)
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, pair: tuple[str, str], value: float) -> None:
+        self._change(pair, value, 1)
+
+    def remove(self, pair: tuple[str, str], value: float) -> None:
+        self._change(pair, -value, -1)
+
+    def _change(self, pair: tuple[str, str], value: float, count: int) -> None:
+        for table, name in ((self.suffered, pair[0]), (self.caused, pair[1])):
+            entry = table.setdefault(name, [0.0, 0])
+            entry[0] += value
+            entry[1] += count
+            if entry[1] == 0:
+                del table[name]
+        self.total += value
+        self.count += count
+
+    def estimate(self, app: str, other: str) -> float | None:
+        """Sensitivity of ``app`` times aggressiveness of ``other`` over the mean (None: nothing learned)."""
+        if self.count == 0:
+            return None
+        overall = self.total / self.count
+        if overall <= 0:
+            return 0.0
+        suffered, caused = self.suffered.get(app), self.caused.get(other)
+        sensitivity = suffered[0] / suffered[1] if suffered else overall
+        aggressiveness = caused[0] / caused[1] if caused else overall
+        return sensitivity * aggressiveness / overall
 
 
 class Chunks(NamedTuple):
@@ -317,9 +367,11 @@ class Neighbourhood:
     time over iteration time; a prior before it is measured). Comparing the affected apps before
     and after a change is then cheap, whatever the number of apps.
 
-    The predictor must not learn while a neighbourhood is in use: what does not depend on the
-    change (each app's chunks under a DR, pair kappas, measured duties, the solution without a
-    change for a set of apps) is computed once and kept.
+    What does not depend on the change (each app's chunks under a DR, pair kappas in both
+    contexts, measured duties, the solution without a change for a set of apps) is computed once
+    and kept until the predictor learns something (its ``generation`` moves on): then all but
+    the configuration (``ratios``, ``on_gpu``, measured duties, as at construction) is computed
+    afresh.
     """
 
     ROUNDS = 3
@@ -343,8 +395,11 @@ class Neighbourhood:
                 for gpu in gpus:
                     on_gpu[gpu].append(name)
         self._duty: dict[tuple[str, int], float] = {}
-        self._kappa: dict[str, dict[str, float]] = {}  # app -> other -> kappa
-        self._terms: dict[tuple[str, int], list[tuple[str, float]]] = {}
+        # what depends on what the predictor learned, kept while it learns nothing (``_renew``)
+        self._generation = predictor.generation
+        self._kappa: dict[str, tuple[dict[str, float], dict[str, float]]] = {}  # app -> (pair, crowd): other -> kappa
+        self._terms: dict[tuple[str, int, bool], list[tuple[str, float]]] = {}
+        self._alone: dict[tuple[str, int], float] = {}  # a chunk's stretch with the app alone in the set
         self._chunks: dict[tuple[str, tuple[int, ...], int], Chunks] = {}
         self._current: dict[str, Chunks] = {}  # chunks under the current DRs
         self._models: dict[str, tuple[int, float, float, float]] = {}  # batch, work, host, overhead seconds
@@ -368,28 +423,51 @@ class Neighbourhood:
             self._duty[key] = value
         return value
 
-    def kappa(self, app: str, other: str) -> float:
-        """``Predictor.pair_kappa``, kept for the neighbourhood's lifetime."""
-        row = self._kappa.get(app)
-        if row is None:
-            row = self._kappa[app] = {}
+    def kappa(self, app: str, other: str, crowd: bool = False) -> float:
+        """``Predictor.pair_kappa`` in either context, kept until the predictor learns."""
+        if self._generation != self.predictor.generation:
+            self._renew()
+        rows = self._kappa.get(app)
+        if rows is None:
+            rows = self._kappa[app] = ({}, {})
+        row = rows[crowd]  # [False]: alone together, [True]: in a crowd
         value = row.get(other)
         if value is None:
-            value = row[other] = self.predictor.pair_kappa(app, other)
+            value = row[other] = self.predictor.pair_kappa(app, other, crowd)
         return value
 
-    def _outside_terms(self, name: str, gpu: int) -> list[tuple[str, float]]:
+    def _outside_terms(self, name: str, gpu: int, crowd: bool) -> list[tuple[str, float]]:
         """Per app of the current configuration on ``gpu`` (but ``name``): how much it stretches
-        ``name``'s chunk there while it counts by its measured duty (kappa x duty)."""
-        key = (name, gpu)
+        ``name``'s chunk there while it counts by its measured duty (kappa x duty), the kappas of
+        a crowd or of a pair as ``crowd`` says."""
+        key = (name, gpu, crowd)
         terms = self._terms.get(key)
         if terms is None:
-            terms = self._terms[key] = [(other, self.kappa(name, other) * self.measured_duty(other, gpu))
+            terms = self._terms[key] = [(other, self.kappa(name, other, crowd) * self.measured_duty(other, gpu))
                                         for other in self.on_gpu[gpu] if other != name]
         return terms
 
+    def _outside_alone(self, name: str, gpu: int) -> float:
+        """The stretch of ``name``'s chunk on ``gpu`` when it is the only app of the set solved:
+        1 plus every other current occupant's term (in a crowd if there are two or more)."""
+        crowd = sum(1 for other in self.on_gpu[gpu] if other != name) >= 2
+        outside = 1.0
+        for _, term in self._outside_terms(name, gpu, crowd):
+            outside += term
+        self._alone[(name, gpu)] = outside
+        return outside
+
+    def _renew(self) -> None:
+        """Forget every value that depends on what the predictor learned (it learned since)."""
+        self._generation = self.predictor.generation
+        for cache in (self._kappa, self._terms, self._alone, self._chunks, self._current, self._models,
+                      self._unchanged):
+            cache.clear()
+
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
         """The changed apps and every app on a GPU they use before or after the change."""
+        if self._generation != self.predictor.generation:
+            self._renew()
         gpus: set[int] = set()
         for name, ratio in changes.items():
             gpus.update(self.chunks(name, ratio).gpus)  # the GPUs that get samples
@@ -407,6 +485,8 @@ class Neighbourhood:
 
     def chunks(self, name: str, ratio: DataRatio) -> Chunks:
         """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them."""
+        if self._generation != self.predictor.generation:
+            self._renew()
         key = (name, ratio.shares, ratio.total)
         found = self._chunks.get(key)
         if found is None:
@@ -439,6 +519,8 @@ class Neighbourhood:
 
     def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
         """Predicted (corrected) seconds per iteration of ``names`` with ``changes`` applied."""
+        if self._generation != self.predictor.generation:
+            self._renew()
         unchanged = None
         if not changes:
             unchanged = tuple(names)
@@ -472,6 +554,17 @@ class Neighbourhood:
                     entry = inside_on[gpu] = []
                 entry.append((name, position, slots))
                 slots += 1
+        # per GPU the set uses: whether an app there is in a crowd (it and two others or more, of
+        # the set or staying put), which picks the kappas (``Predictor.pair_kappa``)
+        on_gpu = self.on_gpu
+        crowded: dict[int, bool] = {}
+        for gpu, here in inside_on.items():
+            if len(here) > 2:
+                crowded[gpu] = True
+            else:
+                there = on_gpu[gpu]
+                crowded[gpu] = (len(there) + len(here) > 2
+                                and sum(1 for other in there if other not in index) + len(here) > 2)
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
         # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
         plans = []
@@ -479,23 +572,25 @@ class Neighbourhood:
         kappa_rows, all_terms = self._kappa, self._terms
         coupled = False  # whether any two apps of the set share a GPU
         for position, name in enumerate(names):
-            row = kappa_rows.get(name)
-            if row is None:
-                row = kappa_rows[name] = {}
+            rows = kappa_rows.get(name)
+            if rows is None:
+                rows = kappa_rows[name] = ({}, {})
             for gpu, chunk in chunks[position]:
+                crowd = crowded[gpu]
                 outside = 1.0
-                terms = all_terms.get((name, gpu))
+                terms = all_terms.get((name, gpu, crowd))
                 if terms is None:
-                    terms = self._outside_terms(name, gpu)
+                    terms = self._outside_terms(name, gpu, crowd)
                 for other, term in terms:
                     if other not in index:
                         outside += term
                 partners = []
+                row = rows[crowd]
                 for other, where, number in inside_on[gpu]:
                     if other != name:
                         factor = row.get(other)
                         if factor is None:
-                            factor = self.kappa(name, other)
+                            factor = self.kappa(name, other, crowd)
                         partners.append((factor, number, where))
                 coupled = coupled or bool(partners)
                 plans.append((position, chunk, outside, partners))
@@ -525,14 +620,11 @@ class Neighbourhood:
         ratio = changes.get(name) if changes else None
         found = self._current.get(name) or self._current_chunks(name) if ratio is None else self.chunks(name, ratio)
         longest = 0.0
-        all_terms = self._terms
+        alone = self._alone
         for gpu, chunk in found.placed:
-            outside = 1.0
-            terms = all_terms.get((name, gpu))
-            if terms is None:
-                terms = self._outside_terms(name, gpu)
-            for _, term in terms:  # every other app is outside the set
-                outside += term
+            outside = alone.get((name, gpu))
+            if outside is None:
+                outside = self._outside_alone(name, gpu)
             value = chunk * outside
             if value > longest:
                 longest = value

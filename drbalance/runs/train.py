@@ -130,16 +130,20 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
     return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
 
 
-def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
+def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str = "train.py",
+              profiling: bool = True) -> float | str:
+    """The job's solo-run time in seconds from ``--solo-time`` (a number, ``auto`` with emulated
+    GPUs, or a profile name, returned as is); 1.0 while being profiled when ``profiling`` allows
+    it. Bad values exit with a message that starts with ``program``."""
     value = args.solo_time
     if value is None:
-        if os.environ.get("DRBALANCE_PROFILE_OUTPUT"):
+        if profiling and os.environ.get("DRBALANCE_PROFILE_OUTPUT"):
             return 1.0  # being profiled: the solo time is what is being measured
-        raise SystemExit("train.py: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
+        raise SystemExit(f"{program}: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
                          "or 'auto' with emulated GPUs")
     if value == "auto":
         if kind != "emulated":
-            raise SystemExit("train.py: --solo-time auto needs emulated GPUs (their timing model is known)")
+            raise SystemExit(f"{program}: --solo-time auto needs emulated GPUs (their timing model is known)")
         from drbalance.workload.models import model_costs
 
         per_iteration = model_costs(args.model).solo_iteration(args.batch_size * args.sample_scale)
@@ -149,7 +153,7 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | s
     except ValueError:
         return value  # a profile name
     if not (math.isfinite(seconds) and seconds > 0):
-        raise SystemExit(f"train.py: --solo-time must be > 0 seconds; got {value!r}")
+        raise SystemExit(f"{program}: --solo-time must be > 0 seconds; got {value!r}")
     return seconds
 
 

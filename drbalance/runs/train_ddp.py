@@ -16,7 +16,6 @@ ranks (default: equal shares). ``--gpus`` maps local rank i to device ``gpus[i]`
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ from torchvision import transforms
 
 from drbalance import defaults, env
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
-from drbalance.runs.train import MODELS, add_training_options
+from drbalance.runs.train import MODELS, add_training_options, solo_time
 
 PROGRAM = "train_ddp.py"
 
@@ -141,26 +140,6 @@ def classes_of(args: argparse.Namespace) -> int:
     return len(torchvision.datasets.folder.find_classes(args.data)[0])
 
 
-def solo_time(args: argparse.Namespace, kind: str, iterations: int) -> float | str:
-    value = args.solo_time
-    if value is None:
-        raise fail("give --solo-time SECONDS, a profile name (see 'drbalance profile'), or 'auto' with emulated GPUs")
-    if value == "auto":
-        if kind != "emulated":
-            raise fail("--solo-time auto needs emulated GPUs (their timing model is known)")
-        from drbalance.workload.models import model_costs
-
-        per_iteration = model_costs(args.model).solo_iteration(args.batch_size * args.sample_scale)
-        return iterations * args.epochs * per_iteration * args.time_scale
-    try:
-        seconds = float(value)
-    except ValueError:
-        return value  # a profile name
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise fail(f"--solo-time must be > 0 seconds; got {value!r}")
-    return seconds
-
-
 def app_name(args: argparse.Namespace, rank: int) -> str:
     """The app name, the same on every rank (rank 0's pid goes to the others through the process group)."""
     if args.app:
@@ -206,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()  # the mean over this rank's samples: the hook weights it by its share
     app = app_name(args, rank)
-    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
+    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations, PROGRAM, profiling=False),
                       report_every=args.report_every, decide_every=args.decide_every)
     progress = None
     if rank == 0 and not args.no_progress and sys.stderr.isatty():

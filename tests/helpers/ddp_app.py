@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--report-every", type=int, default=5)
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--exchange-timeout", type=float, default=2.0)
+    parser.add_argument("--exchange-every", type=int, default=None, help="pin K (default: agreed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -45,7 +46,7 @@ def main() -> None:
     data = torch.randn(args.iterations * args.batch, 4)
     target = torch.randn(args.iterations * args.batch, 2)
     ratio = [int(x) for x in args.ratio.split(",")] if args.ratio else None
-    model = BalancedDistributedDataParallel(nn.Linear(4, 2), ratio=ratio)
+    model = BalancedDistributedDataParallel(nn.Linear(4, 2), ratio=ratio, exchange_every=args.exchange_every)
     sampler = BalancedBatchSampler(len(data), args.batch, model=model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     session = Session(model, args.app, args.epochs, len(sampler), 1.0, report_every=args.report_every,

@@ -33,6 +33,11 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def deep_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
 def dataset(samples: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(samples, 6, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
@@ -47,10 +52,15 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def gradients(rank: int, world: int, out: str) -> None:
-    """Uneven DRs, a local DR change mid-epoch and an agreed one: compare with one process on the whole batch."""
+    """Uneven DRs, a local DR change mid-epoch and an agreed one: compare with one process on the whole batch.
+
+    K is pinned to 4: steps 0 and 4 run the control exchange, the others are counting steps (the
+    counts ride in the first gradient bucket), among them the epoch's folded last batch (step 3,
+    14 samples after 12), the first batch of the set_ratio change (step 3) and of the agreed one (step 5).
+    """
     init(rank, world, out)
     x, y = dataset()
-    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 7])
+    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 7], exchange_every=4)
     reference = copy.deepcopy(small_net())
     sampler = BalancedBatchSampler(len(x), 12, model=model, seed=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -76,11 +86,13 @@ def gradients(rank: int, world: int, out: str) -> None:
             index, ratio, sizes = sampler.last
             steps.append({"epoch": epoch, "step": step, "index": index, "ratio": ratio.to_list(),
                           "sizes": list(sizes), "local": len(indices), "counts": list(model.last_chunk_sizes),
+                          "exchanged": model.last_step_exchanged,
                           "error": max_difference(grads(model.module), grads(reference)),
                           "scale": max(float(g.abs().max()) for g in grads(reference))})
             optimizer.step()
             reference_optimizer.step()
-    parameters = max(float((p - q).abs().max()) for p, q in zip(model.module.parameters(), reference.parameters()))
+    parameters = max(float((p - q).detach().abs().max())
+                     for p, q in zip(model.module.parameters(), reference.parameters()))
     timings = [[t.slot, t.samples, t.seconds] for t in model.last_replica_timings()]
     write(out, "gradients", rank, {"steps": steps, "seen": seen, "parameters": parameters, "timings": timings,
                                    "batches_per_epoch": len(sampler)})
@@ -91,15 +103,16 @@ def plain_ddp(rank: int, world: int, out: str) -> None:
     """Equal shares match plain DDP bit for bit; unequal batches under plain DDP do not match the full-batch mean."""
     init(rank, world, out)
     x, y = dataset(48)
-    balanced = BalancedDistributedDataParallel(small_net())  # even: [1, 1, 1]
+    balanced = BalancedDistributedDataParallel(small_net(), exchange_every=3)  # even; steps 1 and 2 count in-bucket
     plain = nn.parallel.DistributedDataParallel(small_net())
     sampler = BalancedBatchSampler(len(x), 12, model=balanced, shuffle=False)
-    identical = []
+    identical, exchanged = [], []
     for indices in sampler:
         for model in (balanced, plain):
             model.zero_grad()
             functional.cross_entropy(model(x[indices]), y[indices]).backward()
         identical.append(max_difference(grads(balanced.module), grads(plain.module)))
+        exchanged.append(balanced.last_step_exchanged)
     # plain DDP fed uneven local batches (the wrong gradient this library exists to fix)
     sizes = [2, 3, 7][:world]
     start = sum(sizes[:rank])
@@ -109,7 +122,7 @@ def plain_ddp(rank: int, world: int, out: str) -> None:
     reference = small_net()
     whole = list(range(sum(sizes)))
     functional.cross_entropy(reference(x[whole]), y[whole]).backward()
-    write(out, "plain", rank, {"identical": identical,
+    write(out, "plain", rank, {"identical": identical, "exchanged": exchanged,
                                "naive_error": max_difference(grads(plain.module), grads(reference))})
     dist.destroy_process_group()
 
@@ -167,5 +180,89 @@ def agreement(rank: int, world: int, out: str) -> None:
     summed = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4], loss_reduction="sum")
     functional.cross_entropy(summed(x[mine]), y[mine], reduction="sum").backward()
     found["sum_error"] = max_difference(grads(summed.module), grads(reference))
+    found["between"] = proposal_between_exchanges(rank)
     write(out, "agreement", rank, found)
+    dist.destroy_process_group()
+
+
+def proposal_between_exchanges(rank: int) -> dict:
+    """K pinned to 3: rank 0 proposes at step 1 (a counting step); the exchange of step 3 carries it."""
+    x, y = dataset(400)
+    model = BalancedDistributedDataParallel(small_net(), ratio=[1, 2, 3, 4], exchange_every=3)
+    sampler = BalancedBatchSampler(400, 20, model=model)
+    batches = iter(sampler)
+    steps = []
+    for step in range(4):
+        indices = next(batches)
+        if step == 1:
+            model.propose_ratio([4, 3, 2, 1] if rank == 0 else [1, 1, 1, 7])
+        if step == 3:
+            for _ in range(rank):  # every rank had produced batches 0-3; now rank r up to 3 + r
+                next(batches)
+        model.zero_grad()
+        functional.cross_entropy(model(x[indices]), y[indices]).backward()
+        steps.append({"exchanged": model.last_step_exchanged, "agreed": [[r.to_list(), i] for r, i in
+                                                                         model.take_agreed()],
+                      "ratio": model.ratio.to_list(), "plan": [model.exchange_plan.step, model.exchange_plan.interval]})
+    used = {}
+    while sampler.last[0] < 9:
+        next(batches)
+        used[sampler.last[0]] = sampler.last[1].to_list()
+    return {"steps": steps, "used": sorted(used.items())}
+
+
+def draw_sizes(generator: torch.Generator, world: int, low: int = 1, high: int = 6) -> list[int]:
+    return torch.randint(low, high + 1, (world,), generator=generator).tolist()
+
+
+def counting(rank: int, world: int, out: str) -> None:
+    """Counting steps with uneven, changing counts: an agreed K, then K pinned with summed losses and an empty rank."""
+    init(rank, world, out)
+    count_and_compare(rank, world, out, torch.device("cpu"))
+
+
+def counting_nccl(rank: int, world: int, out: str) -> None:
+    """The same on NCCL, one CUDA GPU per rank (tests/test_ddp_cuda.py; needs 2 GPUs)."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    count_and_compare(rank, world, out, torch.device("cuda", rank))
+
+
+def count_and_compare(rank: int, world: int, out: str, device: torch.device) -> None:
+    x, y = (t.to(device) for t in dataset(400))
+    generator = torch.Generator().manual_seed(7)  # the same draws on every rank
+    ids = [device.index] if device.type == "cuda" else None
+
+    def wrap(net: nn.Module, **kwargs) -> BalancedDistributedDataParallel:
+        return BalancedDistributedDataParallel(net.to(device), device_ids=ids, **kwargs)
+
+    def one_step(model: BalancedDistributedDataParallel, sizes: list[int], reduction: str, net=small_net) -> dict:
+        start = sum(sizes[:rank])
+        mine = list(range(start, start + sizes[rank]))
+        whole = list(range(sum(sizes)))
+        model.zero_grad()
+        functional.cross_entropy(model(x[mine]), y[mine], reduction=reduction).backward()
+        reference = net().to(device)
+        functional.cross_entropy(reference(x[whole]), y[whole]).backward()
+        plan = model.exchange_plan
+        return {"sizes": sizes, "counts": list(model.last_chunk_sizes), "exchanged": model.last_step_exchanged,
+                "plan": [plan.step, plan.interval, plan.step_seconds, plan.cost_seconds],
+                "error": max_difference(grads(model.module), grads(reference)),
+                "scale": max(float(g.abs().max()) for g in grads(reference))}
+
+    adaptive = wrap(small_net())  # K agreed from rank 0's measurements
+    agreed = [one_step(adaptive, draw_sizes(generator, world), "mean") for _ in range(40)]
+    pinned = wrap(small_net(), exchange_every=3)
+    empty = [4, 0, 3][:world] if world >= 2 else [4]
+    plan = [draw_sizes(generator, world), empty, draw_sizes(generator, world), draw_sizes(generator, world), empty]
+    pinned_steps = [one_step(pinned, sizes, "mean") for sizes in plan]
+    summed = wrap(small_net(), exchange_every=3, loss_reduction="sum")
+    summed_steps = [one_step(summed, draw_sizes(generator, world), "sum") for _ in range(5)]
+    # several gradient buckets (a tiny bucket cap): the first carries the counts, the middle ones wait for
+    # it through combined futures, the last is awaited in the hook; gradients as views of the buckets
+    deep = wrap(deep_net(), exchange_every=3, bucket_cap_mb=0.0002, gradient_as_bucket_view=True)
+    deep_steps = [one_step(deep, draw_sizes(generator, world), "mean", deep_net) for _ in range(6)]
+    buckets = len(deep._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+    write(out, "counting", rank, {"agreed": agreed, "pinned": pinned_steps, "summed": summed_steps,
+                                  "deep": deep_steps, "buckets": buckets})
     dist.destroy_process_group()
