@@ -13,7 +13,11 @@ measured side by side under the same load, and every decision of the two is comp
 DR, pushed DRs, next boundary, details bit for bit). A performance change must report 0
 differences.
 
-Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--against REV] [--no-write]
+``--count`` adds, for ``fair``, an untimed run of the same simulation that counts per decision
+the changes it judged (distinct ones: ``Neighbourhood.compare`` calls), the apps each affects,
+and the consolidation plans proposed: what a decision's time is made of.
+
+Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--against REV] [--count] [--no-write]
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks.bench_simulator import big_scenario
 from benchmarks.timing import add_no_write, save, summary
 from drbalance.policy import POLICIES, Decision, Policy, Snapshot
+from drbalance.ratio import DataRatio
 from drbalance.sim import SimConfig, Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +140,51 @@ def run(policy: str, apps: int, gpus: int, against: str | None = None) -> dict:
     return case
 
 
+def count_fair(apps: int, gpus: int) -> dict:
+    """Per decision of ``fair`` (today's code) in the ``apps`` x ``gpus`` run: the distinct
+    changes it judged, and over all of them the apps each affected; the consolidation plans
+    proposed. Counted in an untimed run (the counting wraps two methods)."""
+    from drbalance.policy.fair import _Search
+    from drbalance.policy.predictor import Neighbourhood
+
+    judged: list[int] = []
+    affected: list[int] = []
+    plans = [0]
+    compare, consolidation = Neighbourhood.compare, _Search._consolidation_plans
+
+    def counted_compare(self: Neighbourhood,
+                        changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
+        found = compare(self, changes)
+        judged[-1] += 1
+        affected.append(len(found[0]))
+        return found
+
+    def counted_plans(self: _Search) -> list[dict[str, DataRatio]]:
+        found = consolidation(self)
+        plans[0] += len(found)
+        return found
+
+    policy = POLICIES["fair"]()
+
+    class Counting:
+        name = policy.name
+
+        def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+            judged.append(0)
+            return policy.decide(app, trigger, snapshot)
+
+    Neighbourhood.compare, _Search._consolidation_plans = counted_compare, counted_plans
+    try:
+        Simulation(big_scenario(apps, gpus), SimConfig(policy="fair", record=False), policy=Counting()).run()
+    finally:
+        Neighbourhood.compare, _Search._consolidation_plans = compare, consolidation
+    ordered = sorted(judged)
+    return {"decisions": len(judged), "judged_median": ordered[len(ordered) // 2],
+            "judged_p90": ordered[int(0.9 * len(ordered))], "judged_p99": ordered[int(0.99 * len(ordered))],
+            "judged_max": ordered[-1], "affected_mean": sum(affected) / max(1, len(affected)),
+            "consolidation_plans": plans[0]}
+
+
 def _line(label: str, seconds: dict, largest: float) -> str:
     return (f"{label}: median {seconds['median'] * 1e3:.3f} ms, p90 {seconds['p90'] * 1e3:.3f} ms, "
             f"p99 {seconds['p99'] * 1e3:.3f} ms, max {largest * 1e3:.1f} ms")
@@ -145,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64x16,128x32", help="comma-separated APPSxGPUS")
     parser.add_argument("--against", default=None, metavar="REV",
                         help="also run fair / f-sched as at this git revision, in lockstep (see above)")
+    parser.add_argument("--count", action="store_true",
+                        help="for fair, also count judged changes per decision in an untimed run (see above)")
     add_no_write(parser)
     args = parser.parse_args(argv)
     payload: dict = {"args": vars(args), "runs": {}}
@@ -174,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 if case["against"]["first_difference"]:
                     print(f"{'':17} first: {case['against']['first_difference']}", flush=True)
+            if args.count and policy == "fair":
+                counts = case["counts"] = count_fair(apps, gpus)
+                print(f"{'':17} judged changes per decision: median {counts['judged_median']}, "
+                      f"p90 {counts['judged_p90']}, p99 {counts['judged_p99']}, max {counts['judged_max']}; "
+                      f"apps affected per change {counts['affected_mean']:.1f} on average; "
+                      f"consolidation plans proposed {counts['consolidation_plans']}", flush=True)
     save("policy", "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
 
