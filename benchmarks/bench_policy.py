@@ -6,61 +6,233 @@ call itself (``time.perf_counter``), so it includes everything the daemon's poli
 (learning from the snapshot, the search). Policies run one after another in one process; the
 table gives medians and tails per policy. Target for ``fair``: a decision within 1 ms at 64 x 16.
 
-Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--no-write]
+``--against REV`` also loads ``fair`` / ``f-sched`` as they were at git revision REV (their
+modules ``predictor.py``, ``fair.py`` and ``fsched.py``; everything else is today's) and runs both
+in lockstep on the same snapshots, alternating which decides first: the two distributions are
+measured side by side under the same load, and every decision of the two is compared (branch,
+DR, pushed DRs, next boundary, details bit for bit). A performance change must report 0
+differences.
+
+``--count`` adds, for ``fair``, an untimed run of the same simulation that counts per decision
+the changes it judged (distinct ones: ``Neighbourhood.compare`` calls), the apps each affects,
+and the consolidation plans proposed: what a decision's time is made of.
+
+Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--against REV] [--count] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
+import types
+from collections.abc import Mapping
+from pathlib import Path
 
 from benchmarks.bench_simulator import big_scenario
 from benchmarks.timing import add_no_write, save, summary
 from drbalance.policy import POLICIES, Decision, Policy, Snapshot
+from drbalance.ratio import DataRatio
 from drbalance.sim import SimConfig, Simulation
+
+ROOT = Path(__file__).resolve().parent.parent
+REVISABLE = ("predictor", "fair", "fsched")  # drbalance/policy modules loaded at --against's revision
 
 
 class Timed:
-    """Wraps a policy and records the wall time of every decision (seconds)."""
+    """Wraps a policy and records the wall time of every decision (seconds), and the CPU time
+    its thread spent in it (on a loaded machine the wall time's tail is mostly waiting for a
+    core; the CPU time is the decision's own cost)."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.name = policy.name
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
 
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        cpu = time.thread_time()
         started = time.perf_counter()
         decision = self.policy.decide(app, trigger, snapshot)
         self.seconds.append(time.perf_counter() - started)
+        self.cpu_seconds.append(time.thread_time() - cpu)
         return decision
 
 
-def run(policy: str, apps: int, gpus: int) -> dict:
-    timed = Timed(POLICIES[policy]())
+class Lockstep:
+    """Two implementations of one policy deciding on the same snapshots, timed alternately (the
+    first of them drives the simulation); counts the decisions on which they differ."""
+
+    def __init__(self, current: Policy, baseline: Policy) -> None:
+        self.current, self.baseline = Timed(current), Timed(baseline)
+        self.name = current.name
+        self.differences = 0
+        self.first_difference: str | None = None
+
+    def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        if len(self.current.seconds) % 2:
+            theirs = self.baseline.decide(app, trigger, snapshot)
+            ours = self.current.decide(app, trigger, snapshot)
+        else:
+            ours = self.current.decide(app, trigger, snapshot)
+            theirs = self.baseline.decide(app, trigger, snapshot)
+        if _key(ours) != _key(theirs):
+            self.differences += 1
+            if self.first_difference is None:
+                self.first_difference = f"decision {len(self.current.seconds)}: {_key(ours)} != {_key(theirs)}"
+        return ours
+
+
+def _key(decision: Decision) -> tuple:
+    return (decision.app, decision.branch, decision.ratio, tuple(sorted(decision.others.items())),
+            repr(decision.next_boundary), repr(sorted(decision.details.items())))
+
+
+def policy_at(revision: str, name: str) -> Policy:
+    """A new ``name`` policy built from the policy modules as they were at git ``revision``."""
+    modules = modules_at(revision)
+    classes = {"fair": modules["fair"].FairPolicy, "f-sched": modules["fsched"].FSchedPolicy}
+    if name not in classes:
+        raise ValueError(f"--against compares {', '.join(classes)} only; got {name!r}")
+    return classes[name]()
+
+
+def modules_at(revision: str) -> dict[str, types.ModuleType]:
+    """The modules of ``REVISABLE`` as they were at git ``revision`` (under private names; each
+    imports the others at that revision, and everything else as it is now)."""
+    modules: dict[str, types.ModuleType] = {}
+    tag = f"_bench_{abs(hash(revision))}"
+    for stem in REVISABLE:
+        qualified = f"{tag}_{stem}"
+        if qualified in sys.modules:
+            modules[stem] = sys.modules[qualified]
+            continue
+        source = subprocess.run(["git", "show", f"{revision}:drbalance/policy/{stem}.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+        for earlier in modules:
+            source = source.replace(f"from drbalance.policy.{earlier} import", f"from {tag}_{earlier} import")
+        module = types.ModuleType(qualified)
+        module.__file__ = f"{revision}:drbalance/policy/{stem}.py"
+        sys.modules[qualified] = module
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+        modules[stem] = module
+    return modules
+
+
+def run(policy: str, apps: int, gpus: int, against: str | None = None) -> dict:
+    if against is None:
+        timed = driver = Timed(POLICIES[policy]())
+    else:
+        driver = Lockstep(POLICIES[policy](), policy_at(against, policy))
+        timed = driver.current
     started = time.perf_counter()
-    result = Simulation(big_scenario(apps, gpus), SimConfig(policy=policy, record=False), policy=timed).run()
-    return {"decision_seconds": summary(timed.seconds), "decision_max_s": max(timed.seconds),
+    result = Simulation(big_scenario(apps, gpus), SimConfig(policy=policy, record=False), policy=driver).run()
+    case = {"decision_seconds": summary(timed.seconds), "decision_max_s": max(timed.seconds),
+            "decision_cpu_seconds": summary(timed.cpu_seconds),
             "simulation_s": time.perf_counter() - started, "decisions": len(timed.seconds),
             "max_sd": result.max_sd, "mean_sd": result.mean_sd}
+    if isinstance(driver, Lockstep):
+        case["against"] = {"revision": against, "decision_seconds": summary(driver.baseline.seconds),
+                           "decision_cpu_seconds": summary(driver.baseline.cpu_seconds),
+                           "decision_max_s": max(driver.baseline.seconds), "differences": driver.differences,
+                           "first_difference": driver.first_difference}
+    return case
+
+
+def count_fair(apps: int, gpus: int) -> dict:
+    """Per decision of ``fair`` (today's code) in the ``apps`` x ``gpus`` run: the distinct
+    changes it judged, and over all of them the apps each affected; the consolidation plans
+    proposed. Counted in an untimed run (the counting wraps two methods)."""
+    from drbalance.policy.fair import _Search
+    from drbalance.policy.predictor import Neighbourhood
+
+    judged: list[int] = []
+    affected: list[int] = []
+    plans = [0]
+    compare, consolidation = Neighbourhood.compare, _Search._consolidation_plans
+
+    def counted_compare(self: Neighbourhood,
+                        changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
+        found = compare(self, changes)
+        judged[-1] += 1
+        affected.append(len(found[0]))
+        return found
+
+    def counted_plans(self: _Search) -> list[dict[str, DataRatio]]:
+        found = consolidation(self)
+        plans[0] += len(found)
+        return found
+
+    policy = POLICIES["fair"]()
+
+    class Counting:
+        name = policy.name
+
+        def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+            judged.append(0)
+            return policy.decide(app, trigger, snapshot)
+
+    Neighbourhood.compare, _Search._consolidation_plans = counted_compare, counted_plans
+    try:
+        Simulation(big_scenario(apps, gpus), SimConfig(policy="fair", record=False), policy=Counting()).run()
+    finally:
+        Neighbourhood.compare, _Search._consolidation_plans = compare, consolidation
+    ordered = sorted(judged)
+    return {"decisions": len(judged), "judged_median": ordered[len(ordered) // 2],
+            "judged_p90": ordered[int(0.9 * len(ordered))], "judged_p99": ordered[int(0.99 * len(ordered))],
+            "judged_max": ordered[-1], "affected_mean": sum(affected) / max(1, len(affected)),
+            "consolidation_plans": plans[0]}
+
+
+def _line(label: str, seconds: dict, largest: float) -> str:
+    return (f"{label}: median {seconds['median'] * 1e3:.3f} ms, p90 {seconds['p90'] * 1e3:.3f} ms, "
+            f"p99 {seconds['p99'] * 1e3:.3f} ms, max {largest * 1e3:.1f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="fair,paper,f-sched", help="comma-separated policies")
     parser.add_argument("--sizes", default="64x16,128x32", help="comma-separated APPSxGPUS")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="also run fair / f-sched as at this git revision, in lockstep (see above)")
+    parser.add_argument("--count", action="store_true",
+                        help="for fair, also count judged changes per decision in an untimed run (see above)")
     add_no_write(parser)
     args = parser.parse_args(argv)
     payload: dict = {"args": vars(args), "runs": {}}
     for size in args.sizes.split(","):
         apps, gpus = (int(part) for part in size.split("x"))
         for policy in args.policies.split(","):
-            case = run(policy, apps, gpus)
+            against = args.against if args.against and policy in ("fair", "f-sched") else None
+            case = run(policy, apps, gpus, against)
             payload["runs"][f"{policy}@{size}"] = case
-            seconds = case["decision_seconds"]
-            print(f"{policy:8} {size:7} decisions {case['decisions']:6}: median {seconds['median'] * 1e3:.3f} ms, "
-                  f"p90 {seconds['p90'] * 1e3:.3f} ms, p99 {seconds['p99'] * 1e3:.3f} ms, "
-                  f"max {case['decision_max_s'] * 1e3:.1f} ms; whole simulation {case['simulation_s']:.1f} s; "
+            print(f"{policy:8} {size:7} decisions {case['decisions']:6}: "
+                  + _line("", case["decision_seconds"], case["decision_max_s"])[2:]
+                  + f"; whole simulation {case['simulation_s']:.1f} s; "
                   f"final max/mean SD {case['max_sd']:.3f}/{case['mean_sd']:.3f}", flush=True)
+            cpu = case["decision_cpu_seconds"]
+            print(f"{'':17} CPU time: median {cpu['median'] * 1e3:.3f} ms, p90 {cpu['p90'] * 1e3:.3f} ms, "
+                  f"p99 {cpu['p99'] * 1e3:.3f} ms", flush=True)
+            if against is not None:
+                other = case["against"]
+                base, ours = other["decision_seconds"], case["decision_seconds"]
+                base_cpu = other["decision_cpu_seconds"]
+                print(f"{'':8} {'':7} " + _line(f"at {against}", base, other["decision_max_s"])
+                      + f"; CPU time median {base_cpu['median'] * 1e3:.3f} ms, p99 {base_cpu['p99'] * 1e3:.3f} ms",
+                      flush=True)
+                print(f"{'':17} current / {against}: wall median {ours['median'] / base['median']:.2f}, "
+                      f"p99 {ours['p99'] / base['p99']:.2f}; CPU median {cpu['median'] / base_cpu['median']:.2f}, "
+                      f"p99 {cpu['p99'] / base_cpu['p99']:.2f}; decisions that differ: {other['differences']}",
+                      flush=True)
+                if case["against"]["first_difference"]:
+                    print(f"{'':17} first: {case['against']['first_difference']}", flush=True)
+            if args.count and policy == "fair":
+                counts = case["counts"] = count_fair(apps, gpus)
+                print(f"{'':17} judged changes per decision: median {counts['judged_median']}, "
+                      f"p90 {counts['judged_p90']}, p99 {counts['judged_p99']}, max {counts['judged_max']}; "
+                      f"apps affected per change {counts['affected_mean']:.1f} on average; "
+                      f"consolidation plans proposed {counts['consolidation_plans']}", flush=True)
     save("policy", "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property, lru_cache
+from itertools import compress
 
 DEFAULT_TOTAL = 10
 """The paper's granularity: shares are tenths of the mini-batch."""
@@ -77,6 +78,16 @@ class DataRatio:
     total: int = DEFAULT_TOTAL
 
     def __init__(self, shares: Sequence[int] | DataRatio, total: int | None = None) -> None:
+        kind = type(shares)
+        if (kind is tuple or kind is list) and (total is None or type(total) is int):
+            # the common case (plain ints, as the policies build candidates) without the generic checks
+            checked = tuple(shares)
+            wanted = DEFAULT_TOTAL if total is None else total
+            if checked and wanted >= 1 and set(map(type, checked)) == {int} and min(checked) >= 0 \
+                    and sum(checked) == wanted:
+                object.__setattr__(self, "shares", checked)
+                object.__setattr__(self, "total", wanted)
+                return
         if isinstance(shares, DataRatio):
             total = shares.total if total is None else total
             shares = shares.shares
@@ -142,7 +153,7 @@ class DataRatio:
     @cached_property
     def used(self) -> tuple[int, ...]:
         """Indices of the GPUs with a non-zero share (the paper's GPU_used)."""
-        return tuple(i for i, share in enumerate(self.shares) if share > 0)
+        return tuple(compress(range(len(self.shares)), self.shares))  # shares are >= 0: the non-zero ones
 
     def split(self, batch_size: int) -> tuple[int, ...]:
         """Chunk sizes (samples per GPU) for a batch of ``batch_size`` samples.

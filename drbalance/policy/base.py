@@ -173,6 +173,8 @@ def violations(view: AppView, ratio: DataRatio, config: PolicyConfig) -> list[st
     problems = []
     if len(ratio) != config.gpu_count:
         return [f"{len(ratio)} shares for a server of {config.gpu_count} GPUs"]
+    if view.allowed is None and view.max_share is None and view.min_share == 0:
+        return problems  # no constraints: every share of a valid DR fits (policies check many candidates)
     for gpu, share in enumerate(ratio.shares):
         if share and not view.usable(gpu):
             problems.append(f"share {share} on GPU {gpu}, which the app cannot use (it can use {list(view.allowed)})")

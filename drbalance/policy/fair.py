@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from drbalance.policy.base import AppView, Decision, PolicyConfig, Snapshot, current_ratio, violations
-from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
+from drbalance.policy.predictor import Neighbourhood, Predictor, PredictorConfig
 from drbalance.ratio import DataRatio
 
 
@@ -153,13 +154,14 @@ class FairPolicy:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
         No more load goes there meanwhile."""
         locked: set[int] = set()
-        for view in snapshot.apps:
-            track = self.tracks.get(view.name)
-            if view.name == app or track is None:
-                continue
+        live: set[str] | None = None
+        for name, track in self.tracks.items():
             move = track.last_move
-            if move is not None and not move.checked:
-                locked.update(_gained(move.before, move.after))
+            if move is not None and not move.checked and name != app:
+                if live is None:
+                    live = {view.name for view in snapshot.apps}
+                if name in live:
+                    locked.update(_gained(move.before, move.after))
         return locked
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float]) -> Verdict | None:
@@ -206,7 +208,7 @@ class FairPolicy:
     def _predictor(self, snapshot: Snapshot, app: str) -> Predictor:
         if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
             self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
-        live = [view.name for view in snapshot.apps]
+        live = {view.name for view in snapshot.apps}
         self.predictor.forget(live)
         for name in [name for name in self.tracks if name not in live]:
             del self.tracks[name]
@@ -275,21 +277,45 @@ class _Search:
         self.me = me
         self.locked = locked
         self.views = {view.name: view for view in snapshot.apps}
-        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio) == self.config.gpu_count}
-        self.neighbourhood = predictor.neighbourhood(self.ratios, self.views)
+        gpus = self.config.gpu_count
+        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio.shares) == gpus}
         self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
         self._all_sds: dict[str, float] | None = None
+        self._neighbourhood: Neighbourhood | None = None
+        self._users: list[int] | None = None
+        self._compared: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
+        self._eq2: dict[str, tuple[float, int, float] | None] = {}
+
+    @property
+    def neighbourhood(self) -> Neighbourhood:
+        """The predictor's what-ifs around the current configuration (built at first use: a
+        decision that scores nothing does not pay for it)."""
+        if self._neighbourhood is None:
+            self._neighbourhood = self.predictor.neighbourhood(self.ratios, self.views)
+        return self._neighbourhood
 
     def predicted_time(self, name: str, changes: Mapping[str, DataRatio]) -> float:
         return self.neighbourhood.solve(self.neighbourhood.affected(changes), changes).get(name, 0.0)
 
     def _sds(self, times: Mapping[str, float]) -> dict[str, float]:
         sds = {}
+        terms = self._eq2
         for name, seconds in times.items():
-            sd = predicted_slowdown(self.views[name], seconds)
-            if sd is not None:
-                sds[name] = sd
+            if name not in terms:
+                terms[name] = _eq2_terms(self.views[name])
+            found = terms[name]
+            if found is not None:  # as predicted_slowdown computes it
+                elapsed, left, solo = found
+                sds[name] = (elapsed + left * seconds) / solo
         return sds
+
+    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
+        """``Neighbourhood.compare``, kept for the search (a change may be judged twice)."""
+        key = tuple((name, ratio.shares, ratio.total) for name, ratio in changes.items())
+        found = self._compared.get(key)
+        if found is None:
+            found = self._compared[key] = self.neighbourhood.compare(changes)
+        return dict(found[0]), dict(found[1])
 
     def sds(self, times: Mapping[str, float]) -> dict[str, float]:
         """Predicted SDs at finish for these predicted iteration times (apps with an SD so far)."""
@@ -303,7 +329,7 @@ class _Search:
 
     def mean_gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """A change that lowers the predicted SDs at finish by ``min_gain`` in sum, or None."""
-        before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+        before, after = (self._sds(times) for times in self.compare(changes))
         fall = sum(before.values()) - sum(after.values())
         if fall < self.policy.config.min_gain:
             return None
@@ -311,7 +337,7 @@ class _Search:
 
     def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """The policy's judgement of a change, or None if it does not pay."""
-        before, after = self.neighbourhood.compare(changes)
+        before, after = self.compare(changes)
         return self.policy.judge(self, before, after)
 
     def best(self, ratio: DataRatio, track: _Track) -> tuple[dict[str, DataRatio], float] | None:
@@ -331,13 +357,25 @@ class _Search:
 
     def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
         """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
-        before: set[int] = set()
-        for ratio in self.ratios.values():
-            before.update(ratio.used)
-        after: set[int] = set()
-        for ratio in {**self.ratios, **changes}.values():
-            after.update(ratio.used)
-        return len(after) > len(before)
+        users = self._users
+        if users is None:  # per GPU, the apps with a share there now
+            users = self._users = [0] * self.config.gpu_count
+            for ratio in self.ratios.values():
+                for gpu in ratio.used:
+                    users[gpu] += 1
+        if 0 not in users:
+            return False  # no GPU is idle: none can be taken
+        change: dict[int, int] = {}
+        for name, ratio in changes.items():
+            current = self.ratios.get(name)
+            if current is not None:
+                for gpu in current.used:
+                    change[gpu] = change.get(gpu, 0) - 1
+            for gpu in ratio.used:
+                change[gpu] = change.get(gpu, 0) + 1
+        taken = sum(1 for gpu, delta in change.items() if users[gpu] == 0 and delta > 0)
+        emptied = sum(1 for gpu, delta in change.items() if users[gpu] > 0 and users[gpu] + delta == 0)
+        return taken > emptied
 
     def _use_idle_gpu(self, candidates: list[dict[str, DataRatio]]) -> tuple[dict[str, DataRatio], float] | None:
         """A GPU nobody uses is worth taking even without a predicted gain, as long as no app's
@@ -346,7 +384,7 @@ class _Search:
         best: tuple[float, dict[str, DataRatio]] | None = None
         tolerance = self.policy.config.idle_tolerance
         for changes in candidates:
-            before, after = (self._sds(times) for times in self.neighbourhood.compare(changes))
+            before, after = (self._sds(times) for times in self.compare(changes))
             if any(after.get(name, 0.0) - sd > tolerance for name, sd in before.items()):
                 continue
             fall = sum(before.values()) - sum(after.values())
@@ -355,7 +393,12 @@ class _Search:
         return None if best is None else (best[1], best[0] / self.app_count)
 
     def _touches_lock(self, before: DataRatio, after: DataRatio) -> bool:
-        return any(g in self.locked for g in _gained(before, after))
+        """Whether ``after`` adds load to a locked GPU (one of ``_gained(before, after)``)."""
+        old, new, old_total, new_total = before.shares, after.shares, before.total, after.total
+        for gpu in self.locked:
+            if new[gpu] * old_total > old[gpu] * new_total:
+                return True
+        return False
 
     def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config
@@ -499,8 +542,23 @@ class _Search:
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
 
 
+def _eq2_terms(view: AppView) -> tuple[float, int, float] | None:
+    """What ``predicted_slowdown`` computes from the app's record alone: the time elapsed at
+    finish but for the iterations left, those iterations, the solo-run time."""
+    if view.slowdown is None or view.iteration_time is None:
+        return None
+    left = max(0, view.iterations_total - view.iteration)
+    return view.slowdown * view.solo_time - left * view.iteration_time, left, view.solo_time
+
+
 def _gained(before: DataRatio, after: DataRatio) -> list[int]:
     """GPUs whose share grows from ``before`` to ``after`` (compared as fractions of the batch)."""
-    return [g for g, (a, b) in enumerate(zip(before.shares, after.shares)) if b * before.total > a * after.total]
+    return list(_gained_shares(before.shares, before.total, after.shares, after.total))
+
+
+@lru_cache(maxsize=4096)
+def _gained_shares(before: tuple[int, ...], before_total: int, after: tuple[int, ...],
+                   after_total: int) -> tuple[int, ...]:
+    return tuple(g for g, (a, b) in enumerate(zip(before, after)) if b * before_total > a * after_total)
 
 

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from drbalance.policy.base import AppView
 from drbalance.ratio import DataRatio
@@ -115,6 +116,9 @@ class Predictor:
         # a crowd (a third app there too); with running sums for pairs never seen together
         self.kappa: dict[bool, dict[tuple[str, str], float]] = {False: {}, True: {}}
         self._sums = {False: _KappaSums(), True: _KappaSums()}
+        self.generation = 0  # moves on whenever anything a prediction reads is learned or forgotten
+        self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
+        self._placed: dict[str, tuple[DataRatio, int, tuple[int, ...]]] = {}  # per app: DR, batch, GPUs with samples
 
     # --- learning ---------------------------------------------------------------------------------
     def forget(self, live: Iterable[str]) -> None:
@@ -122,7 +126,15 @@ class Predictor:
         keep = set(live)
         for name in [name for name in self.apps if name not in keep]:
             del self.apps[name]
+            self.generation += 1
+            self._modelled.pop(name, None)
+            self._placed.pop(name, None)
         for crowd, learned in self.kappa.items():
+            # a context's running sums name every app in a pair it learned: its pairs are walked
+            # only when one of those apps is gone
+            sums = self._sums[crowd]
+            if keep.issuperset(sums.suffered) and keep.issuperset(sums.caused):
+                continue
             for pair in [pair for pair in learned if pair[0] not in keep or pair[1] not in keep]:
                 self._set_kappa(pair, crowd, None)
 
@@ -132,6 +144,9 @@ class Predictor:
         solo = view.solo_time / max(1, view.iterations_total)
         if model is None:
             model = self.apps[view.name] = AppModel(solo, batch)
+            self.generation += 1
+        elif model.solo_iteration != solo or model.batch != batch:
+            self.generation += 1
         model.solo_iteration, model.batch = solo, batch
         return model
 
@@ -142,8 +157,11 @@ class Predictor:
         The daemon calls a policy at an app's decision boundary, right after the app published a
         whole window's measurements: learning from that app alone uses every window once.
         """
+        seen, apps = self._modelled, self.apps
         for view in views:
-            self.model(view)
+            if seen.get(view.name) is not view or view.name not in apps:  # a record read before changes nothing
+                self.model(view)
+                seen[view.name] = view
         wanted = None if learn_from is None else set(learn_from)
         for view in views:
             if wanted is not None and view.name not in wanted and self.apps[view.name].measured_iteration >= 0:
@@ -153,6 +171,7 @@ class Predictor:
             if placement is None or view.iteration == model.measured_iteration:
                 continue
             model.measured_iteration = view.iteration
+            self.generation += 1  # host, overhead, speeds, kappas, correction
             others = self._co_runners(view, placement, views)
             self._learn_host(view, model, placement)
             self._learn_gpus(view, model, placement, others)
@@ -163,17 +182,22 @@ class Predictor:
         """For each GPU the app used: the other apps there and their duty (measured, else a prior)."""
         used = [g for g, n in enumerate(placement) if n > 0]
         found: dict[int, dict[str, float]] = {g: {} for g in used}
+        places = [(gpu, found[gpu]) for gpu in used]
+        prior = self.config.duty_prior
         for other in views:
             if other.name == view.name:
                 continue
-            measured = other.chunk_seconds is not None and bool(other.iteration_time)
-            for gpu in used:
-                if measured:
-                    seconds = other.chunk_seconds[gpu]
+            chunk_seconds, iteration_time = other.chunk_seconds, other.iteration_time
+            if chunk_seconds is not None and iteration_time:  # measured
+                for gpu, there in places:
+                    seconds = chunk_seconds[gpu]
                     if seconds is not None:
-                        found[gpu][other.name] = min(1.0, seconds / other.iteration_time)
-                elif gpu < len(other.ratio) and other.ratio[gpu] > 0:
-                    found[gpu][other.name] = self.config.duty_prior
+                        there[other.name] = min(1.0, seconds / iteration_time)
+            else:
+                shares = other.ratio.shares
+                for gpu, there in places:
+                    if gpu < len(shares) and shares[gpu] > 0:
+                        there[other.name] = prior
         return found
 
     def _measured_configuration_time(self, view: AppView, model: AppModel, placement: Sequence[int],
@@ -227,6 +251,7 @@ class Predictor:
 
     def _set_kappa(self, pair: tuple[str, str], crowd: bool, value: float | None) -> None:
         """Set (or with None forget) one pair's kappa in one context, keeping the running sums in step."""
+        self.generation += 1
         old = self.kappa[crowd].pop(pair, None)
         if old is not None:
             self._sums[crowd].remove(pair, old)
@@ -322,6 +347,17 @@ class _KappaSums:
         return sensitivity * aggressiveness / overall
 
 
+class Chunks(NamedTuple):
+    """An app's iteration under one DR before any sharing: ``placed`` its chunks as (GPU, seconds
+    alone on it), ``fixed`` its seconds outside them (host time and the replicas' overhead),
+    ``alone`` the iteration's seconds (fixed + its longest chunk), ``gpus`` the GPUs it uses."""
+
+    placed: list[tuple[int, float]]
+    fixed: float
+    alone: float
+    gpus: tuple[int, ...]
+
+
 class Neighbourhood:
     """Predicted iteration times for changes around one configuration, solved locally.
 
@@ -330,39 +366,113 @@ class Neighbourhood:
     app outside that set counts on the GPUs it shares with the set by its measured duty (chunk
     time over iteration time; a prior before it is measured). Comparing the affected apps before
     and after a change is then cheap, whatever the number of apps.
+
+    What does not depend on the change (each app's chunks under a DR, pair kappas in both
+    contexts, measured duties, the solution without a change for a set of apps) is computed once
+    and kept until the predictor learns something (its ``generation`` moves on): then all but
+    the configuration (``ratios``, ``on_gpu``, measured duties, as at construction) is computed
+    afresh.
     """
 
     ROUNDS = 3
 
     def __init__(self, predictor: Predictor, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> None:
         self.predictor = predictor
-        self.ratios = {name: ratio for name, ratio in ratios.items() if name in predictor.apps}
+        self.views = views
+        self.ratios: dict[str, DataRatio] = {}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
-        for name, ratio in self.ratios.items():
-            for gpu in self.gpus_of(name, ratio):
-                self.on_gpu[gpu].append(name)
-        self.measured_duty: dict[tuple[str, int], float] = {}
-        prior = predictor.config.duty_prior
-        for name, ratio in self.ratios.items():
-            view = views.get(name)
-            seconds = view.chunk_seconds if view is not None else None
-            for gpu in self.gpus_of(name, ratio):
-                value = seconds[gpu] if seconds is not None and view.iteration_time else None
-                self.measured_duty[(name, gpu)] = min(1.0, value / view.iteration_time) if value else prior
+        on_gpu, apps, placed = self.on_gpu, predictor.apps, predictor._placed
+        for name, ratio in ratios.items():
+            model = apps.get(name)
+            if model is not None:
+                self.ratios[name] = ratio
+                known = placed.get(name)  # the same DR object as at the last decision: the same GPUs
+                if known is not None and known[0] is ratio and known[1] == model.batch:
+                    gpus = known[2]
+                else:
+                    gpus = _used(ratio.shares, ratio.total, model.batch)  # as gpus_of
+                    placed[name] = (ratio, model.batch, gpus)
+                for gpu in gpus:
+                    on_gpu[gpu].append(name)
+        self._duty: dict[tuple[str, int], float] = {}
+        # what depends on what the predictor learned, kept while it learns nothing (``_renew``)
+        self._generation = predictor.generation
+        self._kappa: dict[str, tuple[dict[str, float], dict[str, float]]] = {}  # app -> (pair, crowd): other -> kappa
+        self._terms: dict[tuple[str, int, bool], list[tuple[str, float]]] = {}
+        self._alone: dict[tuple[str, int], float] = {}  # a chunk's stretch with the app alone in the set
+        self._chunks: dict[tuple[str, tuple[int, ...], int], Chunks] = {}
+        self._current: dict[str, Chunks] = {}  # chunks under the current DRs
+        self._models: dict[str, tuple[int, float, float, float]] = {}  # batch, work, host, overhead seconds
+        self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
 
-    def gpus_of(self, name: str, ratio: DataRatio) -> list[int]:
+    def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
         """The GPUs that get samples of the app's batch under ``ratio`` (a small share of a small
         batch can round to none)."""
-        return [gpu for gpu, size in enumerate(samples(ratio, self.predictor.apps[name].batch)) if size]
+        return _used(ratio.shares, ratio.total, self.predictor.apps[name].batch)
+
+    def measured_duty(self, name: str, gpu: int) -> float:
+        """The share of time the app keeps ``gpu`` busy in its current configuration: its measured
+        chunk time there over its iteration time (``duty_prior`` before it is measured)."""
+        key = (name, gpu)
+        value = self._duty.get(key)
+        if value is None:
+            view = self.views.get(name)
+            seconds = view.chunk_seconds if view is not None else None
+            measured = seconds[gpu] if seconds is not None and view.iteration_time else None
+            value = min(1.0, measured / view.iteration_time) if measured else self.predictor.config.duty_prior
+            self._duty[key] = value
+        return value
+
+    def kappa(self, app: str, other: str, crowd: bool = False) -> float:
+        """``Predictor.pair_kappa`` in either context, kept until the predictor learns."""
+        if self._generation != self.predictor.generation:
+            self._renew()
+        rows = self._kappa.get(app)
+        if rows is None:
+            rows = self._kappa[app] = ({}, {})
+        row = rows[crowd]  # [False]: alone together, [True]: in a crowd
+        value = row.get(other)
+        if value is None:
+            value = row[other] = self.predictor.pair_kappa(app, other, crowd)
+        return value
+
+    def _outside_terms(self, name: str, gpu: int, crowd: bool) -> list[tuple[str, float]]:
+        """Per app of the current configuration on ``gpu`` (but ``name``): how much it stretches
+        ``name``'s chunk there while it counts by its measured duty (kappa x duty), the kappas of
+        a crowd or of a pair as ``crowd`` says."""
+        key = (name, gpu, crowd)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._terms[key] = [(other, self.kappa(name, other, crowd) * self.measured_duty(other, gpu))
+                                        for other in self.on_gpu[gpu] if other != name]
+        return terms
+
+    def _outside_alone(self, name: str, gpu: int) -> float:
+        """The stretch of ``name``'s chunk on ``gpu`` when it is the only app of the set solved:
+        1 plus every other current occupant's term (in a crowd if there are two or more)."""
+        crowd = sum(1 for other in self.on_gpu[gpu] if other != name) >= 2
+        outside = 1.0
+        for _, term in self._outside_terms(name, gpu, crowd):
+            outside += term
+        self._alone[(name, gpu)] = outside
+        return outside
+
+    def _renew(self) -> None:
+        """Forget every value that depends on what the predictor learned (it learned since)."""
+        self._generation = self.predictor.generation
+        for cache in (self._kappa, self._terms, self._alone, self._chunks, self._current, self._models,
+                      self._unchanged):
+            cache.clear()
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
         """The changed apps and every app on a GPU they use before or after the change."""
+        if self._generation != self.predictor.generation:
+            self._renew()
         gpus: set[int] = set()
         for name, ratio in changes.items():
-            gpus.update(self.gpus_of(name, ratio))
-            current = self.ratios.get(name)
-            if current is not None:
-                gpus.update(self.gpus_of(name, current))
+            gpus.update(self.chunks(name, ratio).gpus)  # the GPUs that get samples
+            if name in self.ratios:
+                gpus.update(self._current_chunks(name).gpus)
         names = set(changes)
         for gpu in gpus:
             names.update(self.on_gpu[gpu])
@@ -373,62 +483,174 @@ class Neighbourhood:
         names = self.affected(changes)
         return self.solve(names, {}), self.solve(names, changes)
 
+    def chunks(self, name: str, ratio: DataRatio) -> Chunks:
+        """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them."""
+        if self._generation != self.predictor.generation:
+            self._renew()
+        key = (name, ratio.shares, ratio.total)
+        found = self._chunks.get(key)
+        if found is None:
+            predictor = self.predictor
+            speed = predictor.speed
+            constants = self._models.get(name)
+            if constants is None:
+                config = predictor.config
+                model = predictor.apps[name]
+                constants = self._models[name] = (model.batch, model.work(config), model.host_time(config),
+                                                  model.overhead_time(config))
+            batch, work, host, overhead = constants
+            gpus, factors = _size_factors(ratio.shares, ratio.total, batch, predictor.config.fixed_fraction)
+            placed = []
+            longest = None
+            for g, factor in zip(gpus, factors):
+                seconds = work * factor / speed[g]  # work * size_factor(n, batch) / speed[g]
+                placed.append((g, seconds))
+                if longest is None or seconds > longest:  # as max() keeps the first largest
+                    longest = seconds
+            fixed = host + overhead * (len(placed) - 1)
+            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest), gpus)
+        return found
+
+    def _current_chunks(self, name: str) -> Chunks:
+        found = self._current.get(name)
+        if found is None:
+            found = self._current[name] = self.chunks(name, self.ratios[name])
+        return found
+
     def solve(self, names: Sequence[str], changes: Mapping[str, DataRatio]) -> dict[str, float]:
         """Predicted (corrected) seconds per iteration of ``names`` with ``changes`` applied."""
-        predictor = self.predictor
-        config = predictor.config
-        apps = predictor.apps
-        speed = predictor.speed
-        kappa = predictor.pair_kappa
-        ratios = self.ratios
-        inside = set(names)
-        chunks: dict[str, list[tuple[int, float]]] = {}
-        fixed: dict[str, float] = {}
-        occupants: dict[int, list[str]] = {}
-        for name in names:
-            model = apps[name]
-            ratio = changes.get(name) or ratios[name]
-            sizes = samples(ratio, model.batch)
-            work = model.work(config)
-            placed = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
-            chunks[name] = placed
-            fixed[name] = model.host_time(config) + model.overhead_time(config) * (len(placed) - 1)
-        for name in names:
-            for gpu, _ in chunks[name]:
-                if gpu not in occupants:
-                    occupants[gpu] = [other for other in self.on_gpu[gpu] if other not in inside]
-                occupants[gpu].append(name)
-        duty = self.measured_duty
-        # per chunk: the stretch from apps outside the set (fixed) and (kappa, other) for those inside
+        if self._generation != self.predictor.generation:
+            self._renew()
+        unchanged = None
+        if not changes:
+            unchanged = tuple(names)
+            found = self._unchanged.get(unchanged)
+            if found is not None:
+                return dict(found)
+        apps = self.predictor.apps
+        current = self._current
+        if len(names) == 1 and self.ROUNDS >= 1:
+            return self._solve_one(names[0], changes)
+        index: dict[str, int] = {}
+        chunks: list[list[tuple[int, float]]] = []
+        fixed: list[float] = []
+        times: list[float] = []  # before the first round: every chunk alone
+        inside_on: dict[int, list[tuple[str, int, int]]] = {}  # per GPU: (app, its index, chunk number)
+        slots = 0
+        for position, name in enumerate(names):
+            index[name] = position
+            ratio = changes.get(name) if changes else None
+            if ratio is None:
+                found = current.get(name) or self._current_chunks(name)
+            else:
+                found = self.chunks(name, ratio)
+            placed = found.placed
+            chunks.append(placed)
+            fixed.append(found.fixed)
+            times.append(found.alone)
+            for gpu, _ in placed:
+                entry = inside_on.get(gpu)
+                if entry is None:
+                    entry = inside_on[gpu] = []
+                entry.append((name, position, slots))
+                slots += 1
+        # per GPU the set uses: whether an app there is in a crowd (it and two others or more, of
+        # the set or staying put), which picks the kappas (``Predictor.pair_kappa``)
+        on_gpu = self.on_gpu
+        crowded: dict[int, bool] = {}
+        for gpu, here in inside_on.items():
+            if len(here) > 2:
+                crowded[gpu] = True
+            else:
+                there = on_gpu[gpu]
+                crowded[gpu] = (len(there) + len(here) > 2
+                                and sum(1 for other in there if other not in index) + len(here) > 2)
+        # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
+        # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
         plans = []
-        for name in names:
-            for gpu, chunk in chunks[name]:
+        stretched: list[float] = []
+        kappa_rows, all_terms = self._kappa, self._terms
+        coupled = False  # whether any two apps of the set share a GPU
+        for position, name in enumerate(names):
+            rows = kappa_rows.get(name)
+            if rows is None:
+                rows = kappa_rows[name] = ({}, {})
+            for gpu, chunk in chunks[position]:
+                crowd = crowded[gpu]
                 outside = 1.0
+                terms = all_terms.get((name, gpu, crowd))
+                if terms is None:
+                    terms = self._outside_terms(name, gpu, crowd)
+                for other, term in terms:
+                    if other not in index:
+                        outside += term
                 partners = []
-                crowd = len(occupants[gpu]) > 2  # the app and two others or more
-                for other in occupants[gpu]:
-                    if other == name:
-                        continue
-                    if other in inside:
-                        partners.append((kappa(name, other, crowd), (other, gpu), other))
-                    else:
-                        outside += kappa(name, other, crowd) * duty[(other, gpu)]
-                plans.append((name, gpu, chunk, outside, partners))
-        stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
-        times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
-        for _ in range(self.ROUNDS):
-            longest = dict.fromkeys(names, 0.0)
-            for name, gpu, chunk, outside, partners in plans:
+                row = rows[crowd]
+                for other, where, number in inside_on[gpu]:
+                    if other != name:
+                        factor = row.get(other)
+                        if factor is None:
+                            factor = self.kappa(name, other, crowd)
+                        partners.append((factor, number, where))
+                coupled = coupled or bool(partners)
+                plans.append((position, chunk, outside, partners))
+                stretched.append(chunk)
+        count = len(times)
+        # with no two apps of the set on one GPU, no round reads another's result: one is all three
+        for _ in range(self.ROUNDS if coupled else min(1, self.ROUNDS)):
+            longest = [0.0] * count
+            for number, (position, chunk, outside, partners) in enumerate(plans):
                 stretch = outside
                 for factor, key, other in partners:
-                    stretch += factor * min(1.0, stretched[key] / times[other])
+                    share = stretched[key] / times[other]
+                    stretch += factor * (share if share < 1.0 else 1.0)
                 value = chunk * stretch
-                stretched[(name, gpu)] = value
-                if value > longest[name]:
-                    longest[name] = value
-            for name in names:
-                times[name] = fixed[name] + longest[name]
-        return {name: times[name] * apps[name].correction for name in names}
+                stretched[number] = value
+                if value > longest[position]:
+                    longest[position] = value
+            times = [alone + most for alone, most in zip(fixed, longest)]
+        result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
+        if unchanged is not None:
+            self._unchanged[unchanged] = dict(result)
+        return result
+
+    def _solve_one(self, name: str, changes: Mapping[str, DataRatio]) -> dict[str, float]:
+        """``solve`` of a single app, written out: it shares no GPU with another app of the set,
+        so one round is the fixed point (the same operations in the same order)."""
+        ratio = changes.get(name) if changes else None
+        found = self._current.get(name) or self._current_chunks(name) if ratio is None else self.chunks(name, ratio)
+        longest = 0.0
+        alone = self._alone
+        for gpu, chunk in found.placed:
+            outside = alone.get((name, gpu))
+            if outside is None:
+                outside = self._outside_alone(name, gpu)
+            value = chunk * outside
+            if value > longest:
+                longest = value
+        result = {name: (found.fixed + longest) * self.predictor.apps[name].correction}
+        if not changes:
+            self._unchanged[(name,)] = dict(result)
+        return result
+
+
+@lru_cache(maxsize=65536)
+def _size_factors(shares: tuple[int, ...], total: int, batch: int,
+                  phi: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The GPUs that get samples of a batch split by these shares, and each chunk's device time
+    as a share of the full batch's (``Predictor.size_factor`` with this ``phi``)."""
+    gpus, factors = [], []
+    for gpu, size in enumerate(_split(shares, total, batch)):
+        if size:
+            gpus.append(gpu)
+            factors.append(phi + (1.0 - phi) * size / max(1, batch) if size > 0 else 0.0)
+    return tuple(gpus), tuple(factors)
+
+
+@lru_cache(maxsize=65536)
+def _used(shares: tuple[int, ...], total: int, batch: int) -> tuple[int, ...]:
+    """The GPUs that get at least one sample of a batch split by these shares."""
+    return tuple(gpu for gpu, size in enumerate(_split(shares, total, batch)) if size)
 
 
 def predicted_slowdown(view: AppView, iteration_time: float) -> float | None:

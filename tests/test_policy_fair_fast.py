@@ -1,0 +1,252 @@
+"""`fair`'s fast paths give exactly what the plain definitions give (issue 9's decision time).
+
+The predictor's ``Neighbourhood`` caches per search (chunks, kappas, duties, solutions without a
+change), solves a set of apps that share no GPU in one round, and the search keeps Eq. 2's terms,
+user counts per GPU and compared changes. Each is checked here against a straightforward
+reference on random configurations, bit for bit (floats compared with ==): the speed-ups must
+not change a single decision. Whole simulated runs are compared by
+``python -m benchmarks.decision_trace`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drbalance.policy import AppView, PolicyConfig, Snapshot
+from drbalance.policy.fair import FairPolicy, _gained, _Search
+from drbalance.policy.predictor import Predictor, predicted_slowdown
+from drbalance.ratio import DataRatio
+
+ITERATIONS = 1000
+
+
+def view(name, shares, chunk, extra, iteration, batch, measured=True):
+    """An app of 1000 planned iterations whose chunks took ``chunk`` s per full batch (and less
+    for smaller chunks); unmeasured apps have no chunk times yet."""
+    ratio = DataRatio(shares)
+    sizes = ratio.split(batch)
+    iteration_time = 0.05 + chunk + extra
+    sd = (iteration * iteration_time + (ITERATIONS - iteration) * iteration_time) / (ITERATIONS * 0.15)
+    if not measured:
+        return AppView(name, ratio, sd, iteration=iteration, iterations_total=ITERATIONS,
+                       iteration_time=iteration_time, solo_time=ITERATIONS * 0.15, batch=batch)
+    return AppView(name, ratio, sd, iteration=iteration, iterations_total=ITERATIONS, iteration_time=iteration_time,
+                   solo_time=ITERATIONS * 0.15, batch=batch,
+                   chunk_seconds=tuple(chunk * (0.3 + 0.7 * n / batch) if n else None for n in sizes),
+                   chunk_samples=tuple(float(n) for n in sizes))
+
+
+@st.composite
+def configurations(draw):
+    """Apps on 2-4 GPUs with learned interference (two observed windows), and a change of one or
+    two apps' DRs."""
+    gpus = draw(st.integers(2, 4))
+    shares = st.lists(st.integers(0, 10), min_size=gpus, max_size=gpus).filter(lambda s: sum(s) > 0)
+    count = draw(st.integers(1, 6))
+    views = []
+    for index in range(count):
+        ratio = DataRatio.from_weights(draw(shares))
+        views.append(view(f"x{index}", ratio.shares, draw(st.floats(0.02, 0.5)), draw(st.floats(0.0, 0.3)),
+                          draw(st.integers(10, 900)), draw(st.sampled_from([4, 32, 128])),
+                          measured=draw(st.booleans()) or index == 0))
+    predictor = Predictor(gpus)
+    predictor.observe(views)
+    later = [copy.copy(v) for v in views]
+    for index, old in enumerate(views):
+        if old.chunk_seconds is not None:
+            factor = draw(st.floats(1.0, 2.0))
+            stretched = tuple(s * factor if s is not None else None for s in old.chunk_seconds)
+            later[index] = AppView(old.name, old.ratio, old.slowdown, iteration=old.iteration + 20,
+                                   iterations_total=old.iterations_total, iteration_time=old.iteration_time * factor,
+                                   solo_time=old.solo_time, batch=old.batch, chunk_seconds=stretched,
+                                   chunk_samples=old.chunk_samples)
+    predictor.observe(later)
+    moved = draw(st.lists(st.sampled_from([v.name for v in later]), min_size=1, max_size=2, unique=True))
+    changes = {name: DataRatio.from_weights(draw(shares)) for name in moved}
+    return predictor, later, changes
+
+
+def reference_solve(predictor, ratios, views, names, changes):
+    """The fixed point written plainly (drbalance before issue 9's speed-ups, with the pair and
+    crowd kappas): every duty and kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
+    config, apps, speed = predictor.config, predictor.apps, predictor.speed
+    ratios = {name: ratio for name, ratio in ratios.items() if name in apps}
+
+    def gpus_of(name, ratio):
+        return [gpu for gpu, size in enumerate(ratio.split(apps[name].batch)) if size]
+
+    on_gpu = [[] for _ in range(predictor.gpu_count)]
+    duty = {}
+    for name, ratio in ratios.items():
+        record = views.get(name)
+        seconds = record.chunk_seconds if record is not None else None
+        for gpu in gpus_of(name, ratio):
+            on_gpu[gpu].append(name)
+            value = seconds[gpu] if seconds is not None and record.iteration_time else None
+            duty[(name, gpu)] = min(1.0, value / record.iteration_time) if value else config.duty_prior
+    inside = set(names)
+    chunks, fixed, occupants = {}, {}, {}
+    for name in names:
+        model = apps[name]
+        sizes = (changes.get(name) or ratios[name]).split(model.batch)
+        work = model.work(config)
+        chunks[name] = [(g, work * predictor.size_factor(n, model.batch) / speed[g]) for g, n in enumerate(sizes) if n]
+        fixed[name] = model.host_time(config) + model.overhead_time(config) * (len(chunks[name]) - 1)
+    for name in names:
+        for gpu, _ in chunks[name]:
+            if gpu not in occupants:
+                occupants[gpu] = [other for other in on_gpu[gpu] if other not in inside]
+            occupants[gpu].append(name)
+    plans = []
+    for name in names:
+        for gpu, chunk in chunks[name]:
+            outside, partners = 1.0, []
+            crowd = len(occupants[gpu]) > 2  # the app and two others or more
+            for other in occupants[gpu]:
+                if other == name:
+                    continue
+                if other in inside:
+                    partners.append((predictor.pair_kappa(name, other, crowd), (other, gpu), other))
+                else:
+                    outside += predictor.pair_kappa(name, other, crowd) * duty[(other, gpu)]
+            plans.append((name, gpu, chunk, outside, partners))
+    stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
+    times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
+    for _ in range(3):
+        longest = dict.fromkeys(names, 0.0)
+        for name, gpu, chunk, outside, partners in plans:
+            stretch = outside
+            for factor, key, other in partners:
+                stretch += factor * min(1.0, stretched[key] / times[other])
+            stretched[(name, gpu)] = chunk * stretch
+            longest[name] = max(longest[name], chunk * stretch)
+        for name in names:
+            times[name] = fixed[name] + longest[name]
+    affected = set(changes)
+    for name, ratio in changes.items():
+        for gpu in gpus_of(name, ratio) + (gpus_of(name, ratios[name]) if name in ratios else []):
+            affected.update(on_gpu[gpu])
+    return {name: times[name] * apps[name].correction for name in names}, sorted(affected)
+
+
+@settings(max_examples=150)
+@given(configurations())
+def test_the_neighbourhood_solves_exactly_as_the_plain_fixed_point(case):
+    predictor, views, changes = case
+    ratios = {v.name: v.ratio for v in views}
+    lookup = {v.name: v for v in views}
+    neighbourhood = predictor.neighbourhood(ratios, lookup)
+    _, names = reference_solve(predictor, ratios, lookup, [], changes)
+    assert neighbourhood.affected(changes) == names
+    expected = (reference_solve(predictor, ratios, lookup, names, {})[0],
+                reference_solve(predictor, ratios, lookup, names, changes)[0])
+    for _ in range(2):  # the second time from the neighbourhood's caches
+        assert neighbourhood.compare(changes) == expected
+    everyone = list(ratios)
+    assert predictor.iteration_times(ratios, lookup) == reference_solve(predictor, ratios, lookup, everyone, {})[0]
+    alone = [name for name in everyone if name not in names][:1] or everyone[:1]
+    assert neighbourhood.solve(alone, {}) == reference_solve(predictor, ratios, lookup, alone, {})[0]
+
+
+@settings(max_examples=100)
+@given(configurations(), st.sets(st.integers(0, 3), max_size=2), st.data())
+def test_the_searchs_shortcuts_agree_with_their_definitions(case, locked, data):
+    predictor, views, changes = case
+    gpus = predictor.gpu_count
+    policy = FairPolicy()
+    policy.predictor = predictor
+    snapshot = Snapshot(tuple(views), (50.0,) * gpus, PolicyConfig(gpus))
+    locked = {gpu for gpu in locked if gpu < gpus}
+    search = _Search(policy, snapshot, predictor, views[0], locked)
+    times = {v.name: data.draw(st.floats(0.05, 2.0)) for v in views}
+    expected = {v.name: predicted_slowdown(v, times[v.name]) for v in views}
+    assert search.sds(times) == {name: sd for name, sd in expected.items() if sd is not None}
+    # an idle GPU taken: the GPUs in use, before and after, as sets
+    before = {gpu for ratio in search.ratios.values() for gpu in ratio.used}
+    after = {gpu for ratio in {**search.ratios, **changes}.values() for gpu in ratio.used}
+    assert search._fills_idle_gpu(changes) == (len(after) > len(before))
+    for name, ratio in changes.items():
+        current = search.ratios[name]
+        assert search._touches_lock(current, ratio) == any(g in locked for g in _gained(current, ratio))
+    assert search.compare(changes) == search.neighbourhood.compare(changes) == search.compare(changes)
+
+
+@settings(max_examples=60)
+@given(configurations(), st.data())
+def test_forgetting_gone_apps_keeps_the_running_sums_exactly(case, data):
+    predictor, views, _ = case
+    live = data.draw(st.sets(st.sampled_from([v.name for v in views])))
+    plain = copy.deepcopy(predictor)
+    for name in [name for name in plain.apps if name not in live]:
+        del plain.apps[name]
+    for crowd, learned in plain.kappa.items():
+        for pair in [pair for pair in learned if pair[0] not in live or pair[1] not in live]:
+            plain._set_kappa(pair, crowd, None)
+    predictor.forget(live)
+    assert predictor.kappa == plain.kappa
+    for crowd in (False, True):
+        mine, theirs = predictor._sums[crowd], plain._sums[crowd]
+        assert (mine.total, mine.count) == (theirs.total, theirs.count)
+        assert mine.suffered == theirs.suffered and mine.caused == theirs.caused
+    assert set(predictor.apps) == set(plain.apps)
+
+
+@settings(max_examples=60)
+@given(configurations(), st.floats(1.0, 3.0))
+def test_a_neighbourhood_kept_while_the_predictor_learns_predicts_from_what_it_learned(case, factor):
+    predictor, views, changes = case
+    ratios = {v.name: v.ratio for v in views}
+    lookup = {v.name: v for v in views}
+    neighbourhood = predictor.neighbourhood(ratios, lookup)
+    names = neighbourhood.affected(changes)
+    neighbourhood.compare(changes)  # fills the caches: kappas of both contexts, chunks, solutions
+    generation = predictor.generation
+    # a new window in which every measured app ran slower: kappas, host times, corrections move
+    later = [AppView(v.name, v.ratio, v.slowdown, iteration=v.iteration + 20, iterations_total=v.iterations_total,
+                     iteration_time=v.iteration_time * factor, solo_time=v.solo_time, batch=v.batch,
+                     chunk_seconds=tuple(s * factor if s is not None else None for s in v.chunk_seconds),
+                     chunk_samples=v.chunk_samples) if v.chunk_seconds is not None else v for v in views]
+    predictor.observe(later)
+    assert predictor.generation > generation
+    expected = (reference_solve(predictor, ratios, lookup, names, {})[0],
+                reference_solve(predictor, ratios, lookup, names, changes)[0])
+    assert neighbourhood.compare(changes) == expected
+    for name in names:
+        for other in ratios:
+            for crowd in (False, True):
+                assert neighbourhood.kappa(name, other, crowd) == predictor.pair_kappa(name, other, crowd)
+
+
+class Shares(list):
+    """A sequence that is not a plain list: DataRatio checks it the long way."""
+
+
+@given(st.lists(st.one_of(st.integers(-2, 12), st.booleans(), st.floats(0, 10)), max_size=5),
+       st.one_of(st.none(), st.integers(-1, 20)))
+def test_the_data_ratios_fast_path_accepts_and_refuses_as_the_full_checks(shares, total):
+    def build(value):
+        try:
+            return DataRatio(value, total)
+        except ValueError as error:
+            return str(error)
+
+    fast, full = build(list(shares)), build(Shares(shares))
+    assert fast == full
+    if isinstance(fast, DataRatio):
+        assert fast.used == tuple(i for i, share in enumerate(fast.shares) if share > 0)
+
+
+def test_an_idle_gpu_taken_or_left_idle_by_hand():
+    # GPUs 0 and 1 carry two apps each, GPU 2 nobody: moving one app there takes it
+    views = (view("a", [5, 5, 0], 0.1, 0.0, 100, 32), view("b", [5, 5, 0], 0.1, 0.0, 100, 32))
+    policy = FairPolicy()
+    snapshot = Snapshot(views, (50.0,) * 3, PolicyConfig(3))
+    policy.decide("a", "boundary", snapshot)
+    search = _Search(policy, snapshot, policy.predictor, views[0], set())
+    assert search._fills_idle_gpu({"a": DataRatio([0, 0, 10])})
+    assert search._fills_idle_gpu({"a": DataRatio([0, 5, 5])})
+    assert not search._fills_idle_gpu({"a": DataRatio([10, 0, 0])})
+    assert not search._fills_idle_gpu({"a": DataRatio([0, 0, 10]), "b": DataRatio([0, 10, 0])})  # GPU 0 emptied
