@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from drbalance.client.inflight import InFlight
 from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.client.timing import ReplicaTiming
@@ -214,13 +215,13 @@ class _DeviceCounts:
         return tuple(int(round(v)) for v in self.host.tolist())
 
 
-def _allreduce(group: Any, tensor: torch.Tensor) -> Any:
-    """Start a sum all-reduce of ``tensor`` over ``group``; the Work.
+def _allreduce(inflight: InFlight, group: Any, tensor: torch.Tensor) -> Any:
+    """Start a sum all-reduce of ``tensor`` over ``group``; the Work, kept by ``inflight``.
 
     The process group's own method: ``dist.all_reduce``'s Python wrapper (argument checks, logging
     decorators) cost about 2% of a 4 ms step on the loaded test machine, once per bucket.
     """
-    return group.allreduce([tensor])
+    return inflight.started(group.allreduce([tensor]))
 
 
 class _Staging:
@@ -251,7 +252,7 @@ class _BalanceState:
                  "counts_ride", "count_limit", "step", "steps", "plan", "pending", "vector", "work",
                  "exchange_index", "exchange_forward_at", "exchange_latency", "carried", "proposal", "agreed",
                  "counts", "ref", "timed_counts", "times", "device_counts", "staging", "forward_started",
-                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned")
+                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned", "inflight")
 
     def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str,
                  schedule: RatioSchedule, pinned: int | None, counts_ride: bool, count_limit: int) -> None:
@@ -289,6 +290,7 @@ class _BalanceState:
         self.compute_steps = 0  # and how many steps it sums
         self.lock = threading.Lock()
         self.warned = False
+        self.inflight = InFlight()  # Works and callbacks the process groups' threads may still hold
 
     def begin(self, samples: int) -> None:
         """A synchronising forward: settle the last step, then make this one a counting or an exchange step.
@@ -299,6 +301,7 @@ class _BalanceState:
         with self.lock:
             self._finish()  # an exchange whose backward never ran
             self._read_device_counts()
+            self.inflight.next_step()
             index, self.steps = self.steps, self.steps + 1
             ref = self.ref or 0
             exchange = (not self.counts_ride or not 0 < ref < self.count_limit
@@ -320,8 +323,8 @@ class _BalanceState:
         self.carried = carried
         self.exchange_index = index
         self.exchange_forward_at = now
-        self.work = _allreduce(self.control, self.vector)
-        self.work.get_future().add_done_callback(self._exchange_done)
+        self.work = _allreduce(self.inflight, self.control, self.vector)
+        self.work.get_future().add_done_callback(self.inflight.callback(self._exchange_done))
 
     def _exchange_done(self, _future: Any) -> None:
         self.exchange_latency = time.perf_counter() - self.exchange_forward_at
@@ -443,11 +446,11 @@ def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket,
         buffer.mul_(1.0 / state.world_size)
     else:
         _weigh(buffer, _local_weight(counts[state.rank], sum(counts), state.reduction), buffer)
-    work = _allreduce(state.gradients, buffer)
+    work = _allreduce(state.inflight, state.gradients, buffer)
     if last and not buffer.is_cuda:
         work.wait()
         return _completed(buffer)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return work.get_future().then(state.inflight.callback(lambda fut: fut.value()[0]))
 
 
 def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.GradBucket,
@@ -466,18 +469,18 @@ def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.Gra
         raise RuntimeError(f"drbalance: gradient bucket {bucket.index()} was reduced before bucket 0, whose "
                            f"reduction carries the sample counts (DDP reduces buckets in index order)")
     _weigh(buffer, weight, buffer)
-    work = _allreduce(state.gradients, buffer)
+    work = _allreduce(state.inflight, state.gradients, buffer)
     if buffer.is_cuda:
         # NCCL: collectives of one group run in order on one stream, and the first bucket's callback
         # (which made step.factor) ran when its collective was queued. Not run on a GPU.
-        return work.get_future().then(lambda fut: _corrected_on_device(fut, step))
+        return work.get_future().then(state.inflight.callback(lambda fut: _corrected_on_device(fut, step)))
     if last:
         work.wait()
         step.first.wait()  # done before this one on gloo, normally; raises if it failed
         return _completed(_corrected_on_host(step, buffer))
     # gloo may complete collectives out of order: wait for the first bucket's counts without blocking.
     return torch.futures.collect_all([work.get_future(), step.first]).then(
-        lambda both: _corrected_on_host(step, buffer, both))
+        state.inflight.callback(lambda both: _corrected_on_host(step, buffer, both)))
 
 
 def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor, weight: float,
@@ -490,14 +493,16 @@ def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor
     staging = state.staging_for(buffer)
     _weigh(buffer, weight, staging.gradients)
     torch.mul(staging.mine, float(step.samples), out=staging.slots)  # this rank's count in its slot, zeros elsewhere
-    work = _allreduce(state.gradients, staging.whole)
+    work = _allreduce(state.inflight, state.gradients, staging.whole)
     if buffer.is_cuda:
-        step.first = work.get_future().then(lambda fut: _first_bucket_on_device(state, step, staging, fut))
+        step.first = work.get_future().then(
+            state.inflight.callback(lambda fut: _first_bucket_on_device(state, step, staging, fut)))
     elif last:
         work.wait()
         step.first = _completed(_first_bucket_on_host(state, step, staging))
     else:
-        step.first = work.get_future().then(lambda fut: _first_bucket_on_host(state, step, staging, fut))
+        step.first = work.get_future().then(
+            state.inflight.callback(lambda fut: _first_bucket_on_host(state, step, staging, fut)))
     return step.first
 
 
