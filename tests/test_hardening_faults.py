@@ -127,13 +127,15 @@ def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, k
             resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE, (soft, hard))
         wait_for(lambda: "the manager log works again" in manager.stderr())
     finally:
-        if app is not None:
-            app.kill()
-            app.wait()
-        code, err = manager.stop()
-        events = manager.events()
-        if kind == "tmpfs" and small.is_mount():
-            subprocess.run(["umount", "-l", str(small)], check=False)
+        try:
+            if app is not None:
+                app.kill()
+                app.wait()
+            code, err = manager.stop()
+            events = manager.events()
+        finally:  # whatever failed above, the mount does not outlive the test
+            if kind == "tmpfs" and small.is_mount():
+                subprocess.run(["umount", "-l", str(small)], check=False)
     assert code == 0 and "Traceback" not in err, err
     assert "No space left" in fault or "File too large" in fault
     assert events[0]["event"] == "start" and events[-1]["event"] == "stop"
