@@ -54,15 +54,24 @@ def test_works_are_kept_for_their_step_and_the_next_then_let_go(group):
     assert inflight.kept.previous == [second] and inflight.kept.current == []  # the first is let go
 
 
-def test_a_freed_jobs_last_works_are_kept_a_moment_and_waited_for_at_exit(group):
+def test_a_freed_jobs_last_works_are_kept_a_moment_and_waited_for_at_exit(group, monkeypatch):
+    monkeypatch.setattr(inflight_module, "RETIRE_SECONDS", 0.5)
     inflight = InFlight()
     work = inflight.started(group.allreduce([torch.ones(2)]))
     work.wait()
     kept = inflight.kept
     del inflight
     gc.collect()
-    assert any(entry is kept for _, entry in inflight_module._shutdown.retired)
+
+    def retired() -> bool:
+        return any(entry is kept for _, entry in inflight_module._shutdown.retired)
+
+    assert retired()
     assert settle_all(timeout=5.0)
+    deadline = time.monotonic() + 30
+    while retired() and time.monotonic() < deadline:  # let go after RETIRE_SECONDS, by a timer thread
+        time.sleep(0.05)
+    assert not retired()
 
 
 def test_the_exit_handler_gives_up_at_its_timeout_and_says_so(caplog):

@@ -137,11 +137,21 @@ class _Shutdown:
         finalizer.atexit = False  # settle_all sees live jobs itself
 
     def retire(self, kept: _Kept) -> None:
-        """A job's model was freed: keep its last Works a moment (runs on whichever thread freed it)."""
+        """A job's model was freed: keep its last Works ``RETIRE_SECONDS`` (runs on whichever thread freed it).
+
+        A daemon timer lets go of them then, so a freed model's buffers do not stay until the process ends.
+        """
+        with self.lock:
+            self.retired.append((time.monotonic() + RETIRE_SECONDS, kept))
+        timer = threading.Timer(RETIRE_SECONDS, self.prune)
+        timer.daemon = True
+        timer.start()
+
+    def prune(self) -> None:
+        """Let go of the retired Works whose time is up."""
         now = time.monotonic()
         with self.lock:
-            self.retired = [(until, old) for until, old in self.retired if until > now]
-            self.retired.append((now + RETIRE_SECONDS, kept))
+            self.retired = [(until, kept) for until, kept in self.retired if until > now]
 
     def settle_all(self, timeout: float = EXIT_SETTLE_SECONDS) -> bool:
         """Wait (seconds, at most) for every job's collectives and callbacks, then for the threads to let go."""
