@@ -64,7 +64,7 @@ def test_a_freed_jobs_last_works_are_kept_a_moment_and_waited_for_at_exit(group,
     gc.collect()
 
     def retired() -> bool:
-        return any(entry is kept for _, entry in inflight_module._shutdown.retired)
+        return any(entry is kept for entry in inflight_module._shutdown.retired)
 
     assert retired()
     assert settle_all(timeout=5.0)

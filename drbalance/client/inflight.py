@@ -124,7 +124,7 @@ class _Shutdown:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.live: weakref.WeakSet[InFlight] = weakref.WeakSet()
-        self.retired: list[tuple[float, _Kept]] = []  # (monotonic time to let go, Works)
+        self.retired: list[_Kept] = []  # the last Works of freed jobs, each for RETIRE_SECONDS
         self.registered = False
 
     def track(self, inflight: InFlight) -> None:
@@ -142,29 +142,27 @@ class _Shutdown:
         A daemon timer lets go of them then, so a freed model's buffers do not stay until the process ends.
         """
         with self.lock:
-            self.retired.append((time.monotonic() + RETIRE_SECONDS, kept))
-        timer = threading.Timer(RETIRE_SECONDS, self.prune)
+            self.retired.append(kept)
+        timer = threading.Timer(RETIRE_SECONDS, self.release, (kept,))
         timer.daemon = True
         timer.start()
 
-    def prune(self) -> None:
-        """Let go of the retired Works whose time is up."""
-        now = time.monotonic()
+    def release(self, kept: _Kept) -> None:
+        """Let go of a freed job's Works (their time is up)."""
         with self.lock:
-            self.retired = [(until, kept) for until, kept in self.retired if until > now]
+            self.retired.remove(kept)
 
     def settle_all(self, timeout: float = EXIT_SETTLE_SECONDS) -> bool:
         """Wait (seconds, at most) for every job's collectives and callbacks, then for the threads to let go."""
         deadline = time.monotonic() + timeout
         with self.lock:
             live = list(self.live)
-            retired = [kept for _, kept in self.retired]
+            retired = list(self.retired)
         if not live and not retired:
             return True
         settled = all(inflight.settle(deadline) for inflight in live)
         while settled and not all(kept.completed() for kept in retired):
-            if time.monotonic() >= deadline:
-                settled = False
+            settled = time.monotonic() < deadline
             time.sleep(0.01)
         if not settled:
             logger.warning("drbalance: collectives still in flight at exit after %.0f s (a rank died?); the "
