@@ -16,13 +16,10 @@ from 0% to 31%.
 import json
 import statistics
 
-import pytest
-
 from drbalance.cli import main as drbalance
 from drbalance.report.metrics import load_run, summarise
 
 
-@pytest.mark.timeout(1500)
 def _mean_utilisation_per_gpu(manager_log) -> list[float]:
     """Mean of the manager's utilisation samples per GPU, in percent (unknown readings skipped)."""
     samples = [json.loads(line) for line in manager_log.read_text().splitlines()]
