@@ -17,15 +17,26 @@ iterations of batch B_i. Under any DR policy:
    sum G_i <= sum_g speed_g * peak * (D - A). The smallest s for which this holds for every A in
    {a_i} and D in {d_i} (binary search: the condition only relaxes as s grows) is a bound.
 
-The bound is max(1., 2.): no run of any DR policy can have max SD below it. It ignores
-host-phase overlap limits and chunk granularity, so it can be loose.
+The capacity bound is max(1., 2.). It ignores that apps cannot pause, so under ``gavel`` (where
+two heavy jobs overlapping on a GPU are served less than one alone) it stays near 1.0.
+
+3. *Sharing* (``drbalance.sim.sharing_bound``, apps arriving together, at most 7 apps and 40
+   distinct finish orders unless asked for more): a linear
+   programme per finish order that counts the co-location forced on apps that can never pause
+   (every live app is in its host phase or has a chunk active), with the interference model's
+   rates for every set of apps active together.
+
+``lower_bound`` is the largest of the three: no run of any DR policy can have max SD below it.
+``bounds`` gives each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from drbalance.sim.model import ContentionModel, Interference
+from drbalance.sim.sharing_bound import SharingBound, sharing_bound
 from drbalance.workload.models import model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
@@ -58,8 +69,32 @@ def _feasible(apps: Sequence[AppSpec], solo: Sequence[float], work: Sequence[flo
     return True
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The lower bounds on the max SD of any DR policy: ``capacity`` (own speed and capacity) and
+    ``sharing`` (None where it does not apply); ``value`` is the largest."""
+
+    capacity: float
+    sharing: SharingBound | None
+
+    @property
+    def value(self) -> float:
+        return max(self.capacity, self.sharing.value if self.sharing is not None else 0.0)
+
+
+def bounds(scenario: Scenario, contention: Interference | None = None) -> Bounds:
+    """Both lower bounds of the scenario under the interference model (default: calibrated)."""
+    contention = contention or ContentionModel()
+    return Bounds(capacity_bound(scenario, contention), sharing_bound(scenario, contention))
+
+
 def lower_bound(scenario: Scenario, contention: Interference | None = None) -> float:
     """No DR policy can finish the scenario with every SD below this value (under the model)."""
+    return bounds(scenario, contention).value
+
+
+def capacity_bound(scenario: Scenario, contention: Interference | None = None) -> float:
+    """The own-speed and capacity bound (1. and 2. of the module docstring)."""
     contention = contention or ContentionModel()
     apps = scenario.apps
     speeds = [scenario.speed(g) for g in range(scenario.gpus)]

@@ -19,7 +19,7 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
-from drbalance.sim.bound import lower_bound
+from drbalance.sim.bound import bounds
 from drbalance.sim.engine import SimConfig, SimResult, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import PLACEMENTS, Scenario, load_scenario
@@ -122,15 +122,20 @@ def run(args: argparse.Namespace) -> int:
             write_run_dir(result, variant.label, scenario, args.out / safe)
         bar.update(1)
     bar.close()
-    bound = lower_bound(scenario, base.contention)
+    found = bounds(scenario, base.contention)
+    bound = found.value
     if args.json:
         print(json.dumps({"scenario": scenario.name, "interference": args.interference, "bound_max_sd": bound,
+                          "capacity_bound": found.capacity,
+                          "sharing_bound": found.sharing.value if found.sharing is not None else None,
                           "runs": report}, indent=2))
         return 0
     print(f"scenario {scenario.name}: {scenario.description} (interference: {args.interference})")
     print(format_table(summaries))
     print("max SD: " + ", ".join(f"{s.label.split(' ')[0]} {max(v for v in s.final_sd.values()):.3f}"
                                   for s in summaries) + f"; lower bound for any DR policy {bound:.3f}")
+    sharing = f"{found.sharing.value:.3f}" if found.sharing is not None else "n/a (apps arrive apart or > 7 apps)"
+    print(f"  (capacity bound {found.capacity:.3f}, sharing bound {sharing}: docs/simulator.md#the-lower-bound)")
     print("simulated in " + ", ".join(f"{label.split(' ')[0]} {r['seconds']:.2f} s" for label, r in report.items()))
     if args.out:
         print(f"logs: {args.out}/<run>/ (plot with: drbalance report {args.out}/*)")
