@@ -20,7 +20,7 @@ setup(
     packages=find_packages(include=["drbalance", "drbalance.*"]),
     package_data={"drbalance.sim": ["gavel_pairs.json", "gavel_rates.json"]},
     python_requires=">=3.10",
-    install_requires=["torch", "posix-ipc>=1.1", "nvidia-ml-py", "prometheus-client>=0.17", "tqdm"],
+    install_requires=["torch", "posix-ipc>=1.1", "nvidia-ml-py", "prometheus-client>=0.17", "tqdm", "numpy", "scipy"],
     extras_require={
         "examples": ["torchvision", "matplotlib"],
         "test": ["pytest", "numpy", "pytest-timeout", "hypothesis", "torchvision", "matplotlib", "ruff"],

@@ -20,7 +20,7 @@ iterations of batch B_i. Under any DR policy:
 The capacity bound is max(1., 2.). It ignores that apps cannot pause, so under ``gavel`` (where
 two heavy jobs overlapping on a GPU are served less than one alone) it stays near 1.0.
 
-3. *Sharing* (``drbalance.sim.sharing_bound``, apps arriving together, at most 7 apps and 40
+3. *Sharing* (``drbalance.sim.sharing_bound``, apps arriving together, at most 7 apps and 120
    distinct finish orders unless asked for more): a linear
    programme per finish order that counts the co-location forced on apps that can never pause
    (every live app is in its host phase or has a chunk active), with the interference model's

@@ -47,7 +47,7 @@ forgotten (the programme may interleave host phases perfectly, which the simulat
 falling into step, do not), so the minimum s of the programme for order pi is a lower bound on
 the max SD of every run that finishes in that order; the minimum over all orders bounds every
 run. The programme has ``s`` as a variable (the deadlines are linear in it), so each order is one
-LP (``drbalance.sim.lp``); orders that differ only by swapping identical apps are solved once.
+LP (``drbalance.sim.lp``: SciPy's HiGHS solver); orders that differ only by swapping identical apps are solved once.
 
 Limits: apps must all arrive at the same time (the paper's scenarios do), and N is kept small
 (at most ``MAX_APPS``; the states grow as 2^N), and by default at most ``MAX_ORDERS`` distinct
@@ -76,7 +76,7 @@ from drbalance.workload.models import model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
 MAX_APPS = 7
-MAX_ORDERS = 40  # by default; each order is one LP (a tenth of a second to a second)
+MAX_ORDERS = 120  # by default; each order is one LP (a few milliseconds with HiGHS)
 
 
 @dataclass(frozen=True)
