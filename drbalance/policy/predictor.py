@@ -88,6 +88,12 @@ class AppModel:
         """Full-batch device seconds on a speed-1 GPU (at least a tenth of the solo iteration)."""
         return max(0.1 * self.solo_iteration, self.solo_iteration - self.host_time(config))
 
+    def host_bound(self) -> bool:
+        """Whether the measured host time is over half the solo iteration: the app is host-bound,
+        or its CPU is starved (emulated GPUs on a loaded machine); either way its work estimate (the
+        solo iteration less that host time) is too small to normalise its chunk times by."""
+        return self.host is not None and self.host > 0.5 * self.solo_iteration
+
 
 Placement = Mapping[str, Sequence[int]]
 """Samples per GPU of each app's mini-batch."""
@@ -225,6 +231,11 @@ class Predictor:
 
     def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
                     co_runners: Mapping[int, Mapping[str, float]]) -> None:
+        """GPU speeds and kappas from the window's chunk times, normalised by the app's work; not
+        from a host-bound app (its chunk times measured against a work estimate that small would
+        make every GPU look many times slower: speeds of 0.07 on emulated GPUs on a starved CPU)."""
+        if model.host_bound():
+            return
         config = self.config
         work = model.work(config)
         used = list(co_runners)
