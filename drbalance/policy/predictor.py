@@ -89,10 +89,11 @@ class AppModel:
         return max(0.1 * self.solo_iteration, self.solo_iteration - self.host_time(config))
 
     def host_bound(self) -> bool:
-        """Whether the measured host time is over half the solo iteration: the app is host-bound,
-        or its CPU is starved (emulated GPUs on a loaded machine); either way its work estimate (the
-        solo iteration less that host time) is too small to normalise its chunk times by."""
-        return self.host is not None and self.host > 0.5 * self.solo_iteration
+        """Whether the measured host time leaves the work estimate (the solo iteration less that
+        host time) at its floor: the app's CPU is starved (emulated GPUs on a loaded machine: host
+        times of 1.3-2.3 s against a solo iteration of 1.0 s), and its chunk times, normalised by a
+        work that small, would make its GPU look many times slower than it is."""
+        return self.host is not None and self.host >= 0.9 * self.solo_iteration
 
 
 Placement = Mapping[str, Sequence[int]]
@@ -231,11 +232,9 @@ class Predictor:
 
     def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
                     co_runners: Mapping[int, Mapping[str, float]]) -> None:
-        """GPU speeds and kappas from the window's chunk times, normalised by the app's work; not
-        from a host-bound app (its chunk times measured against a work estimate that small would
-        make every GPU look many times slower: speeds of 0.07 on emulated GPUs on a starved CPU)."""
-        if model.host_bound():
-            return
+        """GPU speeds and kappas from the window's chunk times, normalised by the app's work. No
+        speed from a host-bound app: on emulated GPUs on a starved CPU that took every GPU's speed
+        to 0.07-0.13, and every prediction with them."""
         config = self.config
         work = model.work(config)
         used = list(co_runners)
@@ -246,7 +245,7 @@ class Predictor:
             others = co_runners[gpu]
             unstretched = work * self.size_factor(placement[gpu], model.batch)
             if not others:
-                if len(used) == 1:  # alone with the whole batch: this GPU's speed
+                if len(used) == 1 and not model.host_bound():  # alone with the whole batch: this GPU's speed
                     known = self.speed[gpu] if self._speed_measured[gpu] else None
                     self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
                     self._speed_measured[gpu] = True
