@@ -127,6 +127,23 @@ def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
     assert predicted_slowdown(lookup["c"], 0.3) > lookup["c"].slowdown
 
 
+def test_a_starved_host_teaches_nothing_about_gpu_speeds():
+    # "a" runs alone on GPU 0 at the speed of the reference GPU (chunk 0.10 s, its solo work), but a
+    # starved CPU stretches its host time from 0.05 s to 0.30 s (as on emulated GPUs on a loaded
+    # machine). Normalised by the work left after that host time (the floor, 0.015 s), the chunk
+    # would make GPU 0 look 7 times slower than it is, for every app.
+    predictor = Predictor(2)
+    starved = [app("a", [10, 0], [0.10, 0], 0.40), app("b", [0, 10], [0, 0.2], 0.35), app("c", [0, 10], [0, 0.2], 0.35)]
+    predictor.observe(starved)
+    assert predictor.apps["a"].host == pytest.approx(0.30) and predictor.apps["a"].host_bound()
+    assert predictor.speed[0] == 1.0  # not learned from the starved window
+    # the same window without the starvation teaches the speed (1.0); the others' kappas as before
+    fresh = Predictor(2)
+    fresh.observe([app("a", [10, 0], [0.10, 0], 0.15), *starved[1:]])
+    assert not fresh.apps["a"].host_bound() and fresh.speed[0] == pytest.approx(1.0, rel=0.05)
+    assert predictor.kappa == fresh.kappa and predictor.kappa[False]  # b and c (not starved) learned their pair
+
+
 def test_kappas_learned_in_a_crowd_do_not_decide_what_a_pair_alone_together_would_do():
     predictor = Predictor(2)
     # GPU 0: a, b and c crowd together (0.3 s chunks for 0.1 s of work); GPU 1: d and e alone

@@ -7,7 +7,9 @@ phase (backward, optimizer step, data loading, this forward) counts towards it, 
 2-core machine CPU contention is absorbed as long as the host time is long enough; (3) the
 *device phase*: each chunk occupies its emulated GPU (``drbalance.emu``) for the model's device
 time of that chunk (forward + backward), all chunks at once on their own GPUs, each waiting while
-another job holds its GPU. Every time is multiplied by ``time_scale``; each real sample counts as
+another job holds its GPU. A replica's timing is its device phase alone (the wait, the slices, the
+turns given to others), as CUDA events time a replica on a GPU: the real CPU forward is host
+work. Every time is multiplied by ``time_scale``; each real sample counts as
 ``sample_scale`` samples of the modelled workload (so small real batches can stand for ImageNet
 batches). See docs/emulation.md.
 
@@ -188,11 +190,15 @@ class EmulatedBackend(CpuBackend):
         device = [self.time_scale * self.costs.device_seconds(size * self.sample_scale) for size in plan.sizes]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
-        futures = [self._pool.submit(self.gpus[device_ids[slot]].occupy, seconds)
+        started = time.monotonic()
+        futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds)
                    for slot, seconds in zip(plan.slots, device)]
-        waits = [future.result() for future in futures]
+        ends = [future.result() for future in futures]
         self._last_device_end = time.monotonic()
-        spans = [cpu + wait + busy for cpu, wait, busy in zip(cpu_seconds, waits, device)]
+        # a replica's time is its device phase as its GPU served it: the wait, the slices and the
+        # turns given to other jobs. The real CPU forward is host work here (the host phase counts
+        # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU.
+        spans = [max(0.0, end - started) for end in ends]
         return outputs, self.timings(device_ids, plan, spans)
 
     def _host_phase(self, plan: ChunkPlan, forward_cpu: float) -> None:
@@ -212,6 +218,12 @@ class EmulatedBackend(CpuBackend):
             for gpu in self._gpus:
                 gpu.close()
         self._open_state()
+
+
+def _occupy_until(gpu: EmulatedGpu, seconds: float) -> float:
+    """Occupy ``gpu`` for ``seconds`` of device time; the monotonic time at which it was done."""
+    gpu.occupy(seconds)
+    return time.monotonic()
 
 
 def _tensor_requiring_grad(obj: Any) -> torch.Tensor | None:

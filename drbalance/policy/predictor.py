@@ -88,6 +88,14 @@ class AppModel:
         """Full-batch device seconds on a speed-1 GPU (at least a tenth of the solo iteration)."""
         return max(0.1 * self.solo_iteration, self.solo_iteration - self.host_time(config))
 
+    def host_bound(self) -> bool:
+        """Whether the measured host time is as long as the whole solo iteration, which did that host
+        work and the device work: the app's CPU is starved (emulated GPUs on a loaded machine: host
+        times of 1.3-2.3 s against a solo iteration of 1.0 s). Its work estimate (the solo iteration
+        less that host time) is then at its floor, and its chunk times, normalised by a work that
+        small, would make its GPU look many times slower than it is."""
+        return self.host is not None and self.host >= self.solo_iteration
+
 
 Placement = Mapping[str, Sequence[int]]
 """Samples per GPU of each app's mini-batch."""
@@ -225,6 +233,9 @@ class Predictor:
 
     def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
                     co_runners: Mapping[int, Mapping[str, float]]) -> None:
+        """GPU speeds and kappas from the window's chunk times, normalised by the app's work. No
+        speed from a host-bound app: on emulated GPUs on a starved CPU that took every GPU's speed
+        to 0.07-0.13, and every prediction with them."""
         config = self.config
         work = model.work(config)
         used = list(co_runners)
@@ -235,7 +246,7 @@ class Predictor:
             others = co_runners[gpu]
             unstretched = work * self.size_factor(placement[gpu], model.batch)
             if not others:
-                if len(used) == 1:  # alone with the whole batch: this GPU's speed
+                if len(used) == 1 and not model.host_bound():  # alone with the whole batch: this GPU's speed
                     known = self.speed[gpu] if self._speed_measured[gpu] else None
                     self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
                     self._speed_measured[gpu] = True

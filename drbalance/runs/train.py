@@ -68,7 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--start-gate", default=None, metavar="PATH",
+                        help="set up (model, data, optimizer), write PATH.ready, then wait until PATH exists "
+                        "before the session and training start: 'drbalance launch' starts jobs launched "
+                        "together together, however long each took to import and build")
+    parser.add_argument("--start-gate-timeout", type=float, default=900.0,
+                        help="seconds to wait at --start-gate before giving up (default 900)")
     return parser
+
+
+def pass_start_gate(gate: str, timeout: float, poll: float = 0.05) -> None:
+    """Say this job is set up (``GATE.ready``, a new private file), then wait until ``gate``
+    exists (its existence is the signal; nothing is read from it). Exits with a message after
+    ``timeout`` seconds."""
+    from drbalance.ipc.private import write_private
+
+    try:
+        write_private(f"{gate}.ready", b"ready\n")
+    except OSError as error:
+        raise SystemExit(f"train.py: --start-gate {gate!r}: cannot write {gate}.ready: {error}") from None
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"train.py: --start-gate {gate!r}: no start signal after {timeout:.0f} s")
+        time.sleep(poll)
 
 
 def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
@@ -168,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     app = args.app or f"{args.model}-{os.getpid()}"
+    if args.start_gate:
+        pass_start_gate(args.start_gate, args.start_gate_timeout)
     session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
                       report_every=args.report_every, decide_every=args.decide_every)
     device = torch.device("cuda", model.device_ids[0]) if kind == "cuda" else torch.device("cpu")

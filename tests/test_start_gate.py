@@ -1,0 +1,65 @@
+"""The launcher's start gate: apps set up first, then start together (docs/emulation.md, "Under CPU load").
+
+Started at their arrival times, the apps of a scenario registered as far apart as their imports
+took (15 to 43 s on a loaded 2-core machine): the first trained alone meanwhile, and the policy
+moved them onto GPUs whose apps had not registered yet.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from drbalance.runs.launch import _wait_for_setup
+from drbalance.runs.train import pass_start_gate
+from tests.conftest import python_process
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_job_says_it_is_set_up_and_trains_only_after_the_gate_opens(tmp_path):
+    gate = tmp_path / "job"
+    job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
+                         "--iterations", "1", "--batch-size", "2", "--solo-time", "10", "--no-progress",
+                         "--start-gate", str(gate), env={"DRBALANCE_NO_MANAGER": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "job.ready").exists():
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "the job never said it was set up"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert job.poll() is None  # set up, and waiting at the gate
+        gate.write_text("start\n")
+        out, err = job.communicate(timeout=240)
+        assert job.returncode == 0, err
+        assert "1 iterations in" in err
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def test_a_gate_that_never_opens_ends_the_job_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match="no start signal after 0 s"):
+        pass_start_gate(str(tmp_path / "never"), timeout=0.2, poll=0.01)
+    assert (tmp_path / "never.ready").read_text() == "ready\n"
+    assert (tmp_path / "never.ready").stat().st_mode & 0o077 == 0  # private, as every file of a run
+
+
+def test_the_launcher_names_an_app_that_died_while_setting_up(tmp_path):
+    died = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    ready = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    (tmp_path / "ok.ready").write_text("ready\n")
+    try:
+        died.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="'bad' exited with status 3 while setting up"):
+            _wait_for_setup({"ok": ready, "bad": died}, {"ok": tmp_path / "ok", "bad": tmp_path / "bad"}, 60)
+        with pytest.raises(RuntimeError, match=r"apps \['slow'\] not set up after 0 s"):
+            _wait_for_setup({"slow": ready}, {"slow": tmp_path / "slow"}, 0.1)
+    finally:
+        ready.kill()
+        ready.wait()
