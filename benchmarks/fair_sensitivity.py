@@ -26,11 +26,9 @@ from dataclasses import dataclass, replace
 from statistics import mean
 
 from drbalance.policy.fair import FairConfig, FairPolicy
-from drbalance.report.metrics import summarise
-from drbalance.sim.command import to_run
-from drbalance.sim.engine import SimConfig, Simulation
-from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import SCENARIOS
+from drbalance.sim.engine import SimConfig
+from drbalance.sim.model import INTERFERENCE_MODELS
+from drbalance.sim.reproduce import Outcome, measure
 
 MAX_SD_TARGET = {"a": 1.25, "b": 1.31, "c": 1.25}
 SPREAD_TARGET = 0.10
@@ -55,18 +53,10 @@ class Variant:
         return "defaults"
 
 
-@dataclass(frozen=True)
-class Result:
-    """Final SD spread, max SD, mean SD, and the time-averaged GPU utilisation (%) of one run."""
-
-    spread: float
-    max_sd: float
-    mean_sd: float
-    util: float
-
-    def meets(self, scenario: str) -> bool:
-        return (self.spread <= SPREAD_TARGET and self.max_sd <= MAX_SD_TARGET[scenario]
-                and self.util >= UTIL_TARGET)
+def meets_targets(outcome: Outcome, scenario: str) -> bool:
+    """Whether one run meets issue 9's spread, max-SD and utilisation targets for the scenario."""
+    return (outcome.spread <= SPREAD_TARGET and outcome.max_sd <= MAX_SD_TARGET[scenario]
+            and outcome.util >= UTIL_TARGET)
 
 
 def variants() -> list[Variant]:
@@ -75,17 +65,12 @@ def variants() -> list[Variant]:
             + [Variant(report_every=r) for r in REPORT_PERIODS])
 
 
-def run_one(job: tuple[str, str, str, Variant]) -> Result:
+def run_one(job: tuple[str, str, str, Variant]) -> Outcome:
     """Simulate `fair` on one scenario and placement under one interference model and variant."""
     name, placement, interference, variant = job
-    scenario = SCENARIOS[name]
     defaults = FairConfig()
     policy = FairPolicy(replace(defaults, window_fraction=defaults.window_fraction * variant.window_factor))
-    config = SimConfig(policy="fair", placement=placement, report_every=variant.report_every,
-                       contention=make_interference(interference))
-    result = Simulation(scenario, config, policy=policy).run()
-    summary = summarise(to_run(result, "fair", scenario), step=max(1.0, result.makespan / 2000))
-    return Result(result.sd_spread, result.max_sd, result.mean_sd, summary.mean_util)
+    return measure(name, placement, "fair", interference, report_every=variant.report_every, policy_object=policy)
 
 
 def _cell(values: list[float], digits: int) -> str:
@@ -106,8 +91,8 @@ def table(interference: str, workers: int) -> str:
     ]
     for index, (name, placement) in enumerate(rows):
         mine = results[index * len(chosen):(index + 1) * len(chosen)]
-        met = sum(r.meets(name) for r in mine)
-        missed = [v.label for v, r in zip(chosen, mine) if not r.meets(name)]
+        met = sum(meets_targets(r, name) for r in mine)
+        missed = [v.label for v, r in zip(chosen, mine) if not meets_targets(r, name)]
         base = mine[0]
         lines.append(
             f"| ({name}) | {placement} | {_cell([r.spread for r in mine], 3)} | {_cell([r.max_sd for r in mine], 3)} "

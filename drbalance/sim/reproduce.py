@@ -19,10 +19,11 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from drbalance.policy.base import Policy
 from drbalance.report.metrics import summarise
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.command import to_run
-from drbalance.sim.engine import SimConfig, simulate
+from drbalance.sim.engine import SimConfig, Simulation
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import SCENARIOS
 
@@ -42,13 +43,19 @@ class Outcome:
 
 
 def measure(scenario_name: str, placement: str, policy: str, interference: str = "calibrated",
-            decide_every: int | None = None) -> Outcome:
-    """Simulate one run (``policy`` "themis" is the time-slicing scheduler)."""
+            decide_every: int | None = None, *, report_every: int = SimConfig.report_every,
+            policy_object: Policy | None = None) -> Outcome:
+    """Simulate one run (``policy`` "themis" is the time-slicing scheduler).
+
+    ``report_every``: iterations between an app's records; ``policy_object``: a policy built with
+    other knobs than the registry's (``policy`` then only labels the run).
+    """
     scenario = SCENARIOS[scenario_name]
     scheduler = "themis" if policy == "themis" else None
     config = SimConfig(policy="observe" if scheduler else policy, scheduler=scheduler, placement=placement,
-                       decide_every=decide_every, contention=make_interference(interference))
-    result = simulate(scenario, config)
+                       decide_every=decide_every, report_every=report_every,
+                       contention=make_interference(interference))
+    result = Simulation(scenario, config, policy=policy_object).run()
     summary = summarise(to_run(result, policy, scenario), step=max(1.0, result.makespan / 2000))
     return Outcome(result.sd_spread, result.max_sd, result.mean_sd, summary.mean_util, summary.mean_sd,
                    summary.start_sd_diff)
