@@ -6,11 +6,12 @@ on a window that mixed two DRs.
 
 It prints the final SDs and finish times, the mean GPU utilisation (busy time over the makespan,
 per GPU) in periods of ``--period`` seconds, and counts the reverts of *pushed* moves that were
-decided on a mixed window: the other half of a swap is pushed to an app and applied at its next
-report, in the middle of that app's decision window; if the app's next decision comes before a
-whole window has run under the pushed DR, the window it is judged on (and the predictor learns
-from) holds chunks of both DRs. ``--moves`` lists every change (move, swap, plan, revert) with
-its time and gain, such reverts marked ``MIXED``.
+decided on a mixed window: the other half of a swap is pushed to an app and applied after its
+current iteration (at its next report until the client looked for pushes every iteration), in
+the middle of that app's decision window; the window it is then judged on (and the predictor
+learns from) holds chunks of both DRs: now one iteration's, before up to ``report_every``.
+``--moves`` lists every change (move, swap, plan, revert) with its time and gain, such reverts
+marked ``MIXED``.
 
 What it showed for ``fair`` at 4c66d28 (calibrated model): while the apps run, utilisation sits
 at about 84% in (a) and (c) from either placement (six apps on four GPUs: two GPUs shared, at

@@ -1,7 +1,9 @@
 """How much `fair`'s results on (a), (b), (c) move when its knobs move a little.
 
-    python -m benchmarks.fair_sensitivity                       # calibrated, both placements, 7 variants
+    python -m benchmarks.fair_sensitivity                       # calibrated, both placements, 8 variants
     python -m benchmarks.fair_sensitivity --interference gavel --workers 2
+    python -m benchmarks.fair_sensitivity --short               # the demo's short runs against observe
+    python -m benchmarks.fair_sensitivity --short staggered mixed-lengths --cadences own   # mixes too
 
 One simulated run is deterministic, but the outcome of a run is sensitive to small changes: a
 decision window 1% longer shifts every decision point, which changes which moves are judged on
@@ -16,6 +18,15 @@ luck. This benchmark runs `fair` on each scenario and placement for a few nearby
 and prints, per row, the mean and the range of the final SD spread, max SD, mean SD and the
 time-averaged utilisation, and how many variants meet issue 9's targets (spread <= 0.10,
 max SD <= 1.25 for (a) and (c) and <= 1.31 for (b), utilisation >= 83%). No torch is imported.
+
+``--short`` runs the scaled-down scenarios of the demo and the end-to-end tests (demo-a, e2e-a,
+e2e-skewed: about ten iterations per app) under both interference models, for the same variants
+with the policy's own decision cadence and with a decision every 2 iterations (the demo's
+``--decide-every``), and counts the runs in which `fair` is not worse than doing nothing
+(`observe` from the scenario's placement): final max SD and mean SD at most its + 0.01. Names
+after ``--short`` (scenarios, or mixes of ``drbalance.sim.mixes``) replace the three;
+``--cadences own`` leaves out the decision every 2 iterations (slow and beside the point for
+runs of thousands of iterations).
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ SPREAD_TARGET = 0.10
 UTIL_TARGET = 83.0
 WINDOW_FACTORS = (0.98, 0.99, 1.01, 1.02)
 REPORT_PERIODS = (3, 4, 6)
+SHORT_SCENARIOS = ("demo-a", "e2e-a", "e2e-skewed")
+SHORT_DECIDE_EVERY = (None, 2)  # the policy's own cadence, and the demo's
+NOT_WORSE_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -43,14 +57,17 @@ class Variant:
 
     window_factor: float = 1.0
     report_every: int = SimConfig.report_every
+    decide_every: int | None = None  # iterations between decisions besides the policy's own
 
     @property
     def label(self) -> str:
         if self.window_factor != 1.0:
-            return f"window x{self.window_factor:g}"
-        if self.report_every != SimConfig.report_every:
-            return f"report every {self.report_every}"
-        return "defaults"
+            label = f"window x{self.window_factor:g}"
+        elif self.report_every != SimConfig.report_every:
+            label = f"report every {self.report_every}"
+        else:
+            label = "defaults"
+        return label if self.decide_every is None else f"{label}, decide every {self.decide_every}"
 
 
 def meets_targets(outcome: Outcome, scenario: str) -> bool:
@@ -59,10 +76,11 @@ def meets_targets(outcome: Outcome, scenario: str) -> bool:
             and outcome.util >= UTIL_TARGET)
 
 
-def variants() -> list[Variant]:
+def variants(decide_every: int | None = None) -> list[Variant]:
     """The defaults, then the window factors, then the report periods."""
-    return ([Variant()] + [Variant(window_factor=f) for f in WINDOW_FACTORS]
-            + [Variant(report_every=r) for r in REPORT_PERIODS])
+    return ([Variant(decide_every=decide_every)]
+            + [Variant(window_factor=f, decide_every=decide_every) for f in WINDOW_FACTORS]
+            + [Variant(report_every=r, decide_every=decide_every) for r in REPORT_PERIODS])
 
 
 def run_one(job: tuple[str, str, str, Variant]) -> Outcome:
@@ -70,7 +88,8 @@ def run_one(job: tuple[str, str, str, Variant]) -> Outcome:
     name, placement, interference, variant = job
     defaults = FairConfig()
     policy = FairPolicy(replace(defaults, window_fraction=defaults.window_fraction * variant.window_factor))
-    return measure(name, placement, "fair", interference, report_every=variant.report_every, policy_object=policy)
+    return measure(name, placement, "fair", interference, variant.decide_every, report_every=variant.report_every,
+                   policy_object=policy)
 
 
 def _cell(values: list[float], digits: int) -> str:
@@ -102,15 +121,63 @@ def table(interference: str, workers: int) -> str:
     return "\n".join(lines)
 
 
+def not_worse(outcome: Outcome, baseline: Outcome) -> bool:
+    """Issue 9's "never worse than doing nothing": max and mean SD at most the baseline's + 0.01."""
+    return (outcome.max_sd <= baseline.max_sd + NOT_WORSE_MARGIN
+            and outcome.mean_sd <= baseline.mean_sd + NOT_WORSE_MARGIN)
+
+
+def short_table(workers: int, names: tuple[str, ...] = SHORT_SCENARIOS,
+                cadences: tuple[int | None, ...] = SHORT_DECIDE_EVERY) -> str:
+    """A markdown table: per scenario and interference model, `fair` over the variants (each
+    decision cadence: None is the policy's own) against `observe`, and how many runs are not worse."""
+    rows = [(name, interference) for name in names for interference in sorted(INTERFERENCE_MODELS)]
+    chosen = [v for every in cadences for v in variants(every)]
+    jobs = [(name, "round-robin", interference, variant) for name, interference in rows for variant in chosen]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        baselines = list(pool.map(measure, [name for name, _ in rows], ["round-robin"] * len(rows),
+                                  ["observe"] * len(rows), [interference for _, interference in rows]))
+        results = list(pool.map(run_one, jobs))
+    lines = [
+        f"| scenario | interference | `observe`: max / mean SD | `fair`: max SD | `fair`: mean SD "
+        f"| runs not worse (of {len(chosen)}) | not worse, per cadence: "
+        + " / ".join("own" if every is None else f"every {every}" for every in cadences) + " |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    per = len(chosen) // len(cadences)
+    for index, ((name, interference), base) in enumerate(zip(rows, baselines)):
+        mine = results[index * len(chosen):(index + 1) * len(chosen)]
+        ok = [not_worse(r, base) for r in mine]
+        lines.append(
+            f"| {name} | {interference} | {base.max_sd:.3f} / {base.mean_sd:.3f} "
+            f"| {_cell([r.max_sd for r in mine], 3)} | {_cell([r.mean_sd for r in mine], 3)} "
+            f"| {sum(ok)} | {' / '.join(str(sum(ok[i:i + per])) for i in range(0, len(ok), per))} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interference", choices=sorted(INTERFERENCE_MODELS), default="calibrated",
                         help="contention model of the simulator (default: calibrated)")
     parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--short", nargs="*", metavar="SCENARIO",
+                        help="fair against observe, both interference models, on these scenarios or mixes "
+                             f"(default: {', '.join(SHORT_SCENARIOS)})")
+    parser.add_argument("--cadences", default="own,2",
+                        help="with --short: decision cadences, 'own' (the policy's) or iterations (default own,2)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
-    print(table(args.interference, args.workers))
+    if args.short is not None:
+        try:
+            cadences = tuple(None if part == "own" else int(part) for part in args.cadences.split(","))
+        except ValueError:
+            parser.error(f"--cadences: 'own' or iteration counts, comma-separated; got {args.cadences!r}")
+        if not cadences or any(every is not None and every < 1 for every in cadences):
+            parser.error(f"--cadences: 'own' or iteration counts >= 1; got {args.cadences!r}")
+        print(short_table(args.workers, tuple(args.short) or SHORT_SCENARIOS, cadences))
+    else:
+        print(table(args.interference, args.workers))
     return 0
 
 

@@ -141,7 +141,7 @@ class SwapPolicy:
         return Decision(app, DataRatio([0, 0, 0, 10]), "swap", others=pushed)
 
 
-def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_at_its_next_report(ipc_env, tmp_path):
+def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_next_iteration(ipc_env, tmp_path):
     from drbalance.ipc.layout import Notice, NoticeKind
     from drbalance.manager.daemon import Manager, ManagerSettings
     from drbalance.manager.utilization import ScriptedSource
@@ -154,22 +154,25 @@ def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_at_its_next_
     models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
               for name in ("a", "b")}
     sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
-                              exchange_timeout=0.0, report_every=2) for name, model in models.items()}
+                              exchange_timeout=0.0, report_every=5) for name, model in models.items()}
     try:
         for name in ("a", "b"):  # a alone keeps its DR; b's decision moves b and pushes a
             manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), sessions[name].notice_seq, name, 0.0))
         sessions["b"]._apply(sessions["b"].link.poll_command(sessions["b"].notice_seq), 0.0)
         assert models["b"].ratio == DataRatio([0, 0, 0, 10])
-        # a sent no notice for this change; it takes it at its next report (every 2 iterations here)
+        # a sent no notice for this change; its signal tells its next step, which is not a report
         model_a, session_a = models["a"], sessions["a"]
-        pushed = session_a.link.poll_command(session_a.notice_seq)
-        assert pushed is not None and pushed.pushed and pushed.ratio == DataRatio([10, 0, 0, 0])
+        assert model_a.ratio == DataRatio([0, 5, 5, 0])
         model_a(torch.randn(4, 4)).sum().backward()
         session_a.step()
-        assert model_a.ratio == DataRatio([0, 5, 5, 0])  # not before its report
-        model_a(torch.randn(4, 4)).sum().backward()
-        session_a.step()
+        assert session_a.tracker.done % session_a.report_every != 0
         assert model_a.ratio == DataRatio([10, 0, 0, 0])
+        applied = session_a._last_push_wall
+        model_a.set_ratio(DataRatio([0, 5, 5, 0]))  # the command stays in the record: never applied twice
+        for _ in range(session_a.report_every):
+            model_a(torch.randn(4, 4)).sum().backward()
+            session_a.step()
+        assert model_a.ratio == DataRatio([0, 5, 5, 0]) and session_a._last_push_wall == applied
         events = [line for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
         assert len(events) == 1 and '"app":"a"' in events[0]
     finally:

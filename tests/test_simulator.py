@@ -242,3 +242,39 @@ def test_simulate_json_keeps_its_shape_and_adds_utilisation_and_time_averages(ca
     assert set(run["final_sd"]) == {"dense1", "dense2", "res1", "res2", "alex1", "alex2"}
     assert 0 < run["mean_util"] <= 100 and run["mean_sd_time_avg"] > 0
     assert report["interference"] == "gavel" and run["max_sd"] >= report["bound_max_sd"] - 1e-9
+
+
+class _PushOnce:
+    """At the first measured boundary of app ``mover``, moves it to GPU 1 and pushes GPU 1 to the other app."""
+
+    name = "push-once"
+
+    def __init__(self, mover: str) -> None:
+        self.mover = mover
+        self.done = False
+
+    def decide(self, app, trigger, snapshot):
+        from types import MappingProxyType
+
+        from drbalance.policy import Decision
+        from drbalance.ratio import DataRatio
+
+        view = snapshot.app(app)
+        if app != self.mover or self.done or trigger == "register" or view.slowdown is None:
+            return Decision(app, view.ratio, "keep")
+        self.done = True
+        other = next(v.name for v in snapshot.apps if v.name != app)
+        return Decision(app, DataRatio([0, 10]), "swap", others=MappingProxyType({other: DataRatio([0, 10])}))
+
+
+def test_a_pushed_dr_applies_after_the_other_apps_current_iteration_not_at_its_next_report():
+    apps = (AppSpec("slow", "densenet121", 32, 1, 60), AppSpec("fast", "alexnet", 128, 1, 200))
+    scenario = Scenario("push", 2, apps)  # round-robin: slow on GPU 0, fast on GPU 1
+    config = SimConfig(policy="observe", report_every=50, decide_every=10)
+    result = Simulation(scenario, config, policy=_PushOnce("fast")).run()
+    decided = next(r for r in result.manager_records if r["event"] == "decision" and r["branch"] == "swap")
+    pushed = next(r for r in result.app_records["slow"] if r["event"] == "update" and r.get("branch") == "push")
+    iteration_time = result.finish["slow"] / 60  # an upper bound on one iteration of a 60-iteration run
+    assert pushed["iteration"] % config.report_every != 0  # not held back to a report
+    assert decided["t"] <= pushed["t"] <= decided["t"] + 2 * iteration_time
+    assert pushed["dr"] == [0, 10]

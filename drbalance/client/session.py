@@ -18,6 +18,8 @@ record. At each decision boundary (the end of every epoch, and every ``decide_ev
 if set) it also sends a notice to the manager and waits at most ``exchange_timeout`` seconds for
 a new DR, which the model uses from its next forward. Without a manager, or with a slow or dead
 one, training goes on with its own DR (one warning); it re-attaches when a manager appears.
+A DR the manager pushes outside an exchange (the other half of a swap) is applied after the
+current iteration: every ``step()`` looks at the app's signal semaphore (one ``sem_trywait``).
 
 A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates the Session on
 every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
@@ -325,6 +327,8 @@ class Session:
             self._boundary(now)
         elif done % self.report_every == 0:
             self._report(now)
+        elif self.link.command_signalled():  # e.g. the other half of a swap: applied now, not at the next report
+            self._take_command(now)
         else:
             return
         self._synchronize(now)
@@ -417,21 +421,28 @@ class Session:
     def _report(self, now: float) -> None:
         self._sample_replicas()
         self._sample_memory(now)
-        if self._awaiting is not None:
-            command = self.link.poll_command(self._awaiting)
-            if command is not None:
-                self._apply(command, now, late=True)
-        elif self.attached:  # a DR the manager pushed as part of a decision about several apps
-            command = self.link.poll_command(self.notice_seq)
-            if command is not None and command.pushed and command.written_wall > self._last_push_wall:
-                self._last_push_wall = command.written_wall
-                self._apply(command, now)
+        self._take_command(now)
         self.link.publish(self._status(now))
         self._write_log("report", now)
         if not self.attached and now - self._last_manager_look > 5.0:
             self._last_manager_look = now
             if self.link.manager() is not None:
                 self._exchange(NoticeKind.REGISTER, now)
+
+    def _take_command(self, now: float) -> None:
+        """Apply a command that arrived outside an exchange: a late answer, or a DR the manager
+        pushed as part of a decision about several apps (never waits)."""
+        if self._awaiting is None and not self.attached:
+            return
+        command = self.link.poll_command(self.notice_seq if self._awaiting is None else self._awaiting)
+        if command is None:
+            return
+        if command.pushed:  # applied once (by write time); a late answer may still follow it
+            if command.written_wall > self._last_push_wall:
+                self._last_push_wall = command.written_wall
+                self._apply(command, now)
+        elif self._awaiting is not None:
+            self._apply(command, now, late=True)
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
@@ -488,13 +499,14 @@ class Session:
             return
         command = self.link.await_command(self.notice_seq, self.exchange_timeout)
         if command is None:
-            self._awaiting = self.notice_seq  # a late answer is applied at the next report
+            self._awaiting = self.notice_seq  # a late answer is applied when it arrives
             self._write_log("no_answer", now, generation=self.notice_seq)
             return
         self._apply(command, self.clock.monotonic())
 
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
-        self._awaiting = None
+        if not command.pushed:
+            self._awaiting = None
         self.applied_generation = command.generation
         if not command.pushed:  # a pushed DR leaves the app's decision cadence as it was
             self._cadence = command.next_boundary

@@ -248,7 +248,7 @@ class AppCommand:
     ``next_boundary``: seconds after which the app should send its next boundary notice even if
     no epoch has ended (None: only at its own boundaries). ``pushed``: the manager changed the DR
     without a notice of the app's (its part of a decision about several apps); ``generation`` is
-    then the app's latest notice, and the app applies it at its next report.
+    then the app's latest notice, and the app applies it after its current iteration.
     """
 
     manager_pid: int

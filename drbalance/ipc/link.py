@@ -53,6 +53,10 @@ class ManagerLink(Protocol):
     def poll_command(self, generation: int) -> AppCommand | None:
         """The answer to notice ``generation`` if it has arrived (never waits)."""
 
+    def command_signalled(self) -> bool:
+        """Whether the manager has signalled a new command since the last look (never waits; cheap
+        enough for every iteration). A True is followed by ``poll_command``."""
+
     def close(self) -> None:
         """Remove everything this app created."""
 
@@ -74,6 +78,9 @@ class DetachedLink:
 
     def poll_command(self, generation: int) -> AppCommand | None:
         return None
+
+    def command_signalled(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass
@@ -233,6 +240,14 @@ class PosixManagerLink:
     def poll_command(self, generation: int) -> AppCommand | None:
         self._drain_signal()
         return self._command_for(generation)
+
+    def command_signalled(self) -> bool:
+        """One non-blocking ``sem_trywait`` on the app's signal (about a microsecond)."""
+        try:
+            self.signal.acquire(0)
+        except posix_ipc.Error:  # BusyError: nothing posted
+            return False
+        return True
 
     def _command_for(self, generation: int) -> AppCommand | None:
         try:

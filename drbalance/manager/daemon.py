@@ -443,7 +443,7 @@ class Manager:
         return sent
 
     def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
-        """Send another app its part of a joint decision now (it applies it at its next report)."""
+        """Send another app its part of a joint decision now (it applies it after its current iteration)."""
         entry = self.table.get(name)
         try:
             if entry is None:

@@ -135,7 +135,7 @@ class Decision:
     ``next_boundary``: seconds after which the app should ask for a decision again (a boundary
     notice), besides its epoch ends; None leaves the app's own cadence. ``others``: new DRs for
     other apps, decided jointly with this one; the manager pushes them to those apps at once
-    (each applies it at its next report), after checking each against that app's constraints.
+    (each applies it after its current iteration), after checking each against that app's constraints.
     """
 
     app: str

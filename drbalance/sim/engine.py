@@ -126,7 +126,7 @@ class _App:
         self.published: AppView | None = None  # what the app's record holds, as the manager would read it
         self.cadence: float | None = None  # seconds between boundaries the policy asked for
         self.boundary_due: float | None = None
-        self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied at the next report
+        self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied after its current iteration
 
 
 @dataclass
@@ -320,6 +320,7 @@ class Simulation:
         if app.suspend:
             app.running = app.suspend = False
             return
+        self._apply_push(app)  # the client looks for a pushed DR after every iteration
         self._start_iteration(app)
 
     # --- the policy, called as the daemon calls it --------------------------------------------
@@ -337,7 +338,7 @@ class Simulation:
         )
 
     def _apply_push(self, app: _App) -> None:
-        """The client applies a pushed DR at its report, before publishing."""
+        """The client applies a pushed DR after its current iteration (at a report: before publishing)."""
         if app.pushed is not None:
             old, app.ratio, app.pushed = app.ratio, app.pushed, None
             if old != app.ratio:
@@ -373,7 +374,7 @@ class Simulation:
             app.pushed = None
             self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=decision.branch)
         by_name = {other.name: other for other in self.apps if other.alive}
-        for name, ratio in decision.others.items():  # pushed now, applied at each one's next report
+        for name, ratio in decision.others.items():  # pushed now, applied after each one's current iteration
             other = by_name.get(name)
             if other is None or len(ratio) != self.scenario.gpus:
                 raise ValueError(f"policy {self.policy.name!r} pushed {ratio} to {name!r}, which cannot take it")

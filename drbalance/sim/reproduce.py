@@ -24,8 +24,9 @@ from drbalance.report.metrics import summarise
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.command import to_run
 from drbalance.sim.engine import SimConfig, Simulation
+from drbalance.sim.mixes import MIXES
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import SCENARIOS
+from drbalance.workload.scenarios import SCENARIOS, load_scenario
 
 POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
 
@@ -45,12 +46,13 @@ class Outcome:
 def measure(scenario_name: str, placement: str, policy: str, interference: str = "calibrated",
             decide_every: int | None = None, *, report_every: int = SimConfig.report_every,
             policy_object: Policy | None = None) -> Outcome:
-    """Simulate one run (``policy`` "themis" is the time-slicing scheduler).
+    """Simulate one run of a scenario (a built-in name or .json file, or a mix of ``sim.mixes``);
+    ``policy`` "themis" is the time-slicing scheduler.
 
     ``report_every``: iterations between an app's records; ``policy_object``: a policy built with
     other knobs than the registry's (``policy`` then only labels the run).
     """
-    scenario = SCENARIOS[scenario_name]
+    scenario = MIXES[scenario_name]() if scenario_name in MIXES else load_scenario(scenario_name)
     scheduler = "themis" if policy == "themis" else None
     config = SimConfig(policy="observe" if scheduler else policy, scheduler=scheduler, placement=placement,
                        decide_every=decide_every, report_every=report_every,
