@@ -179,3 +179,69 @@ def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_ne
         for session in sessions.values():
             session.close()
         manager.stop()
+
+
+class PushThenAnswer:
+    """b's boundary pushes [10, 0, 0, 0] to a; a's boundary gives a [0, 0, 0, 10] and a 7 s cadence."""
+
+    name = "push-then-answer"
+
+    def decide(self, app, trigger, snapshot):
+        from types import MappingProxyType
+
+        from drbalance.policy import Decision
+
+        view = snapshot.app(app)
+        if trigger != "boundary":
+            return Decision(app, view.ratio, "keep")
+        if app == "b":
+            return Decision(app, view.ratio, "swap", others=MappingProxyType({"a": DataRatio([10, 0, 0, 0])}))
+        return Decision(app, DataRatio([0, 0, 0, 10]), "mine", next_boundary=7.0)
+
+
+def test_a_push_that_reaches_an_exchange_first_is_applied_once_and_the_answer_still_follows(ipc_env, tmp_path):
+    from drbalance.ipc.layout import Notice, NoticeKind
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script), policy=PushThenAnswer())
+    manager.start()
+    models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
+              for name in ("a", "b")}
+    sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
+                              exchange_timeout=0.0, report_every=50, decide_every=10)
+                for name, model in models.items()}
+    a, model_a = sessions["a"], models["a"]
+
+    def step_a(count=1):
+        for _ in range(count):
+            model_a(torch.randn(4, 4)).sum().backward()
+            a.step()
+
+    try:
+        for name in ("a", "b"):
+            manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), sessions[name].notice_seq, name, 0.0))
+        step_a()
+        waiting = a.link.await_command
+
+        def b_decides_first(generation, timeout):  # b's notice is handled after a published its own
+            manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), sessions["b"].notice_seq, "b", 0.0))
+            return waiting(generation, timeout)
+
+        a.link.await_command = b_decides_first
+        step_a(9)  # iteration 10: a's boundary exchange reads b's push, stamped with a's new notice
+        a.link.await_command = waiting
+        assert model_a.ratio == DataRatio([10, 0, 0, 0]) and a._awaiting == a.notice_seq
+        model_a.set_ratio(DataRatio([0, 5, 5, 0]))  # e.g. an out-of-memory revert
+        step_a()
+        assert model_a.ratio == DataRatio([0, 5, 5, 0])  # the push is not applied a second time
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), a.notice_seq, "a", 0.0))  # the answer, late
+        step_a()  # not a report, not a boundary: the signal brings it
+        assert model_a.ratio == DataRatio([0, 0, 0, 10]) and a._cadence == 7.0 and a._awaiting is None
+    finally:
+        for session in sessions.values():
+            session.close()
+        manager.stop()

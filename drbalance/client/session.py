@@ -435,14 +435,18 @@ class Session:
         if self._awaiting is None and not self.attached:
             return
         command = self.link.poll_command(self.notice_seq if self._awaiting is None else self._awaiting)
-        if command is None:
-            return
-        if command.pushed:  # applied once (by write time); a late answer may still follow it
-            if command.written_wall > self._last_push_wall:
-                self._last_push_wall = command.written_wall
-                self._apply(command, now)
-        elif self._awaiting is not None:
-            self._apply(command, now, late=True)
+        if command is not None and (command.pushed or self._awaiting is not None):
+            self._accept(command, now, late=True)
+
+    def _accept(self, command: AppCommand, now: float, late: bool = False) -> None:
+        """Apply a command read from the record. A pushed DR is applied once (by write time) and
+        leaves an awaited answer awaited: the manager stamps a push with the app's latest notice,
+        so it can reach the app before the answer to that notice does."""
+        if not command.pushed:
+            self._apply(command, now, late=late)
+        elif command.written_wall > self._last_push_wall:
+            self._last_push_wall = command.written_wall
+            self._apply(command, now)
 
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
@@ -497,12 +501,12 @@ class Session:
             self._write_log("attached", now, manager_pid=beat.pid)
         if kind == NoticeKind.FINISH:
             return
+        self._awaiting = self.notice_seq  # this notice's answer replaces any older one awaited
         command = self.link.await_command(self.notice_seq, self.exchange_timeout)
-        if command is None:
-            self._awaiting = self.notice_seq  # a late answer is applied when it arrives
+        if command is None:  # a late answer is applied when it arrives
             self._write_log("no_answer", now, generation=self.notice_seq)
             return
-        self._apply(command, self.clock.monotonic())
+        self._accept(command, self.clock.monotonic())
 
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         if not command.pushed:
