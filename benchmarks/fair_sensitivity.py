@@ -51,6 +51,11 @@ SHORT_DECIDE_EVERY = (None, 2)  # the policy's own cadence, and the demo's
 NOT_WORSE_MARGIN = 0.01
 
 
+def cadence_label(decide_every: int | None) -> str:
+    """How ``--cadences`` names a decision cadence: 'own' (the policy's) or an iteration count."""
+    return "own" if decide_every is None else str(decide_every)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One perturbation: a factor on the default decision window, and the report period (iterations)."""
@@ -163,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", nargs="*", metavar="SCENARIO",
                         help="fair against observe, both interference models, on these scenarios or mixes "
                              f"(default: {', '.join(SHORT_SCENARIOS)})")
-    parser.add_argument("--cadences", default="own,2",
-                        help="with --short: decision cadences, 'own' (the policy's) or iterations (default own,2)")
+    default_cadences = ",".join(cadence_label(every) for every in SHORT_DECIDE_EVERY)
+    parser.add_argument("--cadences", default=default_cadences,
+                        help=f"with --short: decision cadences, 'own' (the policy's) or iterations "
+                             f"(default {default_cadences})")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

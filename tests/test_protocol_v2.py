@@ -1,6 +1,7 @@
 """Protocol v2: what a record carries beyond SD and DR, and the constraints every decision respects."""
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -141,7 +142,9 @@ class SwapPolicy:
         return Decision(app, DataRatio([0, 0, 0, 10]), "swap", others=pushed)
 
 
-def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_next_iteration(ipc_env, tmp_path):
+@contextmanager
+def two_registered_apps(ipc_env, tmp_path, policy, **session_options):
+    """A manager with ``policy`` and apps "a" then "b" (DR [0, 5, 5, 0]), both registered with it."""
     from drbalance.ipc.layout import Notice, NoticeKind
     from drbalance.manager.daemon import Manager, ManagerSettings
     from drbalance.manager.utilization import ScriptedSource
@@ -149,36 +152,45 @@ def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_ne
     script = tmp_path / "util.json"
     script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
     manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
-                      ScriptedSource(script), policy=SwapPolicy())
+                      ScriptedSource(script), policy=policy)
     manager.start()
     models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
               for name in ("a", "b")}
     sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
-                              exchange_timeout=0.0, report_every=5) for name, model in models.items()}
+                              exchange_timeout=0.0, **session_options) for name, model in models.items()}
     try:
-        for name in ("a", "b"):  # a alone keeps its DR; b's decision moves b and pushes a
+        for name in ("a", "b"):
             manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), sessions[name].notice_seq, name, 0.0))
+        yield manager, models, sessions
+    finally:
+        for session in sessions.values():
+            session.close()
+        manager.stop()
+
+
+def train(model, session, iterations=1):
+    for _ in range(iterations):
+        model(torch.randn(4, 4)).sum().backward()
+        session.step()
+
+
+def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_next_iteration(ipc_env, tmp_path):
+    with two_registered_apps(ipc_env, tmp_path, SwapPolicy(), report_every=5) as (_, models, sessions):
+        # a alone kept its DR; b's decision moved b and pushed a
         sessions["b"]._apply(sessions["b"].link.poll_command(sessions["b"].notice_seq), 0.0)
         assert models["b"].ratio == DataRatio([0, 0, 0, 10])
         # a sent no notice for this change; its signal tells its next step, which is not a report
         model_a, session_a = models["a"], sessions["a"]
         assert model_a.ratio == DataRatio([0, 5, 5, 0])
-        model_a(torch.randn(4, 4)).sum().backward()
-        session_a.step()
+        train(model_a, session_a)
         assert session_a.tracker.done % session_a.report_every != 0
         assert model_a.ratio == DataRatio([10, 0, 0, 0])
         applied = session_a._last_push_wall
         model_a.set_ratio(DataRatio([0, 5, 5, 0]))  # the command stays in the record: never applied twice
-        for _ in range(session_a.report_every):
-            model_a(torch.randn(4, 4)).sum().backward()
-            session_a.step()
+        train(model_a, session_a, session_a.report_every)
         assert model_a.ratio == DataRatio([0, 5, 5, 0]) and session_a._last_push_wall == applied
-        events = [line for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
-        assert len(events) == 1 and '"app":"a"' in events[0]
-    finally:
-        for session in sessions.values():
-            session.close()
-        manager.stop()
+    events = [line for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
+    assert len(events) == 1 and '"app":"a"' in events[0]
 
 
 class PushThenAnswer:
@@ -201,30 +213,11 @@ class PushThenAnswer:
 
 def test_a_push_that_reaches_an_exchange_first_is_applied_once_and_the_answer_still_follows(ipc_env, tmp_path):
     from drbalance.ipc.layout import Notice, NoticeKind
-    from drbalance.manager.daemon import Manager, ManagerSettings
-    from drbalance.manager.utilization import ScriptedSource
 
-    script = tmp_path / "util.json"
-    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
-    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
-                      ScriptedSource(script), policy=PushThenAnswer())
-    manager.start()
-    models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
-              for name in ("a", "b")}
-    sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
-                              exchange_timeout=0.0, report_every=50, decide_every=10)
-                for name, model in models.items()}
-    a, model_a = sessions["a"], models["a"]
-
-    def step_a(count=1):
-        for _ in range(count):
-            model_a(torch.randn(4, 4)).sum().backward()
-            a.step()
-
-    try:
-        for name in ("a", "b"):
-            manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), sessions[name].notice_seq, name, 0.0))
-        step_a()
+    with two_registered_apps(ipc_env, tmp_path, PushThenAnswer(), report_every=50,
+                             decide_every=10) as (manager, models, sessions):
+        a, model_a = sessions["a"], models["a"]
+        train(model_a, a)
         waiting = a.link.await_command
 
         def b_decides_first(generation, timeout):  # b's notice is handled after a published its own
@@ -232,16 +225,12 @@ def test_a_push_that_reaches_an_exchange_first_is_applied_once_and_the_answer_st
             return waiting(generation, timeout)
 
         a.link.await_command = b_decides_first
-        step_a(9)  # iteration 10: a's boundary exchange reads b's push, stamped with a's new notice
+        train(model_a, a, 9)  # iteration 10: a's boundary exchange reads b's push, stamped with a's new notice
         a.link.await_command = waiting
         assert model_a.ratio == DataRatio([10, 0, 0, 0]) and a._awaiting == a.notice_seq
         model_a.set_ratio(DataRatio([0, 5, 5, 0]))  # e.g. an out-of-memory revert
-        step_a()
+        train(model_a, a)
         assert model_a.ratio == DataRatio([0, 5, 5, 0])  # the push is not applied a second time
         manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), a.notice_seq, "a", 0.0))  # the answer, late
-        step_a()  # not a report, not a boundary: the signal brings it
+        train(model_a, a)  # not a report, not a boundary: the signal brings it
         assert model_a.ratio == DataRatio([0, 0, 0, 10]) and a._cadence == 7.0 and a._awaiting is None
-    finally:
-        for session in sessions.values():
-            session.close()
-        manager.stop()

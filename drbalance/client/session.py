@@ -509,10 +509,9 @@ class Session:
         self._accept(command, self.clock.monotonic())
 
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
-        if not command.pushed:
-            self._awaiting = None
         self.applied_generation = command.generation
-        if not command.pushed:  # a pushed DR leaves the app's decision cadence as it was
+        if not command.pushed:  # an answer: nothing awaited now; a pushed DR leaves the cadence as it was
+            self._awaiting = None
             self._cadence = command.next_boundary
             self._boundary_due = None if self._cadence is None else now + self._cadence
         target: RatioTarget = self.job if self.job is not None else self.model
