@@ -180,6 +180,7 @@ class Manager:
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
         self._reported: set[tuple[str, ...]] = set()
+        self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
         self._log: JsonLinesWriter | None = None
@@ -538,7 +539,8 @@ class Manager:
                 reason = "process gone" if not objects.pid_alive(status.pid) else \
                     f"pid {status.pid} now belongs to another process"
                 self.table.remove(entry.name, unlink=True)  # the objects of this token are the dead app's
-                discovery.collect_claim(self.names, entry.name, entry.token)
+                if discovery.collect_claim(self.names, entry.name, entry.token) is None:
+                    self._claims_left.add((entry.name, entry.token))  # a later rescan collects it, quietly
                 self.log("app_removed", app=entry.name, pid=status.pid, reason=reason)
                 logger.info("drbalance-manager: removed %r (%s)", entry.name, reason)
             elif status.state == AppState.FINISHED:
@@ -585,8 +587,11 @@ class Manager:
                     self._report_once(("claim", app, problem), "invalid", what="claim", app=app, error=problem)
             return None
         if not claim.alive():
+            removed = (app, claim.token) in self._claims_left  # its removal is logged already
             if discovery.collect_claim(self.names, app, claim.token) is not None:
-                self.log("app_removed", app=app, pid=claim.pid, reason="leftovers of a dead process")
+                self._claims_left.discard((app, claim.token))
+                if not removed:
+                    self.log("app_removed", app=app, pid=claim.pid, reason="leftovers of a dead process")
             elif discovery.remove_app_objects(self.names, app, claim.token):
                 self.log("app_removed", app=app, pid=claim.pid,
                          reason="process gone; its claim is still held (by a process it forked?)")
