@@ -1,6 +1,6 @@
 """Model vs measurement for everything ../shared/data covers; fits the co-location capacity.
 
-    python -m drbalance.sim.calibration [--gavel PATH/gavel_throughputs.json] [--markdown]
+    python -m drbalance.sim.calibration [--gavel PATH/gavel_throughputs.json] [--fit] [--fit-gavel]
 
 Compares: (1) DataParallel on 2 and 4 TITAN RTX GPUs (12 images per GPU) against the model's
 1-GPU time plus its per-replica overhead; (2) Pollux's ResNet-50 batch-20 / batch-200 time ratio
