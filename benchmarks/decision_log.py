@@ -31,19 +31,18 @@ from typing import Any
 
 from drbalance.sim import SimConfig, Simulation
 from drbalance.sim.engine import SimResult
-from drbalance.sim.mixes import MIXES
+from drbalance.sim.mixes import scenario_named
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import SCENARIOS, Scenario
+from drbalance.workload.scenarios import Scenario
 
 CHANGES = ("move", "swap", "plan", "revert")
 
 
 def scenario_of(name: str) -> Scenario:
-    if name in SCENARIOS:
-        return SCENARIOS[name]
-    if name in MIXES:
-        return MIXES[name]()
-    raise SystemExit(f"unknown scenario {name!r}; known: {', '.join([*SCENARIOS, *MIXES])}")
+    try:
+        return scenario_named(name)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 def utilisation_by_period(result: SimResult, period: float) -> list[tuple[float, list[float]]]:
@@ -79,7 +78,8 @@ def mixed_reverts(result: SimResult) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenario", help="a built-in scenario (a, b, c, ...) or a mix of drbalance.sim.mixes")
+    parser.add_argument("scenario",
+                        help="a built-in scenario (a, b, c, demo-a, ...), a .json file or a mix of drbalance.sim.mixes")
     parser.add_argument("--policy", default="fair")
     parser.add_argument("--placement", default=None, help="round-robin or spread (default: the scenario's)")
     parser.add_argument("--interference", default="calibrated", choices=INTERFERENCE_MODELS)

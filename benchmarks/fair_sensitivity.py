@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from statistics import mean
 
 from drbalance.policy.fair import FairConfig, FairPolicy
+from drbalance.sim import mixes
 from drbalance.sim.engine import SimConfig
 from drbalance.sim.model import INTERFERENCE_MODELS
 from drbalance.sim.reproduce import Outcome, measure
@@ -48,7 +49,6 @@ WINDOW_FACTORS = (0.98, 0.99, 1.01, 1.02)
 REPORT_PERIODS = (3, 4, 6)
 SHORT_SCENARIOS = ("demo-a", "e2e-a", "e2e-skewed")
 SHORT_DECIDE_EVERY = (None, 2)  # the policy's own cadence, and the demo's
-NOT_WORSE_MARGIN = 0.01
 
 
 def cadence_label(decide_every: int | None) -> str:
@@ -127,9 +127,8 @@ def table(interference: str, workers: int) -> str:
 
 
 def not_worse(outcome: Outcome, baseline: Outcome) -> bool:
-    """Issue 9's "never worse than doing nothing": max and mean SD at most the baseline's + 0.01."""
-    return (outcome.max_sd <= baseline.max_sd + NOT_WORSE_MARGIN
-            and outcome.mean_sd <= baseline.mean_sd + NOT_WORSE_MARGIN)
+    """``drbalance.sim.mixes.not_worse`` for two outcomes."""
+    return mixes.not_worse(outcome.max_sd, outcome.mean_sd, baseline.max_sd, baseline.mean_sd)
 
 
 def short_table(workers: int, names: tuple[str, ...] = SHORT_SCENARIOS,

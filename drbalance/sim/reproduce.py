@@ -24,9 +24,9 @@ from drbalance.report.metrics import summarise
 from drbalance.sim.bound import lower_bound
 from drbalance.sim.command import to_run
 from drbalance.sim.engine import SimConfig, Simulation
-from drbalance.sim.mixes import MIXES
+from drbalance.sim.mixes import scenario_named
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import SCENARIOS, load_scenario
+from drbalance.workload.scenarios import SCENARIOS
 
 POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
 
@@ -52,7 +52,7 @@ def measure(scenario_name: str, placement: str, policy: str, interference: str =
     ``report_every``: iterations between an app's records; ``policy_object``: a policy built with
     other knobs than the registry's (``policy`` then only labels the run).
     """
-    scenario = MIXES[scenario_name]() if scenario_name in MIXES else load_scenario(scenario_name)
+    scenario = scenario_named(scenario_name)
     scheduler = "themis" if policy == "themis" else None
     config = SimConfig(policy="observe" if scheduler else policy, scheduler=scheduler, placement=placement,
                        decide_every=decide_every, report_every=report_every,
