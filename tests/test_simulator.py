@@ -2,12 +2,15 @@
 
 import json
 from dataclasses import replace
+from types import MappingProxyType
 
 import pytest
 
 from drbalance import policy as policy_package
 from drbalance import sim as sim_package
 from drbalance.cli import main as drbalance
+from drbalance.policy import Decision
+from drbalance.ratio import DataRatio
 from drbalance.report.metrics import load_run, summarise
 from drbalance.sim import SimConfig, Simulation, simulate
 from drbalance.sim.bound import lower_bound
@@ -254,11 +257,6 @@ class _PushOnce:
         self.done = False
 
     def decide(self, app, trigger, snapshot):
-        from types import MappingProxyType
-
-        from drbalance.policy import Decision
-        from drbalance.ratio import DataRatio
-
         view = snapshot.app(app)
         if app != self.mover or self.done or trigger == "register" or view.slowdown is None:
             return Decision(app, view.ratio, "keep")
