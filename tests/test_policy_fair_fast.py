@@ -1,7 +1,9 @@
 """`fair`'s fast paths give exactly what the plain definitions give (issue 9's decision time).
 
 The predictor's ``Neighbourhood`` caches per search (chunks, kappas, duties, solutions without a
-change), solves a set of apps that share no GPU in one round, and the search keeps Eq. 2's terms,
+change), solves a set of apps that share no GPU in one round, keeps a chunk that no other app of
+the set shares out of the fixed point's rounds (its value cannot change), adds outside terms only
+on GPUs with an app outside the set, and the search keeps Eq. 2's terms,
 user counts per GPU and compared changes. Each is checked here against a straightforward
 reference on random configurations, bit for bit (floats compared with ==): the speed-ups must
 not change a single decision. Whole simulated runs are compared by

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import add
 from typing import NamedTuple
 
 from drbalance.policy.base import AppView
@@ -565,52 +566,63 @@ class Neighbourhood:
                     entry = inside_on[gpu] = []
                 entry.append((name, position, slots))
                 slots += 1
-        # per GPU the set uses: whether an app there is in a crowd (it and two others or more, of
-        # the set or staying put), which picks the kappas (``Predictor.pair_kappa``)
+        # per GPU the set uses: the apps there now that are not in the set (they count by their
+        # measured duty), and whether an app there is in a crowd (it and two others or more, of the
+        # set or staying put), which picks the kappas (``Predictor.pair_kappa``)
         on_gpu = self.on_gpu
         crowded: dict[int, bool] = {}
+        strangers: dict[int, int] = {}
         for gpu, here in inside_on.items():
-            if len(here) > 2:
-                crowded[gpu] = True
-            else:
-                there = on_gpu[gpu]
-                crowded[gpu] = (len(there) + len(here) > 2
-                                and sum(1 for other in there if other not in index) + len(here) > 2)
+            outside_set = 0
+            for other in on_gpu[gpu]:
+                if other not in index:
+                    outside_set += 1
+            strangers[gpu] = outside_set
+            crowded[gpu] = len(here) + outside_set > 2
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
-        # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel)
-        plans = []
+        # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel). A
+        # chunk with no app of the set beside it keeps its first value: it is left out of the rounds
+        coupled_plans = []
         stretched: list[float] = []
+        base = [0.0] * len(times)  # per app: its longest chunk that no other app of the set shares
         kappa_rows, all_terms = self._kappa, self._terms
-        coupled = False  # whether any two apps of the set share a GPU
+        number = -1
         for position, name in enumerate(names):
             rows = kappa_rows.get(name)
             if rows is None:
                 rows = kappa_rows[name] = ({}, {})
             for gpu, chunk in chunks[position]:
+                number += 1
                 crowd = crowded[gpu]
                 outside = 1.0
-                terms = all_terms.get((name, gpu, crowd))
-                if terms is None:
-                    terms = self._outside_terms(name, gpu, crowd)
-                for other, term in terms:
-                    if other not in index:
-                        outside += term
+                if strangers[gpu]:
+                    terms = all_terms.get((name, gpu, crowd))
+                    if terms is None:
+                        terms = self._outside_terms(name, gpu, crowd)
+                    for other, term in terms:
+                        if other not in index:
+                            outside += term
+                stretched.append(chunk)
+                here = inside_on[gpu]
+                if len(here) == 1:
+                    value = chunk * outside
+                    if value > base[position]:
+                        base[position] = value
+                    continue
                 partners = []
                 row = rows[crowd]
-                for other, where, number in inside_on[gpu]:
+                for other, where, slot in here:
                     if other != name:
                         factor = row.get(other)
                         if factor is None:
                             factor = self.kappa(name, other, crowd)
-                        partners.append((factor, number, where))
-                coupled = coupled or bool(partners)
-                plans.append((position, chunk, outside, partners))
-                stretched.append(chunk)
-        count = len(times)
-        # with no two apps of the set on one GPU, no round reads another's result: one is all three
-        for _ in range(self.ROUNDS if coupled else min(1, self.ROUNDS)):
-            longest = [0.0] * count
-            for number, (position, chunk, outside, partners) in enumerate(plans):
+                        partners.append((factor, slot, where))
+                coupled_plans.append((number, position, chunk, outside, partners))
+        if not coupled_plans and self.ROUNDS:  # no two apps of the set share a GPU: one round is all
+            times = list(map(add, fixed, base))
+        for _ in range(self.ROUNDS if coupled_plans else 0):
+            longest = base[:]
+            for number, position, chunk, outside, partners in coupled_plans:
                 stretch = outside
                 for factor, key, other in partners:
                     share = stretched[key] / times[other]
@@ -619,8 +631,8 @@ class Neighbourhood:
                 stretched[number] = value
                 if value > longest[position]:
                     longest[position] = value
-            times = [alone + most for alone, most in zip(fixed, longest)]
-        result = {name: times[position] * apps[name].correction for position, name in enumerate(names)}
+            times = list(map(add, fixed, longest))
+        result = {name: seconds * apps[name].correction for name, seconds in zip(names, times)}
         if unchanged is not None:
             self._unchanged[unchanged] = dict(result)
         return result
