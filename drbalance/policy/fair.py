@@ -196,12 +196,14 @@ class FairPolicy:
         its predictions than from doubting them (in the simulator, a margin from a 5% error kept
         (c) from round-robin at a spread of 0.15 instead of 0.05). Noisy windows (emulated GPUs
         on a starved CPU: misses of 50% and more) and long remaining runs call for larger gains."""
+        excess = max(0.0, self.error - self.config.error_floor)
+        if not excess:
+            return 0.0  # what the sum below comes to, without it
         parts = []
         for name, seconds in times.items():
             view = search.views[name]
             if view.slowdown is not None:
                 parts.append(max(0, view.iterations_total - view.iteration) * seconds / view.solo_time)
-        excess = max(0.0, self.error - self.config.error_floor)
         return excess * (sum(parts) / len(parts)) if parts else 0.0
 
     # --- bookkeeping -----------------------------------------------------------------------------

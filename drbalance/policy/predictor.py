@@ -585,7 +585,7 @@ class Neighbourhood:
         coupled_plans = []
         stretched: list[float] = []
         base = [0.0] * len(times)  # per app: its longest chunk that no other app of the set shares
-        kappa_rows, all_terms = self._kappa, self._terms
+        kappa_rows, all_terms, pair_kappa = self._kappa, self._terms, self.predictor.pair_kappa
         number = -1
         for position, name in enumerate(names):
             rows = kappa_rows.get(name)
@@ -614,8 +614,8 @@ class Neighbourhood:
                 for other, where, slot in here:
                     if other != name:
                         factor = row.get(other)
-                        if factor is None:
-                            factor = self.kappa(name, other, crowd)
+                        if factor is None:  # as ``kappa`` (the generation was checked above)
+                            factor = row[other] = pair_kappa(name, other, crowd)
                         partners.append((factor, slot, where))
                 coupled_plans.append((number, position, chunk, outside, partners))
         if not coupled_plans and self.ROUNDS:  # no two apps of the set share a GPU: one round is all
