@@ -188,15 +188,26 @@ class Simulation:
         heapq.heappush(self.events, (time, next(self._seq), kind, a, b))
 
     def run(self) -> SimResult:
+        self.start()
+        self.advance()
+        return self._result()
+
+    def start(self) -> None:
+        """Schedule the arrivals and the first utilisation sample (``run`` does it; call it once
+        before ``advance`` when driving the run in steps)."""
         for app in self.apps:
             self.push(app.spec.arrival, ARRIVAL, app)
         self.push(0.0, SAMPLE)
         if self.config.scheduler == "themis":
             self.push(0.0, TICK)
+
+    def advance(self, until: float = math.inf) -> None:
+        """Process events up to simulated time ``until`` (seconds), or until every app has
+        finished. A look-ahead experiment copies a running simulation and advances the copy."""
         handlers = {ARRIVAL: self._arrive, REGISTER: self._register, HOST_END: self._host_end, SAMPLE: self._sample,
                     TICK: self._tick, RESUME: self._resume}
         events = self.events
-        while events and self.remaining:
+        while events and self.remaining and events[0][0] <= until:
             time, _, kind, a, b = heapq.heappop(events)
             if time > self.config.max_time:
                 raise RuntimeError(f"simulation passed {self.config.max_time} s: a policy starves an app?")
@@ -207,7 +218,6 @@ class Simulation:
                     self._gpu_done(a)
             else:
                 handlers[kind](a)
-        return self._result()
 
     # --- GPUs: shared by their active chunks at the interference model's rates ----------------
     def _advance(self, gpu: _Gpu) -> None:
