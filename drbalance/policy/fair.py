@@ -286,6 +286,8 @@ class _Search:
         self._neighbourhood: Neighbourhood | None = None
         self._users: list[int] | None = None
         self._compared: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
+        self._before: dict[tuple[str, ...], dict[str, float]] = {}  # affected apps -> their times now
+        self._sds_of: dict[int, tuple[Mapping[str, float], dict[str, float]]] = {}  # id(times) -> (times, SDs)
         self._eq2: dict[str, tuple[float, int, float] | None] = {}
 
     @property
@@ -311,17 +313,30 @@ class _Search:
                 sds[name] = (elapsed + left * seconds) / solo
         return sds
 
-    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
-        """``Neighbourhood.compare``, kept for the search (a change may be judged twice)."""
+    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[Mapping[str, float], Mapping[str, float]]:
+        """``Neighbourhood.compare``, kept for the search (a change may be judged twice, and many
+        changes share the times without them). The maps are the search's own: read, never change."""
         key = tuple((name, ratio.shares, ratio.total) for name, ratio in changes.items())
         found = self._compared.get(key)
         if found is None:
-            found = self._compared[key] = self.neighbourhood.compare(changes)
-        return dict(found[0]), dict(found[1])
+            before, after = self.neighbourhood.compare(changes)
+            kept = self._before.get(tuple(before))  # the same affected apps: the same times
+            if kept is not None and kept == before:
+                before = kept
+            else:
+                self._before[tuple(before)] = before
+            found = self._compared[key] = (before, after)
+        return found
 
     def sds(self, times: Mapping[str, float]) -> dict[str, float]:
-        """Predicted SDs at finish for these predicted iteration times (apps with an SD so far)."""
-        return self._sds(times)
+        """Predicted SDs at finish for these predicted iteration times (apps with an SD so far);
+        kept for the times ``compare`` gave (the same map object: the same SDs)."""
+        kept = self._sds_of.get(id(times))
+        if kept is not None and kept[0] is times:
+            return kept[1]
+        found = self._sds(times)
+        self._sds_of[id(times)] = (times, found)
+        return found
 
     def all_sds(self) -> dict[str, float]:
         """Predicted SDs at finish of every app in the current configuration (solved once)."""
@@ -331,7 +346,7 @@ class _Search:
 
     def mean_gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """A change that lowers the predicted SDs at finish by ``min_gain`` in sum, or None."""
-        before, after = (self._sds(times) for times in self.compare(changes))
+        before, after = (self.sds(times) for times in self.compare(changes))
         fall = sum(before.values()) - sum(after.values())
         if fall < self.policy.config.min_gain:
             return None
@@ -386,7 +401,7 @@ class _Search:
         best: tuple[float, dict[str, DataRatio]] | None = None
         tolerance = self.policy.config.idle_tolerance
         for changes in candidates:
-            before, after = (self._sds(times) for times in self.compare(changes))
+            before, after = (self.sds(times) for times in self.compare(changes))
             if any(after.get(name, 0.0) - sd > tolerance for name, sd in before.items()):
                 continue
             fall = sum(before.values()) - sum(after.values())
