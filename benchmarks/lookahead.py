@@ -12,13 +12,14 @@ oracle under both interference models, to tell how far issue 9's targets are wit
 
     python -m benchmarks.lookahead a b c --interference gavel          # about 4 minutes a run
     python -m benchmarks.lookahead a --placement spread --horizon 60 --every 45
+    python -m benchmarks.lookahead staggered --placement round-robin --interference calibrated
 
 Candidates for the deciding app: its current DR, every single GPU, an even split over every pair
 of GPUs, and an even split over all GPUs (``static_layouts``' set). Each app decides every
 ``--every`` seconds (default: the horizon), at the end of an iteration, one app at a time, so
 the oracle is greedy: it never plans several apps' moves together. Predicted SD at finish in a
 copy: Eq. 2 with the app's mean iteration time over the horizon (an app that finished in the
-horizon: its final SD). A move must improve the key by ``--min-gain`` (0.002) to be made.
+horizon: its final SD). A move must improve that key by ``MIN_GAIN`` (0.002) to be made.
 
 Usage: python -m benchmarks.lookahead SCENARIO [...] [--placement round-robin|spread|both]
        [--interference calibrated|gavel|both] [--horizon S] [--every S] [--scale F] [--workers N]
@@ -43,8 +44,9 @@ from drbalance.ratio import DataRatio
 from drbalance.report.metrics import summarise
 from drbalance.sim.command import to_run
 from drbalance.sim.engine import SimConfig, Simulation
+from drbalance.sim.mixes import scenario_named
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import PLACEMENTS, load_scenario
+from drbalance.workload.scenarios import PLACEMENTS
 
 HORIZON = 90.0  # seconds simulated ahead per candidate (issue 9's oracle)
 MIN_GAIN = 0.002  # SD units a move must win by on (max SD, mean SD)
@@ -159,7 +161,7 @@ def run_oracle(scenario_name: str, placement: str, interference: str, horizon: f
                every: float | None, scale: float = 1.0) -> dict[str, Any]:
     """One whole run under the oracle (runs ``scale`` times as long as the scenario's): final SDs,
     their spread, max and mean, the time-averaged utilisation (%), moves made, copies run."""
-    scenario = load_scenario(scenario_name)
+    scenario = scenario_named(scenario_name)
     if scale != 1.0:
         scenario = scenario.scaled(scale)
     config = SimConfig(policy="observe", placement=placement, contention=make_interference(interference))
@@ -184,7 +186,7 @@ def _run(args: tuple[str, str, str, float, float | None, float]) -> dict[str, An
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="+", help="scenario names or JSON files (a, b, c, ...)")
+    parser.add_argument("scenarios", nargs="+", help="scenario names, mixes or JSON files (a, b, c, staggered, ...)")
     parser.add_argument("--placement", choices=(*PLACEMENTS, "both"), default="both")
     parser.add_argument("--interference", choices=(*INTERFERENCE_MODELS, "both"), default="both")
     parser.add_argument("--horizon", type=float, default=HORIZON, help="seconds simulated ahead (default 90)")
@@ -202,8 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = tuple(INTERFERENCE_MODELS) if args.interference == "both" else (args.interference,)
     jobs = [(name, placement, model, args.horizon, args.every, args.scale)
             for model in models for name in args.scenarios for placement in placements]
+    results = []
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        results = list(pool.map(_run, jobs))
+        for found in pool.map(_run, jobs):
+            results.append(found)
+            print(f"{found['interference']} {found['scenario']} {found['placement']}: max SD {found['max_sd']:.3f}, "
+                  f"{found['seconds']:.0f} s", file=sys.stderr, flush=True)
     print("| interference | scenario | placement | spread | max SD | mean SD | utilisation % | moves | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for found in results:
