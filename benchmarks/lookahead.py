@@ -23,14 +23,13 @@ horizon: its final SD). A move must improve that key by ``MIN_GAIN`` (0.002) to 
 
 Usage: python -m benchmarks.lookahead SCENARIO [...] [--placement round-robin|spread|both]
        [--interference calibrated|gavel|both] [--horizon S] [--every S] [--scale F] [--workers N]
-       [--json FILE]
+       [--name NAME] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from itertools import combinations
 from types import MappingProxyType
 from typing import Any
 
+from benchmarks.timing import add_no_write, save
 from drbalance.policy import Decision, ObservePolicy, Snapshot
 from drbalance.ratio import DataRatio
 from drbalance.report.metrics import summarise
@@ -194,12 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   "(default: the horizon)")
     parser.add_argument("--scale", type=float, default=1.0, help="run-length factor (default 1: full runs)")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (default 2)")
-    parser.add_argument("--json", help="also write every run's result to this file")
+    parser.add_argument("--name", default="lookahead", help="write benchmarks/results/NAME.json (default lookahead)")
+    add_no_write(parser)
     args = parser.parse_args(argv)
     if args.horizon <= 0 or (args.every is not None and args.every <= 0):
         parser.error("--horizon and --every must be positive numbers of seconds")
     if not 0 < args.scale <= 1:
         parser.error("--scale must be in (0, 1]")
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        parser.error("--name: letters, digits, '-' and '_' only")
     placements = PLACEMENTS if args.placement == "both" else (args.placement,)
     models = tuple(INTERFERENCE_MODELS) if args.interference == "both" else (args.interference,)
     jobs = [(name, placement, model, args.horizon, args.every, args.scale)
@@ -217,9 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {found['interference']} | ({found['scenario']}) | {found['placement']} | {found['spread']:.3f} | "
               f"{found['max_sd']:.3f} | {found['mean_sd']:.3f} | {'-' if util is None else f'{util:.1f}'} | "
               f"{found['moves']} | {found['seconds']:.0f} |")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=1, sort_keys=True)
+    save(args.name, "benchmarks.lookahead", list(argv) if argv is not None else None, {"runs": results},
+         args.no_write)
     return 0
 
 
