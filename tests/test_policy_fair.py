@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
-from drbalance.policy.fair import FairConfig, FairPolicy
+from drbalance.policy.fair import FairConfig, FairPolicy, _Search
 from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.predictor import Predictor, predicted_slowdown
 from drbalance.ratio import DataRatio
@@ -233,3 +233,39 @@ def test_a_share_too_small_for_any_sample_of_a_small_batch_is_no_replica():
     times = policy.predictor.iteration_times({"tiny": tiny.ratio, "other": other.ratio},
                                              {"tiny": tiny, "other": other})
     assert times["other"] == pytest.approx(0.15, rel=0.05)  # nothing of tiny's runs on GPU 0
+
+
+def _two_sharing_one_alone(shared_chunk, iteration_time):
+    """a and b share GPU 0 (their chunks take ``shared_chunk`` s instead of 0.1 s); c is alone on
+    GPU 1. Every GPU carries an app, so no GPU is quiet (below the others' average by half an app)."""
+    return (app("a", [10, 0], [shared_chunk, 0], iteration_time, iteration=500),
+            app("b", [10, 0], [shared_chunk, 0], iteration_time, iteration=500),
+            app("c", [0, 10], [0, 0.1], 0.15, iteration=500))
+
+
+def _destinations_of_a(policy, views):
+    """The GPUs a's own moves may go to, as the policy's search sees them after it decided."""
+    shot = snapshot(*views)
+    return _Search(policy, shot, policy.predictor, shot.app("a"), set())._quiet_gpus()
+
+
+def test_where_sharing_is_mild_an_app_moves_part_of_its_batch_to_a_lighter_gpu():
+    policy = FairPolicy()
+    # a and b slowed by 20% together (a kappa well under 1): sharing pays, so a may put work on
+    # c's GPU, a whole app lighter than its own, without swapping with c
+    views = _two_sharing_one_alone(0.12, 0.17)
+    decision = policy.decide("a", "boundary", snapshot(*views))
+    assert max(policy.predictor.kappa[False].values()) < 1.0
+    assert decision.branch == "move" and decision.ratio[1] > 0 and not decision.others
+    assert 1 in _destinations_of_a(policy, views)
+
+
+def test_where_sharing_is_destructive_no_own_move_goes_onto_a_gpu_another_app_has_alone():
+    policy = FairPolicy()
+    # a and b each take 3.5 times as long together (a kappa above 1): two apps on a GPU then do
+    # less than one at a time, and c's GPU is no destination for a's own moves (a swap still is)
+    views = _two_sharing_one_alone(0.35, 0.40)
+    decision = policy.decide("a", "boundary", snapshot(*views))
+    assert max(policy.predictor.kappa[False].values()) >= 1.0
+    assert 1 not in _destinations_of_a(policy, views)
+    assert decision.branch != "move" or decision.ratio[1] == 0

@@ -548,7 +548,17 @@ class _Search:
                     load[gpu] += ratio[gpu] / ratio.total
         average = sum(load) / gpus
         quiet = [g for g in range(gpus) if g not in self.locked and (load[g] == 0 or load[g] <= average - 0.5)]
+        mine = self.ratios.get(self.me.name)
+        if not quiet and mine is not None and self._sharing_pays():
+            heaviest = max(load[g] + mine[g] / mine.total for g in mine.used)
+            quiet = [g for g in range(gpus) if g not in self.locked and load[g] <= heaviest - 1.0]
         return sorted(quiet, key=lambda g: (load[g], g))[: self.policy.config.destinations]
+
+    def _sharing_pays(self) -> bool:
+        """Whether every pair measured alone together kept a kappa under 1: overlapping chunks
+        then take less than twice as long, so two apps on one GPU do more than one at a time."""
+        learned = self.predictor.kappa[False]
+        return bool(learned) and max(learned.values()) < 1.0
 
     def _partners(self) -> list[str]:
         """Apps worth trying to swap with: not moving already, the least slowed first."""
