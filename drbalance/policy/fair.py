@@ -285,8 +285,7 @@ class _Search:
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
         self._users: list[int] | None = None
-        self._compared: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
-        self._before: dict[tuple[str, ...], dict[str, float]] = {}  # affected apps -> their times now
+        self._compared: dict[tuple, tuple[Mapping[str, float], dict[str, float]]] = {}
         self._sds_of: dict[int, tuple[Mapping[str, float], dict[str, float]]] = {}  # id(times) -> (times, SDs)
         self._eq2: dict[str, tuple[float, int, float] | None] = {}
 
@@ -319,13 +318,7 @@ class _Search:
         key = tuple((name, ratio.shares, ratio.total) for name, ratio in changes.items())
         found = self._compared.get(key)
         if found is None:
-            before, after = self.neighbourhood.compare(changes)
-            kept = self._before.get(tuple(before))  # the same affected apps: the same times
-            if kept is not None and kept == before:
-                before = kept
-            else:
-                self._before[tuple(before)] = before
-            found = self._compared[key] = (before, after)
+            found = self._compared[key] = self.neighbourhood.compare(changes)
         return found
 
     def sds(self, times: Mapping[str, float]) -> dict[str, float]:

@@ -490,10 +490,13 @@ class Neighbourhood:
             names.update(self.on_gpu[gpu])
         return sorted(names)
 
-    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[dict[str, float], dict[str, float]]:
-        """Predicted (corrected) times of the affected apps without and with the change."""
+    def compare(self, changes: Mapping[str, DataRatio]) -> tuple[Mapping[str, float], dict[str, float]]:
+        """Predicted (corrected) times of the affected apps without and with the change. The times
+        without it are the neighbourhood's own map, the same object for the same affected apps
+        (so a search can key on it): read it, never change it."""
         names = self.affected(changes)
-        return self.solve(names, {}), self.solve(names, changes)
+        self.solve(names, {})  # solved or found, and kept in ``_unchanged``
+        return self._unchanged[tuple(names)], self.solve(names, changes)
 
     def chunks(self, name: str, ratio: DataRatio) -> Chunks:
         """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them."""
