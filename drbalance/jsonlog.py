@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from drbalance.ipc.private import make_dirs, open_private
+from drbalance.ipc.private import UnsafePath, make_dirs, open_private
 
 MAX_PENDING_LINES = 10_000
 RETRY_SECONDS = 1.0  # after a failed write, wait this long before trying the file again
@@ -52,10 +52,13 @@ class JsonLinesWriter:
     ``max_bytes`` (None = never) rotates the file when the next line would make it larger;
     ``keep`` old files are kept. The constructor raises ``OSError`` (``UnsafePath`` included)
     when the file cannot be opened at all; later faults only set ``error`` (the last one, or
-    None once writing works again) and count ``dropped`` lines.
+    None once writing works again) and count ``dropped`` lines. With ``open_later``, only an
+    ``UnsafePath`` raises: any other fault at opening (a full disk, a folder that cannot be made)
+    sets ``error``, lines wait as for a failed write, and the file is opened when it can be.
     """
 
-    def __init__(self, path: str | Path, flush_every: int = 1, max_bytes: int | None = None, keep: int = 5) -> None:
+    def __init__(self, path: str | Path, flush_every: int = 1, max_bytes: int | None = None, keep: int = 5,
+                 open_later: bool = False) -> None:
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be positive or None; got {max_bytes}")
         if keep < 0:
@@ -72,7 +75,14 @@ class JsonLinesWriter:
         self._size = 0
         self._fd: int | None = None
         self._closed = False
-        self._open()
+        try:
+            self._open()
+        except UnsafePath:
+            raise
+        except OSError as error:
+            if not open_later:
+                raise
+            self.error, self._retry_at = error, time.monotonic() + RETRY_SECONDS
 
     def _open(self) -> None:
         make_dirs(self.path.parent)

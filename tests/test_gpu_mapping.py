@@ -99,6 +99,15 @@ def test_memory_caps_come_from_oom_limits_and_free_memory():
     assert entry([2, 3, 5, 0], slots, batch=0).view(10, server).max_share is None  # batch unknown: no caps
 
 
+def test_a_tiny_memory_per_sample_caps_nothing_instead_of_overflowing():
+    # a record that passes validation (finite, positive) used to raise OverflowError while the manager
+    # built the snapshot for every decision: no job got an answer while it stood
+    server = ServerGpus(2, UUIDS[:2], (MemoryInfo(16 * GIB, 8 * GIB, 8 * GIB), MemoryInfo(16 * GIB, 8 * GIB, 8 * GIB)))
+    slots = [SlotStatus(UUIDS[0], memory_per_sample=1e-300), SlotStatus(UUIDS[1], memory_per_sample=1e-300)]
+    view = entry([5, 5], slots, batch=32).view(10, server)
+    assert view.max_share == (10, 10)  # the whole batch fits on either GPU
+
+
 class ToOneGpu:
     """A test policy that ignores every constraint: the whole batch on one fixed server GPU."""
 

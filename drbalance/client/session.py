@@ -263,7 +263,11 @@ class Session:
         if sd_log is False:
             return None
         path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
-        return JsonLinesWriter(path, flush_every=64)
+        writer = JsonLinesWriter(path, flush_every=64, open_later=True)
+        if writer.error is not None:  # e.g. a full disk: training goes on, the lines wait in memory
+            logger.warning("drbalance: cannot open the SD log %s (%s); its lines are kept in memory and written "
+                           "once it can be opened", path, writer.error)
+        return writer
 
     def _start_solo_measurement(self) -> None:
         ratio = self.model.ratio

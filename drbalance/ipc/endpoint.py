@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import posix_ipc
 
 from drbalance.ipc import discovery, objects
@@ -32,6 +34,12 @@ class ManagerEndpoint:
         try:
             self.inbox = objects.create_queue(names.inbox(self.token), inbox_messages, INBOX_MESSAGE_SIZE)
             self.heartbeat = ManagerRecord.create(names, self.token)
+        except OSError as error:
+            self.close()
+            if type(error) is OSError and error.errno in (errno.ENOSPC, errno.ENOMEM):  # e.g. /dev/shm full
+                raise OSError(error.errno, f"cannot create the manager's inbox queue and heartbeat segment "
+                                           f"({objects.SHM_DIR}): {error.strerror}") from error
+            raise
         except BaseException:
             self.close()
             raise

@@ -128,8 +128,13 @@ class PosixManagerLink:
         try:
             self.record.write_status(status)
         except SegmentTruncated as error:
+            try:
+                self.record.segment.repair()
+            except OSError as failure:  # e.g. /dev/shm full: this status goes nowhere, the next tries again
+                self._report(f"repair:{self.record.name}", "drbalance: %s and cannot be restored (%s); the "
+                             "status is not published until it can be", error, failure)
+                return
             self._report(f"record:{self.record.name}", "drbalance: %s; restored it", error)
-            self.record.segment.repair()
             self.record.write_status(status)
 
     # --- the manager --------------------------------------------------------------------------

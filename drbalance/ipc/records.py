@@ -183,14 +183,15 @@ class Segment:
     def repair(self) -> bool:
         """Give a truncated segment its size and header back (for its creator); True if it was needed.
 
-        The areas read as never written until their writers write them again.
+        The areas read as never written until their writers write them again. ``OSError`` (with
+        the segment left as it was found) if /dev/shm has no room for its pages.
         """
         try:
             self.check_size()
             return False
         except SegmentTruncated:
             pass
-        os.ftruncate(self.memory.fd, SEGMENT_SIZE)
+        objects.back_pages(self.memory.fd, SEGMENT_SIZE)  # grows the file too, or raises
         self._write_header()
         return True
 

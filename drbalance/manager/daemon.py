@@ -410,6 +410,9 @@ class Manager:
         except Unmapped as error:
             view = None
             old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
+        except (ArithmeticError, ValueError) as error:  # its record holds values no view can be built from
+            view = None
+            old, ratio, branch, details = app_old, app_old, "bad-record", {"error": repr(error)}
         if view is not None:
             old = view.ratio
             try:
@@ -746,7 +749,7 @@ class Manager:
             try:
                 ratio = entry.view(self.config.dr_total, self.server).ratio
                 shares = tuple(share / ratio.total for share in ratio.to_list())
-            except Unmapped:
+            except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
             apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares))
         memory = self.server.memory or (None,) * self.gpu_count

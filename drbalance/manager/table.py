@@ -16,6 +16,7 @@ chunk the GPU's free memory allows given the app's peak memory per sample
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from drbalance.ipc.names import IpcNames
 from drbalance.manager.nvml import MemoryInfo, normalize_uuid
 from drbalance.policy.base import AppView
 from drbalance.ratio import DataRatio
+
+logger = logging.getLogger("drbalance.manager")
 
 MEMORY_HEADROOM = 0.9
 """The fraction of a GPU's free memory an app's larger chunk may take (the rest absorbs allocator
@@ -180,7 +183,8 @@ class AppEntry:
             per_sample = status.slots[slot].memory_per_sample or fallback
             memory = server.memory_of(gpu)
             if per_sample and memory is not None:
-                fits = chunks[slot] + math.floor(MEMORY_HEADROOM * memory.free / per_sample)
+                room = MEMORY_HEADROOM * memory.free / per_sample  # samples more that fit (inf if tiny)
+                fits = chunks[slot] + (math.floor(room) if room < batch else batch)  # a whole batch caps nothing
                 limit = fits if limit is None else min(limit, fits)
             if limit is not None:
                 caps[gpu] = max_share_for(limit, batch, total, current[slot] if chunks[slot] <= limit else 0)
@@ -211,6 +215,7 @@ class AppTable:
     def __init__(self, names: IpcNames) -> None:
         self.names = names
         self.entries: dict[str, AppEntry] = {}
+        self._unviewable: set[str] = set()  # apps already reported as left out of the views
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -263,11 +268,18 @@ class AppTable:
         return [e for e in self.entries.values() if e.status.state != AppState.FINISHED]
 
     def views(self, dr_total: int | None = None, server: ServerGpus | None = None) -> tuple[AppView, ...]:
-        """Every live app's view; an app that cannot be mapped to the server's GPUs is left out."""
+        """Every live app's view; an app that cannot be mapped to the server's GPUs is left out,
+        and so is one whose record holds values no view can be built from (logged once per app:
+        one bad record must not stop the decisions for every other app)."""
         views = []
         for entry in self.live():
             try:
                 views.append(entry.view(dr_total, server))
             except Unmapped:
                 continue
+            except (ArithmeticError, ValueError) as error:
+                if entry.name not in self._unviewable:
+                    self._unviewable.add(entry.name)
+                    logger.warning("drbalance-manager: app %r left out of the decisions: its record gives no "
+                                   "usable view (%s: %s)", entry.name, type(error).__name__, error)
         return tuple(views)

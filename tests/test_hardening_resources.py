@@ -1,0 +1,139 @@
+"""Resources a neighbour can exhaust: /dev/shm and the disk under the SD log.
+
+A full /dev/shm used to kill a job (and the manager) with SIGBUS: segments were sized with a
+sparse ``ftruncate`` and mapped, and the first write touched a page tmpfs could not supply. A
+full disk (or a log folder that cannot be made) where the SD log goes used to end the training
+job at ``Session()``. Both are now errors that are reported and survived.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from drbalance.client.session import Session
+from drbalance.ipc import objects
+from drbalance.ipc.layout import SegmentKind
+from drbalance.ipc.names import new_token
+from drbalance.ipc.private import UnsafePath
+from drbalance.ipc.records import SEGMENT_SIZE, Segment
+from drbalance.jsonlog import JsonLinesWriter, read_json_lines
+from drbalance.ratio import DataRatio
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class SteeredModel:
+    """What a Session steers, without torch: a DR and ``set_ratio``."""
+
+    def __init__(self) -> None:
+        self.ratio = DataRatio([5, 5], 10)
+
+    def set_ratio(self, ratio: DataRatio) -> None:
+        self.ratio = ratio
+
+
+def backed_bytes(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_a_new_segment_has_every_page_backed_and_a_repaired_one_too(ipc_env):
+    segment = Segment.create(ipc_env.app_record("backed", new_token()), SegmentKind.APP)
+    try:
+        assert backed_bytes(segment.memory.fd) >= SEGMENT_SIZE  # not sparse: no page left to fault in later
+        os.ftruncate(segment.memory.fd, 0)  # a truncation under the creator (a hostile or careless rm)
+        assert segment.repair()
+        assert os.fstat(segment.memory.fd).st_size == SEGMENT_SIZE
+        assert backed_bytes(segment.memory.fd) >= SEGMENT_SIZE
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def test_backing_pages_keeps_what_was_written_and_grows_the_file_with_zeros(tmp_path):
+    path = tmp_path / "segment"
+    path.write_bytes(b"header")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        objects.back_pages(fd, 8192)
+        assert os.fstat(fd).st_size == 8192 and os.pread(fd, 8, 0) == b"header\0\0"
+    finally:
+        os.close(fd)
+
+
+FULL_SHM_SCRIPT = r"""
+set -e
+mount -t tmpfs -o size=64k tmpfs /dev/shm
+dd if=/dev/zero of=/dev/shm/filler bs=4k 2>/dev/null || true
+cd "$ROOT"
+"$PY" -c "$JOB" > "$OUT/job.out" 2>&1 && echo "job rc 0" >> "$OUT/job.out" || echo "job rc $?" >> "$OUT/job.out"
+"$PY" -m drbalance.manager.cli --source scripted:"$OUT/util.json" --duration 1 > "$OUT/manager.out" 2>&1 \
+  && echo "manager rc 0" >> "$OUT/manager.out" || echo "manager rc $?" >> "$OUT/manager.out"
+"""
+
+JOB = textwrap.dedent("""
+    from drbalance.client.session import Session
+    from tests.test_hardening_resources import SteeredModel
+    session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
+    print("link", type(session.link).__name__)
+    for _ in range(10):
+        session.step()
+    session.close()
+    print("trained")
+""")
+
+
+def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
+    """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None or subprocess.run(
+            [unshare, "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a private /dev/shm needs root with CAP_SYS_ADMIN (unshare -m); the backed-pages test covers it")
+    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
+    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=JOB, OUT=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([unshare, "-m", "sh", "-c", FULL_SHM_SCRIPT], env=env, timeout=100, check=True)
+    job, manager = (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
+    assert "job rc 0" in job and "link DetachedLink" in job and "trained" in job, job
+    assert "No space left on device" in job  # the warning says why it trains without a manager
+    assert "manager rc 1" in manager and "cannot create the manager's inbox queue and heartbeat" in manager, manager
+    assert "Traceback" not in job + manager
+
+
+def test_an_sd_log_that_cannot_be_opened_keeps_its_lines_until_it_can(ipc_env, tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")
+    blocker = tmp_path / "logs"
+    blocker.write_text("a file where the log folder should be")  # making the folder fails (an OSError)
+    log = blocker / "job.sd.jsonl"
+    session = Session(SteeredModel(), "logged", 2, 10, solo_time=10.0, sd_log=log, handle_sigterm=False)
+    try:
+        assert "cannot open the SD log" in caplog.text  # reported, and training goes on
+        for _ in range(5):
+            session.step()
+        blocker.unlink()  # the fault goes away
+        for _ in range(15):
+            session.step()
+    finally:
+        session.close()
+    records = list(read_json_lines(log))
+    assert records and records[0]["event"] == "start"  # the lines from before the folder existed are there
+    assert sum(1 for r in records if r["event"] == "report") >= 2 and records[-1]["event"] == "closed"
+
+
+def test_open_later_still_refuses_a_path_that_is_not_ours(tmp_path):
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text("")
+    link = tmp_path / "log.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(UnsafePath):
+        JsonLinesWriter(link, open_later=True)
+    writer = JsonLinesWriter(tmp_path / "missing" / "deeper" / "x.jsonl", open_later=True)  # fine: folders made
+    writer.write({"event": "one"})
+    assert writer.close() == 0
