@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 
 from drbalance.client.session import Session
-from drbalance.ipc import objects
+from drbalance.ipc import discovery, objects
 from drbalance.ipc.layout import SegmentKind
 from drbalance.ipc.names import new_token
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import SEGMENT_SIZE, Segment
 from drbalance.jsonlog import JsonLinesWriter, read_json_lines
 from drbalance.ratio import DataRatio
+from tests.conftest import wait_for
+from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,3 +139,44 @@ def test_open_later_still_refuses_a_path_that_is_not_ours(tmp_path):
     writer = JsonLinesWriter(tmp_path / "missing" / "deeper" / "x.jsonl", open_later=True)  # fine: folders made
     writer.write({"event": "one"})
     assert writer.close() == 0
+
+
+def long_app(name: str) -> subprocess.Popen:
+    """A job with a boundary every 3 iterations that runs until the test kills it."""
+    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
+
+
+def decisions_for(manager: ManagerProcess, app: str) -> int:
+    return len([e for e in manager.events("decision") if e["app"] == app])
+
+
+def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_path):
+    """As systemd-logind's RemoveIPC=yes does when the user's last session ends: the manager's
+    inbox and heartbeat and a running job's record and semaphore are unlinked. The manager used
+    to run on deaf (jobs started later trained detached) and the job was never managed again."""
+    manager = ManagerProcess(tmp_path, ipc_env)
+    early = later = None
+    try:
+        early = long_app("early")
+        assert first_line(early)["attached"]
+        wait_for(lambda: decisions_for(manager, "early") >= 2)
+        token = discovery.read_manager(ipc_env).token
+        objects.unlink_queue(ipc_env.inbox(token))
+        objects.unlink_shared_memory(ipc_env.manager_record(token))
+        claim = discovery.read_claim(ipc_env, "early")
+        assert discovery.remove_app_objects(ipc_env, "early", claim.token)
+        wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "inbox and heartbeat"])
+        assert discovery.read_manager(ipc_env).token != token  # new objects, published in manager.json
+        later = long_app("later")
+        assert first_line(later)["attached"]  # found the new inbox and heartbeat
+        wait_for(lambda: decisions_for(manager, "later") >= 2)
+        wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "record of early"])
+        served = decisions_for(manager, "early")
+        wait_for(lambda: decisions_for(manager, "early") >= served + 2)  # the job that lost its record is served
+    finally:
+        for app in (early, later):
+            if app is not None:
+                app.kill()
+                app.wait(timeout=30)
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err

@@ -71,6 +71,14 @@ class ManagerEndpoint:
         self.heartbeat.write(beat)
         return repaired
 
+    def unlinked(self) -> list[str]:
+        """Which of its objects ("inbox", "heartbeat") were removed from /dev/shm (or the
+        message-queue file system) while open: by systemd-logind's ``RemoveIPC=yes`` when the
+        user's last login session ends, or by a cleanup. Apps cannot find them any more."""
+        inbox = None if self.inbox is None else self.inbox.mqd
+        heartbeat = None if self.heartbeat is None else self.heartbeat.segment.memory.fd
+        return [label for label, fd in (("inbox", inbox), ("heartbeat", heartbeat)) if objects.unlinked_fd(fd)]
+
     def receive(self, timeout: float) -> Notice | None:
         """The next notice, or None after ``timeout`` seconds (or a signal). RecordError if malformed."""
         try:
@@ -117,6 +125,12 @@ class AppChannel:
 
     def read_status(self) -> AppStatus:
         return self.record.read_status()
+
+    def unlinked(self) -> bool:
+        """Whether the app's record or semaphore open here lost its name (the app creates them
+        again under the same names: ``PosixManagerLink.publish``)."""
+        return (objects.unlinked_fd(self.record.segment.memory.fd)
+                or not objects.semaphore_listed(self.names.app_signal(self.app, self.token)))
 
     def answer(self, command: AppCommand) -> bool:
         """Step 5 and 6 of the loop: write the new DR, then signal the app.

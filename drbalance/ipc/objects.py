@@ -54,6 +54,20 @@ def _listed_path(name: str, kind: str) -> Path:
     return SHM_DIR / (("sem." if kind == "semaphore" else "") + name.lstrip("/"))
 
 
+def semaphore_listed(name: str) -> bool:
+    """Whether a named semaphore is still listed in /dev/shm (posix_ipc gives it no descriptor
+    whose link count could tell)."""
+    return os.path.lexists(_listed_path(name, "semaphore"))
+
+
+def unlinked_fd(fd: int | None) -> bool:
+    """Whether the object open on ``fd`` (a segment or a message queue) has no name any more."""
+    try:
+        return fd is None or os.fstat(fd).st_nlink == 0
+    except (OSError, ValueError):
+        return True
+
+
 def _refused(name: str, kind: str) -> ForeignObject:
     """The error for an object we may not open: who owns it, if /dev/shm tells."""
     try:

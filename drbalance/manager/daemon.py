@@ -36,7 +36,7 @@ import posix_ipc
 from drbalance import defaults
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import discovery, objects
-from drbalance.ipc.endpoint import ManagerEndpoint
+from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
@@ -221,7 +221,8 @@ class Manager:
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("beat", "sample", "util_log", "gc", "runtime", "rescan", "status", "metrics"), now)
+        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
+        self._next = dict.fromkeys(tasks, now)
         self._run_task("beat", self._heartbeat, now)
         self._run_task("rescan", self._rescan, now)  # a restarted manager picks up the apps still running
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
@@ -311,6 +312,7 @@ class Manager:
             ("util_log", settings.util_log_period, self._log_utilization),
             ("gc", settings.gc_period, self._collect_garbage),
             ("runtime", settings.rescan_period, self._check_runtime_files),
+            ("endpoint", settings.rescan_period, self._check_endpoint),
             ("rescan", settings.rescan_period, self._rescan),
             ("status", settings.status_period, self._write_status),
             ("metrics", settings.status_period, self._update_metrics),
@@ -706,6 +708,44 @@ class Manager:
         self.log("repaired", what="runtime files", error=f"lock {'ok' if lock_ok else 'lost'}, "
                  f"manager.json {'ok' if published else 'lost'}; restored in {self.names.runtime_dir()}")
         logger.warning("drbalance-manager: restored the lock and manager.json in %s", self.names.runtime_dir())
+
+    def _check_endpoint(self, now: float) -> None:
+        """IPC objects removed while open (systemd-logind's ``RemoveIPC=yes`` when the user's last
+        session ends, a cleanup of /dev/shm): a new inbox and heartbeat for this manager, and the
+        apps' records reopened once the apps made them again."""
+        for entry in list(self.table.entries.values()):
+            if entry.channel.unlinked():
+                self._reopen_channel(entry)
+        if self._endpoint.unlinked():
+            self._replace_endpoint(now)
+
+    def _reopen_channel(self, entry: AppEntry) -> None:
+        """Open the app's record and semaphore again by name (the app creates them again when it
+        next publishes); until it has, the old ones stay and this is tried again next period."""
+        try:
+            channel = AppChannel(self.names, entry.name, entry.token)
+        except (posix_ipc.Error, RecordError, OSError):
+            return
+        old, entry.channel = entry.channel, channel
+        old.close()
+        self.log("repaired", what=f"record of {entry.name}", error="removed from /dev/shm; the app made it again")
+        logger.warning("drbalance-manager: the record of %r was removed from /dev/shm; reopened the one the app "
+                       "made again", entry.name)
+
+    def _replace_endpoint(self, now: float) -> None:
+        """A new inbox and heartbeat (under a new token, published in ``manager.json``) when the
+        ones in use were unlinked: apps could neither find nor reach this manager any more. Notices
+        left in the old inbox are lost; their apps' next exchanges reach the new one."""
+        gone = self._endpoint.unlinked()
+        old = self._endpoint
+        self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages)  # raises: a fault, retried
+        old.close()  # its names are gone already; manager.json names the new token, so it stays
+        what = " and ".join(gone)
+        self.log("repaired", what=what, error=f"the {what} was removed from {objects.SHM_DIR} (e.g. by RemoveIPC); "
+                 f"new ones under token {self._endpoint.token}")
+        logger.warning("drbalance-manager: its %s was removed (e.g. by systemd-logind's RemoveIPC); created new "
+                       "ones, and jobs find them through manager.json", what)
+        self._run_task("beat", self._heartbeat, now)
 
     def _write_status(self, now: float) -> None:
         status = {
