@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
+from types import FrameType
 
 from drbalance import __version__
 from drbalance.helptext import HelpFormatter, environment_epilog
@@ -57,13 +60,38 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    previous = _stop_on_sigterm()
     try:
         return int(importlib.import_module(module).run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 128 + signal.SIGTERM
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, PermissionError) as error:
         print(f"drbalance {args.command}: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (``kill``, ``timeout``, systemd): raised like Ctrl-C's KeyboardInterrupt, so
+    that a command's cleanup runs (``launch`` and ``demo`` stop their manager and jobs and remove
+    their emulated GPUs) instead of the process dying and leaving them behind."""
+
+
+def _stop_on_sigterm() -> signal.Handlers | None:
+    """Make SIGTERM raise ``Terminated`` once (a second one kills as usual); the handler it
+    replaced, or None outside the main thread (where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
 
 
 if __name__ == "__main__":

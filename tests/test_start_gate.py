@@ -7,6 +7,8 @@ moved them onto GPUs whose apps had not registered yet.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -63,3 +65,27 @@ def test_the_launcher_names_an_app_that_died_while_setting_up(tmp_path):
     finally:
         ready.kill()
         ready.wait()
+
+
+def test_sigterm_to_a_launch_stops_its_manager_and_jobs_and_removes_its_emulated_gpus(tmp_path):
+    """``kill``, ``timeout`` and systemd send SIGTERM; it used to kill the launcher alone and leave
+    the manager and every job running (waiting at the start gate) and the emulated GPUs in /dev/shm."""
+    run_dir = tmp_path / "run"
+    launcher = python_process("drbalance", "launch", "e2e-a", "--devices", "emulated", "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run_dir / ".runtime").glob("*/status.json")):  # the manager is up; jobs are starting
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        launcher.terminate()
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + 15, err
+    assert "Traceback" not in err, err
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["manager_returncode"] is not None  # stopped and waited for
+    assert all(app["returncode"] is not None for app in info["apps"].values()), info["apps"]
+    namespace = info["namespace"]
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]

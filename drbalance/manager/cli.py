@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from drbalance import __version__, env
+from drbalance.argtypes import positive_float
 from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the metrics endpoint listens on: loopback only by default; e.g. 0.0.0.0 "
                         "or :: to let a Prometheus on another host scrape it (anyone who can reach the port "
                         "sees app names)")
-    parser.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
+    parser.add_argument("--duration", type=positive_float, default=None,
+                        help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
 
@@ -124,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("drbalance-manager: cannot open the utilisation source %r: %s", args.source, error)
         return 1
     metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
-    manager = Manager(settings, source, metrics=metrics)
+    try:
+        manager = Manager(settings, source, metrics=metrics)
+    except ValueError as error:  # e.g. --dr-total 0, --sd-threshold -1
+        source.close()
+        logger.error("drbalance-manager: %s", error)
+        return 2
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for signum in (signal.SIGINT, signal.SIGTERM):

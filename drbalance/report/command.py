@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from drbalance.argtypes import positive_float
 from drbalance.report.metrics import Summary, load_run, summarise
 
 
@@ -14,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (from launch, demo or simulate)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write the plots and report.md (default: <first run>/../report)")
-    parser.add_argument("--step", type=float, default=1.0, help="time grid of the SD views, seconds (default 1)")
+    parser.add_argument("--step", type=positive_float, default=1.0,
+                        help="time grid of the SD views, seconds (default 1)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
 
@@ -50,11 +53,21 @@ def format_table(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+def _is_report(path: Path) -> bool:
+    """A folder this command wrote (``report.md``, no SD logs): ``runs/sim/*`` matches the default
+    report folder ``runs/sim/report`` the second time it is run."""
+    return (path / "report.md").is_file() and not (path / "apps").is_dir()
+
+
 def summarise_runs(paths: list[Path], step: float = 1.0) -> str:
     return format_table([summarise(load_run(p), step) for p in paths])
 
 
 def run(args: argparse.Namespace) -> int:
+    paths = [path for path in args.runs if not _is_report(path)]
+    if not paths:
+        raise FileNotFoundError(f"no run directories among {', '.join(map(str, args.runs))} (only reports)")
+    args.runs = paths
     runs = [load_run(path) for path in args.runs]
     summaries = [summarise(run_data, args.step) for run_data in runs]
     if args.json:
@@ -68,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
         paths = plot_runs(runs, out, args.step)
         (out / "report.md").write_text("```\n" + format_table(summaries) + "\n```\n\n" +
                                        "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
-        print(f"plots: {', '.join(str(p) for p in paths)}")
+        print(f"plots: {', '.join(str(p) for p in paths)}", file=sys.stderr if args.json else sys.stdout)
     return 0

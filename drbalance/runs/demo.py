@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from drbalance import progress
+from drbalance.argtypes import non_negative_int
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
 from drbalance.runs.launch import LaunchOptions, cuda_gpu_count, launch
@@ -29,13 +30,14 @@ EMULATED_NOTICE = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("drbalance-demo"),
-                        help="directory for the two runs and the report (default ./drbalance-demo)")
+                        help="directory for the runs (one per policy) and the report (default ./drbalance-demo)")
     parser.add_argument("--scenario", default="demo-a", help="scenario to run (default demo-a)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="CUDA GPUs if the scenario's number exist (auto), or emulated ones")
     parser.add_argument("--time-scale", type=float, default=15.0,
                         help="emulated GPUs: how much slower than the modelled GPU (default 15)")
-    parser.add_argument("--decide-every", type=int, default=2, help="iterations between decisions (default 2)")
+    parser.add_argument("--decide-every", type=non_negative_int, default=2,
+                        help="iterations between decisions (default 2; 0: the policy's own cadence)")
     parser.add_argument("--policies", type=parse_policies, default=DEMO_POLICIES,
                         help=f"comma-separated policies to run in turn (default {','.join(DEMO_POLICIES)})")
     progress.add_argument(parser)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drbalance import defaults, progress
+from drbalance.argtypes import non_negative_int
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
@@ -52,7 +53,7 @@ class LaunchOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
+    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, e2e-skewed, or a scenario .json file")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                         help="the manager's policy ('observe' = no balancing)")
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real-batch", type=int, default=defaults.EMULATED_REAL_BATCH,
                         help="emulated GPUs: real images per iteration")
     parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels")
-    parser.add_argument("--decide-every", type=int, default=None, help="iterations between decisions")
+    parser.add_argument("--decide-every", type=non_negative_int, default=None,
+                        help="iterations between decisions (default: the policy's own cadence)")
     parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
     parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
     parser.add_argument("--timeout", type=float, default=None, help="stop every app after this many seconds")

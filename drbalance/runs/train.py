@@ -23,8 +23,10 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import defaults, env
+from drbalance.argtypes import non_negative_int
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
+from drbalance.profiling.store import ProfileNotFound
 from drbalance.ratio import DataRatio
 
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
@@ -34,7 +36,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The options train.py and train_ddp.py share word for word: reporting, decisions, the
     learning rate, and the emulated GPUs' time and sample scales."""
     parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
-    parser.add_argument("--decide-every", type=int, default=None,
+    parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between DR decisions (default: epoch ends only)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -184,17 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    kind, emulated_gpus = choose_devices(args.devices)
-    loader, classes = build_loader(args, args.iterations)
-    iterations = min(args.iterations or len(loader), len(loader))
-    model = build_model(args, classes, kind, emulated_gpus)
+    try:  # bad input found while setting up (a DR, a profile name, ...) is one line, not a traceback
+        kind, emulated_gpus = choose_devices(args.devices)
+        loader, classes = build_loader(args, args.iterations)
+        iterations = min(args.iterations or len(loader), len(loader))
+        model = build_model(args, classes, kind, emulated_gpus)
+        app = args.app or f"{args.model}-{os.getpid()}"
+        if args.start_gate:
+            pass_start_gate(args.start_gate, args.start_gate_timeout)
+        session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
+                          report_every=args.report_every, decide_every=args.decide_every or None)
+    except (ValueError, ProfileNotFound) as error:
+        print(f"drbalance.runs.train: error: {error}", file=sys.stderr)
+        return 2
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
-    app = args.app or f"{args.model}-{os.getpid()}"
-    if args.start_gate:
-        pass_start_gate(args.start_gate, args.start_gate_timeout)
-    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
-                      report_every=args.report_every, decide_every=args.decide_every)
     device = torch.device("cuda", model.device_ids[0]) if kind == "cuda" else torch.device("cpu")
     progress = None
     if not args.no_progress and sys.stderr.isatty():

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="refit the gavel interference model's pair rates for our models at batch 16-128 and "
                         "rewrite drbalance/sim/gavel_rates.json")
     args = parser.parse_args(argv)
+    if args.gavel is not None and not args.gavel.is_file():
+        parser.error(f"--gavel: no file {args.gavel} (Gavel's throughputs.json, not shipped with drbalance: "
+                     "the pairs it needs are in drbalance/sim/gavel_pairs.json)")
     if args.fit_gavel:
         path = write_gavel_rates()
         print(f"wrote {path}")

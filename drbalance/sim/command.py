@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance import defaults, progress
+from drbalance.argtypes import non_negative_int
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
@@ -47,7 +48,7 @@ def baselines(base: SimConfig) -> list[Variant]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, or a scenario .json file")
+    parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, e2e-skewed, or a scenario .json file")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="DR policy")
     parser.add_argument("--scheduler", choices=["themis"], default=None,
                         help="time-slice whole GPUs by finish-time fairness instead of a DR policy")
@@ -60,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
     parser.add_argument("--dr-total", type=int, default=None,
                         help="DR granularity (shares per mini-batch; default: the scenario's, 10)")
-    parser.add_argument("--decide-every", type=int, default=None,
-                        help="iterations between decisions besides epoch ends (default: the policy's choice)")
+    parser.add_argument("--decide-every", type=non_negative_int, default=None,
+                        help="iterations between decisions besides epoch ends (default, or 0: the policy's choice)")
     parser.add_argument("--sd-threshold", type=float, default=defaults.SD_THRESHOLD, help="SD_th (paper policy)")
     parser.add_argument("--util-threshold", type=float, default=defaults.UTIL_THRESHOLD,
                         help="Util_th in percent points (paper policy)")

@@ -2,7 +2,6 @@
 
     python -m drbalance.sim.reproduce                 # the paper's table (observe vs paper), calibrated model
     python -m drbalance.sim.reproduce --policies      # fair / f-sched / paper / observe / themis, both models
-    python -m drbalance.sim.reproduce --policies --markdown > table.md
 
 For each scenario (a), (b), (c) and each starting placement (one GPU per app round-robin, and
 plain DataParallel over all GPUs) the first table simulates the run without the algorithm

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -136,9 +136,36 @@ class Scenario:
         return json.dumps(data, indent=2)
 
 
+def _check_keys(data: object, kind: type, what: str) -> dict:
+    """``data`` as a dict with every required field of the dataclass ``kind`` and no other key;
+    ValueError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    known = {f.name: f for f in fields(kind)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    missing = [name for name, f in known.items()
+               if f.default is MISSING and f.default_factory is MISSING and name not in data]
+    if missing:
+        raise ValueError(f"{what}: missing key(s) {', '.join(map(repr, missing))}")
+    return data
+
+
+def _check_types(data: dict) -> None:
+    """The top-level values a scenario cannot be built from otherwise (ValueError naming the key)."""
+    if not isinstance(data["gpus"], int) or isinstance(data["gpus"], bool):
+        raise ValueError(f"'gpus' must be an integer, got {data['gpus']!r}")
+    if not isinstance(data["apps"], list):
+        raise ValueError(f"'apps' must be a list of apps, got {type(data['apps']).__name__}")
+
+
 def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
     try:
-        data = json.loads(text)
+        data = _check_keys(json.loads(text), Scenario, "the scenario")
+        _check_types(data)
+        for index, app in enumerate(data["apps"]):
+            _check_keys(app, AppSpec, f"app {index}")
         apps = tuple(
             AppSpec(**{**app, "ratio": tuple(app["ratio"]) if app.get("ratio") is not None else None})
             for app in data.pop("apps")

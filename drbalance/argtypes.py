@@ -1,0 +1,40 @@
+"""``argparse`` types for numbers that must be positive: a bad value is a one-line usage error
+(``argparse`` prints it and exits 2), never a traceback or a silent change of meaning."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, periods, steps)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts of iterations)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (where 0 means "none": e.g. no decisions besides the policy's own)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text}")
+    return value

@@ -1,0 +1,77 @@
+"""Bad input to the commands is one line and a non-zero exit, never a traceback, and leaves nothing
+behind; machine-readable output stays machine-readable (found by a review, 2026-11-22)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from drbalance import cli
+from drbalance.workload.scenarios import scenario_from_json
+from tests.conftest import python_process
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run(module: str, *args: str, env: dict | None = None) -> tuple[int, str, str]:
+    process = python_process(module, *args, env=env)
+    out, err = process.communicate(timeout=120)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize("option", [("--dr-total", "0"), ("--sd-threshold", "-1"), ("--util-threshold", "200")])
+def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus(ipc_env, option):
+    code, _out, err = run("drbalance.manager.cli", "--source", "emulated:2", *option)
+    assert code == 2 and "Traceback" not in err and "drbalance-manager:" in err, err
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "e2e-a", "--decide-every", "-1"], "--decide-every: must be an integer >= 0"),
+    (["report", "nowhere", "--step", "0"], "--step: must be a positive number"),
+])
+def test_numbers_that_would_change_meaning_or_crash_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_manager_duration_must_be_positive():
+    code, _out, err = run("drbalance.manager.cli", "--source", "emulated:2", "--duration", "-1")
+    assert code == 2 and "--duration: must be a positive number" in err and "Traceback" not in err
+
+
+def test_report_json_is_json_with_plots_and_a_second_report_over_the_same_glob_works(tmp_path, capsys):
+    for policy in ("fair", "observe"):
+        assert cli.main(["simulate", "e2e-a", "--policy", policy, "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    runs = sorted(str(path) for path in tmp_path.iterdir())
+    assert cli.main(["report", *runs, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert {entry["label"] for entry in json.loads(captured.out)} == {"fair", "observe"}
+    assert "plots:" in captured.err  # the plots were written; their list goes to stderr
+    again = sorted(str(path) for path in tmp_path.iterdir())  # now with runs/report, as runs/* matches it
+    assert len(again) == 3 and cli.main(["report", *again, "--no-plots"]) == 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[]", "must be a JSON object, got list"),
+    ('{"name": "x", "apps": []}', "missing key(s) 'gpus'"),
+    ('{"name": "x", "gpus": "four", "apps": []}', "'gpus' must be an integer"),
+    ('{"name": "x", "gpus": 2, "apps": null}', "'apps' must be a list"),
+    ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '
+     '"iterations_per_epoch": 5, "bogus": 1}]}', "app 0: unknown key(s) 'bogus'"),
+])
+def test_a_malformed_scenario_file_names_what_is_wrong(text, message):
+    with pytest.raises(ValueError) as raised:
+        scenario_from_json(text, "mine.json")
+    assert message in str(raised.value) and "mine.json" in str(raised.value)
+
+
+def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
+    code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "3,3", "--solo-time", "1",
+                          "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
+    assert code == 2 and "Traceback" not in err, err
+    assert "drbalance.runs.train: error: DR shares [3, 3] sum to 6" in err
