@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(module).run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. 'drbalance report ... --json | head': the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except Terminated:
         return 128 + signal.SIGTERM
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, PermissionError) as error:

@@ -31,6 +31,10 @@ def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "e2e-a", "--decide-every", "-1"], "--decide-every: must be an integer >= 0"),
     (["report", "nowhere", "--step", "0"], "--step: must be a positive number"),
+    (["launch", "e2e-a", "--run-dir", "x", "--time-scale", "-1"], "--time-scale: must be a positive number"),
+    (["launch", "e2e-a", "--run-dir", "x", "--real-batch", "0"], "--real-batch: must be an integer >= 1"),
+    (["launch", "e2e-a", "--run-dir", "x", "--timeout", "-5"], "--timeout: must be a positive number"),
+    (["profile", "x", "--warmup", "-1", "--", "true"], "--warmup: must be an integer >= 0"),
 ])
 def test_numbers_that_would_change_meaning_or_crash_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -75,3 +79,15 @@ def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
                           "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
     assert code == 2 and "Traceback" not in err, err
     assert "drbalance.runs.train: error: DR shares [3, 3] sum to 6" in err
+
+
+def test_report_names_a_file_given_as_a_run_and_a_corrupt_run_json(tmp_path, capsys):
+    afile = tmp_path / "results.json"
+    afile.write_text("{}")
+    assert cli.main(["report", str(afile)]) == 1
+    assert f"run directory {afile} is not a folder" in capsys.readouterr().err
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 0
+    (tmp_path / "runs" / "observe" / "run.json").write_text("{broken")
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots"]) == 1
+    assert "run.json: not readable JSON" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from drbalance import defaults, env
+from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.profiling.store import run_profile
 
 
@@ -20,11 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "drbalance profile NAME [options] -- TRAINING COMMAND..."
     parser.add_argument("name", help="profile name (letters, digits, '_', '.', '-'); the training command "
                         "follows '--', e.g. -- python -m drbalance.runs.train --model resnet50")
-    parser.add_argument("--iterations", type=int, default=defaults.MEASURE_ITERATIONS,
+    parser.add_argument("--iterations", type=positive_int, default=defaults.MEASURE_ITERATIONS,
                         help="iterations to run, warm-up included (default 200)")
-    parser.add_argument("--warmup", type=int, default=defaults.MEASURE_WARMUP,
+    parser.add_argument("--warmup", type=non_negative_int, default=defaults.MEASURE_WARMUP,
                         help="leading iterations left out of the mean (default 10)")
-    parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="give up after this many seconds (default: wait for the command to end)")
     parser.add_argument("--profiles", default=None,
                         help=f"profiles file (default DRBALANCE_PROFILES or {env.profiles_path()})")
 

@@ -68,10 +68,14 @@ def load_run(path: str | Path) -> RunData:
     oldest first), so a long run's early utilisation samples are not lost to rotation."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"run directory {root} does not exist")
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"run directory {root} {what}")
     info = {}
     if (root / "run.json").exists():
-        info = json.loads((root / "run.json").read_text())
+        try:
+            info = json.loads((root / "run.json").read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{root / 'run.json'}: not readable JSON ({error})") from None
     logs = sorted((root / "apps").glob("*.sd.jsonl")) if (root / "apps").is_dir() else []
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")

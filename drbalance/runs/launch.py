@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_int
+from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
@@ -59,16 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
-    parser.add_argument("--time-scale", type=float, default=defaults.EMULATED_TIME_SCALE,
+    parser.add_argument("--time-scale", type=positive_float, default=defaults.EMULATED_TIME_SCALE,
                         help="emulated GPUs: stretch modelled times")
-    parser.add_argument("--real-batch", type=int, default=defaults.EMULATED_REAL_BATCH,
+    parser.add_argument("--real-batch", type=positive_int, default=defaults.EMULATED_REAL_BATCH,
                         help="emulated GPUs: real images per iteration")
-    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels")
+    parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE, help="image side in pixels")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions (default: the policy's own cadence)")
     parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
     parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop every app after this many seconds")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="stop every app after this many seconds (default: run to the end)")
     parser.add_argument("--label", default=None, help="name of this run in reports (default: the policy)")
     progress.add_argument(parser)
 
