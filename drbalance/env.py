@@ -104,7 +104,7 @@ def profile_warmup() -> int:
 
 
 def no_manager() -> bool:
-    """``DRBALANCE_NO_MANAGER``: when ``1``, sessions never contact a manager (train with their own DR)."""
+    """``DRBALANCE_NO_MANAGER``: ``1``, ``true`` or ``yes``: sessions never contact a manager (own DR)."""
     return os.environ.get("DRBALANCE_NO_MANAGER", "") in {"1", "true", "yes"}
 
 
