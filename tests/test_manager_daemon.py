@@ -160,6 +160,27 @@ def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys)
     assert "no drbalance-manager is running" in capsys.readouterr().err
 
 
+def test_a_second_manager_with_another_runtime_directory_is_refused_too(ipc_env, tmp_path):
+    """Its lock is elsewhere (say, started where XDG_RUNTIME_DIR is not set): it used to run beside
+    the first and adopt its jobs. The first's heartbeat in /dev/shm gives it away."""
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        elsewhere = {"DRBALANCE_RUNTIME_DIR": str(tmp_path / "elsewhere")}
+        second = python_process("drbalance.manager.cli", "--source", f"scripted:{manager.util_file}",
+                                "--duration", "60", env=elsewhere)
+        try:
+            _, err = second.communicate(timeout=30)
+        finally:
+            if second.poll() is None:  # it runs: the bug this test is about
+                second.kill()
+                second.communicate()
+        assert second.returncode == 1 and f"another manager (pid {manager.process.pid}) runs in namespace" in err, err
+        assert manager.alive() and discovery.read_manager(ipc_env).pid == manager.process.pid
+    finally:
+        code, err = manager.stop()
+    assert code == 0, err
+
+
 def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
     process = python_process("drbalance.manager.cli", "--source", "nvml")
     _, err = process.communicate(timeout=30)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import time
 
 import posix_ipc
 
@@ -100,6 +102,35 @@ class ManagerEndpoint:
         objects.unlink_queue(self.names.inbox(self.token))
         objects.unlink_shared_memory(self.names.manager_record(self.token))
         discovery.withdraw_manager(self.names, self.token)
+
+
+LIVE_BEAT_SECONDS = 30.0  # a heartbeat younger than this, of a process that runs, is a live manager's
+
+
+def other_live_manager(names: IpcNames) -> ManagerBeat | None:
+    """The heartbeat of another manager of this user that runs in this namespace now, if any.
+
+    The namespace's lock keeps a second manager out only where both resolve the same runtime
+    directory; one started where ``XDG_RUNTIME_DIR`` differs would take the namespace's jobs too.
+    /dev/shm is the same for both: a heartbeat there that beat within ``LIVE_BEAT_SECONDS``, of a
+    process that runs, is such a manager (a dead one's heartbeat stops beating)."""
+    me, now = os.geteuid(), time.monotonic()
+    for listed in names.listed():
+        if listed.kind != "manager" or listed.owner != me or listed.token is None:
+            continue
+        try:
+            record = ManagerRecord.open(names, listed.token)
+        except (posix_ipc.Error, RecordError, OSError):
+            continue
+        try:
+            beat = record.read()
+        except (RecordError, OSError):
+            continue
+        finally:
+            record.close()
+        if beat.pid != os.getpid() and now - beat.beat_mono < LIVE_BEAT_SECONDS and objects.process_alive(beat.pid):
+            return beat
+    return None
 
 
 class AppChannel:

@@ -36,7 +36,7 @@ import posix_ipc
 from drbalance import defaults
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import discovery, objects
-from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint
+from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint, other_live_manager
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
@@ -210,6 +210,12 @@ class Manager:
             raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
         try:
             self._lock = ManagerLock(self.names.manager_lock())
+            other = other_live_manager(self.names)
+            if other is not None:
+                raise ManagerAlreadyRunning(
+                    f"another manager (pid {other.pid}) runs in namespace {self.names.namespace!r} with its lock "
+                    f"in another runtime directory (not {self.names.runtime_dir()}); stop it, or give both the same "
+                    "DRBALANCE_RUNTIME_DIR")
             self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages)
         except BaseException as error:
             self._abort_start()
