@@ -110,3 +110,31 @@ def test_the_emulated_backend_splits_like_the_cpu_path_and_times_replicas(emu):
     with pytest.raises(ValueError, match=r"device_ids \[7\] are not among the 4 emulated GPUs"):
         BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 7], backend=backend)
     backend.close()
+
+
+def test_jobs_killed_while_waiting_for_a_gpu_leave_it_unshared(emu):
+    """A waiter used to count itself in a semaphore that outlived it: after a kill -9 while waiting
+    the GPU looked shared for good (a lone job took turns and served 1.216x its time)."""
+    holder = python_process("tests.helpers.emu_holder", "0", "120")
+    waiters = []
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        for index in range(6):  # each spends about half its time waiting for its turn, then is killed
+            waiter = python_process("tests.helpers.emu_holder", "0", "120")
+            waiters.append(waiter)
+            time.sleep(0.3 + 0.037 * index)
+            waiter.send_signal(signal.SIGKILL)
+            waiter.wait(timeout=30)
+    finally:
+        for process in (holder, *waiters):
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+    gpu = EmulatedGpu(emu, 0)  # a later job of the namespace
+    try:
+        assert not gpu._others_waiting()
+        started = time.monotonic()
+        gpu.occupy(0.5)
+        assert time.monotonic() - started >= 0.49  # served alone: no co-location discount
+    finally:
+        gpu.close()

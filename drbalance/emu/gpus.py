@@ -1,7 +1,9 @@
 """Emulated GPUs: exclusive device slots shared by every process of a namespace on this host.
 
-An emulated GPU is a lock file, a small shared-memory segment and a semaphore counting waiting
-jobs. A replica *occupies* it for a device time: it takes an exclusive ``flock`` on the lock
+An emulated GPU is a lock file, a small shared-memory segment and a second lock file on which
+waiting jobs hold a shared ``flock`` (the holder tries an exclusive one to see whether anyone
+waits; the kernel drops a dead waiter's lock, where a semaphore count stayed one too high after a
+``kill -9``). A replica *occupies* it for a device time: it takes an exclusive ``flock`` on the lock
 file (waiting while another process holds it), sleeps, and releases it. The time is served in
 slices (``DEFAULT_QUANTUM``): when another job waits, the holder steps aside after each slice,
 so co-located jobs take turns as on a time-sliced GPU; while shared, a slice serves
@@ -94,13 +96,6 @@ def emulated_uuid(names: IpcNames, index: int) -> str:
     return f"GPU-{uuidlib.uuid5(UUID_NAMESPACE, f'{os.getuid()}/{names.namespace}/{index}')}"
 
 
-def _acquire_nowait(semaphore: posix_ipc.Semaphore) -> None:
-    try:
-        semaphore.acquire(0)
-    except posix_ipc.BusyError:
-        pass
-
-
 @dataclass(frozen=True)
 class Account:
     busy_total: float
@@ -132,7 +127,7 @@ class EmulatedGpu:
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
-        self._waiting = objects.create_or_open_semaphore(names.emulated_waiters(index))
+        self._wait_fd = os.open(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT, 0o600)
 
     def read(self) -> Account | None:
         try:
@@ -161,11 +156,11 @@ class EmulatedGpu:
         remaining, waited = max(0.0, seconds), 0.0
         while remaining > 1e-9:
             asked = self.clock.monotonic()
-            self._waiting.release()  # count ourselves as waiting
+            fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait (the kernel drops this if we die)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             finally:
-                _acquire_nowait(self._waiting)
+                fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
             start = self.clock.monotonic()
             waited += start - asked
             try:
@@ -245,14 +240,17 @@ class EmulatedGpu:
             self.memory_area.write(bytes(payload))
 
     def _others_waiting(self) -> bool:
+        """Whether another job waits for this GPU: one holds a shared lock on the wait file."""
         try:
-            return self._waiting.value > 0
-        except (AttributeError, posix_ipc.Error):  # no sem_getvalue on this platform: take turns always
+            fcntl.flock(self._wait_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             return True
+        fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
+        return False
 
     def close(self) -> None:
         self.segment.close()
-        self._waiting.close()
+        os.close(self._wait_fd)
         os.close(self._lock_fd)
 
 
@@ -275,11 +273,12 @@ def remove_emulated_gpus(names: IpcNames, count: int) -> None:
     """Remove the shared objects of emulated GPUs 0..count-1 (after a run)."""
     for index in range(count):
         objects.unlink_shared_memory(names.emulated_gpu(index))
-        objects.unlink_semaphore(names.emulated_waiters(index))
-        try:
-            names.emulated_lock(index).unlink()
-        except FileNotFoundError:
-            pass
+        objects.unlink_semaphore(names.emulated_waiters(index))  # left by releases before 2026-11-22
+        for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -369,9 +368,10 @@ class EmulatedSource:
                 self.left_in_use[gpu.index] = users
                 continue
             objects.unlink_shared_memory(self.names.emulated_gpu(gpu.index))
-            objects.unlink_semaphore(self.names.emulated_waiters(gpu.index))
-            try:
-                self.names.emulated_lock(gpu.index).unlink()
-            except OSError:
-                pass
+            objects.unlink_semaphore(self.names.emulated_waiters(gpu.index))  # left by earlier releases
+            for path in (self.names.emulated_lock(gpu.index), self.names.emulated_wait_lock(gpu.index)):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
         self.gpus = []

@@ -161,6 +161,10 @@ class IpcNames:
     def emulated_lock(self, index: int) -> Path:
         return self.runtime_dir() / f"emu.{index}.lock"
 
+    def emulated_wait_lock(self, index: int) -> Path:
+        """The file on which jobs waiting for emulated GPU ``index`` hold a shared lock."""
+        return self.runtime_dir() / f"emu.{index}.wait"
+
 
 def _parse(entry: str, rest: str, owner: int) -> ListedObject:
     kind, _, tail = rest.partition(".")
