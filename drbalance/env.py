@@ -57,10 +57,11 @@ def runtime_dir() -> Path:
     """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``$XDG_RUNTIME_DIR/drbalance`` when ``XDG_RUNTIME_DIR`` is set (an absolute path);
-    else ``/run/user/<uid>/drbalance`` when that folder exists (what ``XDG_RUNTIME_DIR`` would be:
-    jobs started without a login session, e.g. from cron, then still meet a manager started from
-    one); else ``/tmp/drbalance-<uid>``. Jobs and their manager must see the same folder. It is
+    Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
+    ``/tmp/drbalance-<uid>``. The first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the
+    second when that folder exists (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login
+    session, e.g. from cron, then still meet a manager started from one). Jobs and their manager
+    must see the same folder. It is
     created with mode 0700 and checked before use (``drbalance.ipc.private``): never reached
     through another user's symbolic link, never another user's or writable by others.
     """

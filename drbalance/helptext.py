@@ -38,16 +38,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def environment_variables() -> list[tuple[str, str]]:
-    """(name, first sentence) of every variable :mod:`drbalance.env` documents, in source order."""
+    """(name, first sentence) of every variable :mod:`drbalance.env` documents, in source order,
+    with the first clause of its "Default:" paragraph when it has one."""
     found = []
     for _, function in inspect.getmembers(env, inspect.isfunction):
         if function.__module__ != env.__name__ or function.__name__.startswith("_"):
             continue
-        first_paragraph = " ".join(inspect.getdoc(function).split("\n\n")[0].split())
-        match = _DOCUMENTED.match(first_paragraph)
+        paragraphs = [" ".join(part.split()) for part in inspect.getdoc(function).split("\n\n")]
+        match = _DOCUMENTED.match(paragraphs[0])
         if match:
             name, text = match.groups()
             sentence = re.split(r"(?<=\.)\s+(?=[A-Z])", text, maxsplit=1)[0]
+            default = next((part[len("Default:"):].strip() for part in paragraphs if part.startswith("Default:")), "")
+            if default:
+                clause = re.split(r"; |\. ", default)[0].rstrip(".")
+                sentence = sentence.rstrip(".") + f" (default: {clause})"
             found.append((inspect.getsourcelines(function)[1], name, re.sub(r"``(.*?)``", r"'\1'", sentence)))
     return [(name, text) for _, name, text in sorted(found)]
 
