@@ -60,6 +60,7 @@ def test_a_new_segment_has_every_page_backed_and_a_repaired_one_too(ipc_env):
 
 
 def test_backing_pages_keeps_what_was_written_and_grows_the_file_with_zeros(tmp_path):
+    # the repair case (not fresh): whatever the file system, what is there stays
     path = tmp_path / "segment"
     path.write_bytes(b"header")
     fd = os.open(path, os.O_RDWR)

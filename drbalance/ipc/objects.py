@@ -91,7 +91,7 @@ def create_shared_memory(name: str, size: int) -> tuple[posix_ipc.SharedMemory, 
     segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, size=size)
     try:
         os.fchmod(segment.fd, PRIVATE_MODE)
-        back_pages(segment.fd, size)
+        back_pages(segment.fd, size, fresh=True)
         mapping = mmap.mmap(segment.fd, size)
     except BaseException:
         segment.close_fd()
@@ -100,20 +100,22 @@ def create_shared_memory(name: str, size: int) -> tuple[posix_ipc.SharedMemory, 
     return segment, mapping
 
 
-def back_pages(fd: int, size: int) -> None:
+def back_pages(fd: int, size: int, fresh: bool = False) -> None:
     """Give the first ``size`` bytes of a shared-memory file real pages now (zeros where unwritten).
 
     ``ftruncate`` alone leaves the file sparse: mapping it works even on a full /dev/shm, and
     the first touch of a page tmpfs cannot supply then kills the process with SIGBUS (any user
     can fill /dev/shm). Allocated here, a full /dev/shm is an ``OSError`` (ENOSPC) instead.
+    Where the file system has no ``fallocate``, zeros are written: over all of a ``fresh`` file
+    (nobody else has it yet), else only past its end (others may be writing what is there).
     """
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as error:
         if error.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
-        existing = os.pread(fd, size, 0)  # no fallocate on this file system: write what is there back
-        os.pwrite(fd, existing + bytes(size - len(existing)), 0)
+        start = 0 if fresh else min(size, os.fstat(fd).st_size)
+        os.pwrite(fd, bytes(size - start), start)
 
 
 def open_shared_memory(name: str, writable: bool = True) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
