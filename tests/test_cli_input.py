@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +93,16 @@ def test_report_names_a_file_given_as_a_run_and_a_corrupt_run_json(tmp_path, cap
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots"]) == 1
     assert "run.json: not readable JSON" in capsys.readouterr().err
+
+
+def test_a_process_the_launcher_waits_for_that_exits_first_is_named_with_its_last_words(tmp_path):
+    from drbalance.runs.launch import _wait_for
+
+    output = tmp_path / "manager.out"
+    with open(output, "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", "print('starting'); print('NVML unavailable: no driver');"
+                                    "raise SystemExit(2)"], stdout=out, stderr=subprocess.STDOUT)
+        with pytest.raises(RuntimeError) as raised:
+            _wait_for(lambda: False, 60, "drbalance-manager", process, output)
+    message = str(raised.value)
+    assert "exited with status 2: NVML unavailable: no driver" in message and str(output) in message

@@ -100,14 +100,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | None = None) -> None:
+def _wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | None = None,
+              output: Path | None = None) -> None:
+    """Poll ``predicate``; RuntimeError if ``process`` exits first (with the last line of its
+    ``output`` file, which says why) or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with status {process.returncode}")
+            why = _last_line(output) if output is not None else ""
+            raise RuntimeError(f"{what}: the process exited with status {process.returncode}"
+                               + (f": {why} (see {output})" if why else ""))
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not ready after {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a text file ('' if none or unreadable)."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 SETUP_TIMEOUT = 600.0  # seconds the apps may take to set up (import torch, build the model) before the start
@@ -221,7 +235,7 @@ def launch(options: LaunchOptions) -> Path:
 
     try:
         status_file = run_dir.resolve() / ".runtime" / namespace / "status.json"
-        _wait_for(status_file.exists, 60, "drbalance-manager", manager)
+        _wait_for(status_file.exists, 60, "drbalance-manager", manager, run_dir / "manager.out")
         # Every app (but DDP ones, which torchrun starts) is started now and sets up (imports, model,
         # data) up to its start gate; the scenario's arrivals are counted from when all are set up.
         # Started at their arrival times instead, the first apps trained alone for as long as the
