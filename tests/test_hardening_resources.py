@@ -174,6 +174,12 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
         wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "record of early"])
         served = decisions_for(manager, "early")
         wait_for(lambda: decisions_for(manager, "early") >= served + 2)  # the job that lost its record is served
+        # its semaphore alone goes: the job makes both again (a manager could not tell a new
+        # semaphore from the one it holds), and the manager reopens the pair
+        objects.unlink_semaphore(ipc_env.app_signal("early", claim.token))
+        wait_for(lambda: len([e for e in manager.events("repaired") if e["what"] == "record of early"]) >= 2)
+        served = decisions_for(manager, "early")
+        wait_for(lambda: decisions_for(manager, "early") >= served + 2)
     finally:
         for app in (early, later):
             if app is not None:
@@ -181,3 +187,20 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
                 app.wait(timeout=30)
         code, err = manager.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_a_replacing_endpoint_leaves_the_one_in_use_alone_until_it_exists(ipc_env):
+    from drbalance.ipc.endpoint import ManagerEndpoint
+
+    first = ManagerEndpoint(ipc_env)
+    second = None
+    try:
+        second = ManagerEndpoint(ipc_env, replacing=True)
+        assert not first.unlinked()  # a new manager would have removed them: ours are the caller's to close
+        assert discovery.read_manager(ipc_env).token == second.token
+        first.close()
+        assert discovery.read_manager(ipc_env).token == second.token  # the old one's close leaves the new alone
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

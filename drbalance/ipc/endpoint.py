@@ -23,12 +23,15 @@ class ManagerEndpoint:
     them), publishes its own pid and token there *before* creating its objects (so a manager
     killed half-way still leaves objects that its successor finds), then creates them under the
     new token. Nobody else can know the token beforehand, so nobody can have created them first.
+    ``replacing``: made by the manager that ``manager.json`` names, to replace its own objects; its
+    predecessor's objects are then the caller's to close, once this one exists.
     """
 
-    def __init__(self, names: IpcNames, inbox_messages: int = INBOX_MAX_MESSAGES) -> None:
+    def __init__(self, names: IpcNames, inbox_messages: int = INBOX_MAX_MESSAGES, replacing: bool = False) -> None:
         self.names = names
         self.token = new_token()
-        self._remove_predecessor()
+        if not replacing:
+            self._remove_predecessor()
         self.info = discovery.this_process(self.token)
         discovery.publish_manager(names, self.info)
         self.inbox: posix_ipc.MessageQueue | None = None

@@ -125,8 +125,9 @@ class PosixManagerLink:
 
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:
-        if objects.unlinked_fd(self.record.segment.memory.fd):
-            self._restore_record()
+        if (objects.unlinked_fd(self.record.segment.memory.fd)
+                or not objects.semaphore_listed(self.names.app_signal(self.app, self.token))):
+            self._restore_objects()
         try:
             self.record.write_status(status)
         except SegmentTruncated as error:
@@ -139,32 +140,33 @@ class PosixManagerLink:
             self._report(f"record:{self.record.name}", "drbalance: %s; restored it", error)
             self.record.write_status(status)
 
-    def _restore_record(self) -> None:
-        """Create the record (and the semaphore, if it went too) again under the same names after
-        they were removed while open: by systemd-logind's ``RemoveIPC=yes`` when the user's last
-        session ends, or a cleanup of /dev/shm. The claim names the same token, so a manager finds
-        them again; until then this app's status reaches nobody."""
-        name = self.record.name
+    def _restore_objects(self) -> None:
+        """Create the record and the semaphore again under the same names when either was removed
+        while open: by systemd-logind's ``RemoveIPC=yes`` when the user's last session ends, or a
+        cleanup of /dev/shm. Both, so that a manager sees the record go and reopens the pair (a
+        semaphore alone it could not tell from the one it holds). The claim names the same token,
+        so a manager finds them again; until then this app's status reaches nobody."""
+        name, signal_name = self.record.name, self.names.app_signal(self.app, self.token)
+        objects.unlink_shared_memory(name)  # ours, if still there (same token)
+        objects.unlink_semaphore(signal_name)
         try:
             record = AppRecord.create(self.names, self.app, self.token)
+            try:
+                signal = objects.create_semaphore(signal_name)
+            except BaseException:
+                record.close()
+                objects.unlink_shared_memory(name)
+                raise
         except (posix_ipc.Error, OSError) as error:  # e.g. /dev/shm full; tried again at the next publish
             self._report(f"restore:{name}", "drbalance: the record %s of %r was removed and cannot be created "
                          "again (%s); no manager sees this job until it can", name, self.app, error)
             return
-        self.record.close()
-        self.record = record
-        signal_name = self.names.app_signal(self.app, self.token)
-        if not objects.semaphore_listed(signal_name):
+        for old in (self.record, self.signal):
             try:
-                signal = objects.create_semaphore(signal_name)
-            except (posix_ipc.Error, OSError):
-                pass  # the manager's answers still arrive; the app finds them when it polls
-            else:
-                old, self.signal = self.signal, signal
-                try:
-                    old.close()
-                except posix_ipc.Error:
-                    pass
+                old.close()
+            except posix_ipc.Error:
+                pass
+        self.record, self.signal = record, signal
         logger.warning("drbalance: the record %s of %r was removed from /dev/shm (e.g. by RemoveIPC); created it "
                        "again", name, self.app)
         self._reported.discard(f"restore:{name}")

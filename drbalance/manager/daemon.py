@@ -744,8 +744,12 @@ class Manager:
         left in the old inbox are lost; their apps' next exchanges reach the new one."""
         gone = self._endpoint.unlinked()
         old = self._endpoint
-        self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages)  # raises: a fault, retried
-        old.close()  # its names are gone already; manager.json names the new token, so it stays
+        try:
+            self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages, replacing=True)
+        except BaseException:  # e.g. /dev/shm full: a fault, retried next period; jobs keep what is left
+            old.republish()  # the failed one withdrew manager.json; it names the objects in use again
+            raise
+        old.close()  # its names are gone (or its last one goes now); manager.json names the new token
         what = " and ".join(gone)
         self.log("repaired", what=what, error=f"the {what} was removed from {objects.SHM_DIR} (e.g. by RemoveIPC); "
                  f"new ones under token {self._endpoint.token}")

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     criterion = nn.CrossEntropyLoss()  # the mean over this rank's samples: the hook weights it by its share
     app = app_name(args, rank)
     session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations, PROGRAM, profiling=False),
-                      report_every=args.report_every, decide_every=args.decide_every)
+                      report_every=args.report_every, decide_every=args.decide_every or None)
     progress = None
     if rank == 0 and not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
