@@ -18,23 +18,21 @@ def positive_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (counts of iterations)."""
+def _integer_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}; got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts of iterations, sizes)."""
+    return _integer_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (where 0 means "none": e.g. no decisions besides the policy's own)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text}")
-    return value
+    return _integer_at_least(text, 0)

@@ -42,6 +42,7 @@ from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames
+from drbalance.ipc.private import open_private
 from drbalance.ipc.records import RecordEmpty, Segment
 from drbalance.manager.nvml import MemoryInfo
 from drbalance.workload.models import CO_LOCATION_CAPACITY
@@ -122,12 +123,12 @@ class EmulatedGpu:
         lock_path = names.emulated_lock(index)
         objects.ensure_private_dir(lock_path.parent.parent)
         objects.ensure_private_dir(lock_path.parent)
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
         self.segment = _open_or_create(names.emulated_gpu(index))
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
-        self._wait_fd = os.open(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT, 0o600)
+        self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
 
     def read(self) -> Account | None:
         try:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from drbalance.argtypes import positive_float, positive_int
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.objects import pid_alive
 from drbalance.ipc.private import read_private
@@ -36,30 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the manager's status as JSON")
     parser.add_argument("--watch", action="store_true",
                         help="refresh a live view (GPU utilisation bars; each app's SD, DR and state) until Ctrl-C")
-    parser.add_argument("--interval", type=_positive_seconds, default=None, metavar="S",
+    parser.add_argument("--interval", type=positive_float, default=None, metavar="S",
                         help="seconds between refreshes with --watch (default: 2)")
-    parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="with --watch: stop after N frames (default: until Ctrl-C)")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, e.g. 2 or 0.5; got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds; got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
 
 
 def read_status(names: IpcNames) -> dict[str, Any]:
