@@ -34,6 +34,7 @@ def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus
     (["simulate", "e2e-a", "--decide-every", "-1"], "--decide-every: must be an integer >= 0"),
     (["report", "nowhere", "--step", "0"], "--step: must be a positive number"),
     (["launch", "e2e-a", "--run-dir", "x", "--time-scale", "-1"], "--time-scale: must be a positive number"),
+    (["demo", "--out", "x", "--time-scale", "0"], "--time-scale: must be a positive number"),
     (["launch", "e2e-a", "--run-dir", "x", "--real-batch", "0"], "--real-batch: must be an integer >= 1"),
     (["launch", "e2e-a", "--run-dir", "x", "--timeout", "-5"], "--timeout: must be a positive number"),
     (["profile", "x", "--warmup", "-1", "--", "true"], "--warmup: must be an integer >= 0"),
@@ -106,3 +107,59 @@ def test_a_process_the_launcher_waits_for_that_exits_first_is_named_with_its_las
             _wait_for(lambda: False, 60, "drbalance-manager", process, output)
     message = str(raised.value)
     assert "exited with status 2: NVML unavailable: no driver" in message and str(output) in message
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly_with_141():
+    process = python_process("drbalance", "simulate", "e2e-a", "--policy", "observe", "--json")
+    process.stdout.close()  # the reader goes away before the first line: 'drbalance ... | head -0'
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("module", ["drbalance", "drbalance.manager.cli"])
+def test_help_names_every_environment_variable_and_the_documented_defaults(module):
+    from drbalance.helptext import environment_variables
+
+    code, out, err = run(module, "--help", env={"COLUMNS": "400"})  # one line per variable
+    assert code == 0, err
+    listed = out.split("environment variables:", 1)[1]
+    variables = environment_variables()
+    assert len(variables) >= 8
+    for name, text in variables:
+        assert f"  {name}: {text}" in listed, name
+    assert "DRBALANCE_RUNTIME_DIR" in listed and "(default: '$XDG_RUNTIME_DIR/drbalance'" in listed
+    assert "DRBALANCE_PROFILE_WARMUP: leading profile iterations left out of the mean (default 10)" in listed
+
+
+@pytest.mark.parametrize("command", ["launch", "demo"])
+def test_cuda_devices_that_are_not_there_are_refused_before_anything_starts(command, tmp_path, monkeypatch, capsys):
+    from drbalance.runs import launch
+
+    monkeypatch.setattr(launch, "cuda_gpu_count", lambda: 1)  # a one-GPU machine; e2e-a needs 4
+    run_dir = tmp_path / "run"
+    scenario = ["e2e-a", "--run-dir"] if command == "launch" else ["--scenario", "e2e-a", "--out"]
+    assert cli.main([command, *scenario, str(run_dir), "--devices", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert f"drbalance {command}: error: --devices cuda: the scenario needs 4 GPUs and torch sees 1" in err, err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    (("--batch-size", "0"), "--batch-size: must be an integer >= 1"),
+    (("--epochs", "-1"), "--epochs: must be an integer >= 1"),
+    (("--workers", "-1"), "--workers: must be an integer >= 0"),
+    (("--lr", "0"), "--lr: must be a positive number"),
+])
+def test_the_ddp_training_script_refuses_numbers_that_cannot_train(option, message, capsys):
+    from drbalance.runs.train_ddp import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["--solo-time", "1", *option])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_training_script_refuses_an_empty_batch_in_one_line():
+    code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--batch-size", "0", "--solo-time", "1",
+                          env={"DRBALANCE_NO_MANAGER": "1"})
+    assert code == 2 and "Traceback" not in err and "--batch-size: must be an integer >= 1" in err, err

@@ -79,6 +79,7 @@ class SeqlockArea:
         self.where = where
         self.guard = guard or (lambda: None)
         self.last_counter = -1  # the counter value of the last payload returned by read()
+        self.stuck_counter = -1  # an odd counter that a whole read() waited on in vain
 
     def counter(self) -> int:
         """The seqlock counter now (after checking that the mapping may be read)."""
@@ -98,9 +99,17 @@ class SeqlockArea:
         words[index] = (odd + 1) & 0xFFFFFFFF
 
     def read(self, attempts: int = 200) -> bytes:
+        """The payload of the last complete write. Raises ``RecordEmpty`` if the area was never
+        written, ``RecordError`` on a checksum mismatch, and ``RecordBusy`` while a write is under
+        way: after ``attempts`` tries (about 20 ms), or at once if the counter still shows the
+        write that the last read waited for in vain (its writer was killed mid-write; the next
+        write recovers the area), so a dead writer does not cost every later read its wait."""
         self.guard()
         words, index = self.words, self.counter_index
-        zero_counters = 0
+        if words[index] == self.stuck_counter:
+            raise RecordBusy(f"{self.where}: still being written (counter {self.stuck_counter} unchanged since "
+                             "the last read waited for it: its writer stopped mid-write?)")
+        zero_counters, before = 0, -1
         for attempt in range(attempts):
             before = words[index]
             if before == 0:
@@ -120,6 +129,9 @@ class SeqlockArea:
             if attempt > 20:
                 time.sleep(0.0001)
                 self.guard()
+        now = words[index]
+        if now % 2 and now == before:
+            self.stuck_counter = now
         raise RecordBusy(f"{self.where}: still being written after {attempts} attempts")
 
 

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from drbalance import progress
-from drbalance.argtypes import non_negative_int
+from drbalance.argtypes import non_negative_int, positive_float
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
-from drbalance.runs.launch import LaunchOptions, cuda_gpu_count, launch
+from drbalance.runs.launch import LaunchOptions, launch, resolve_devices
 from drbalance.workload.scenarios import load_scenario
 
 EMULATED_NOTICE = (
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="demo-a", help="scenario to run (default demo-a)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="CUDA GPUs if the scenario's number exist (auto), or emulated ones")
-    parser.add_argument("--time-scale", type=float, default=15.0,
+    parser.add_argument("--time-scale", type=positive_float, default=15.0,
                         help="emulated GPUs: how much slower than the modelled GPU (default 15)")
     parser.add_argument("--decide-every", type=non_negative_int, default=2,
                         help="iterations between decisions (default 2; 0: the policy's own cadence)")
@@ -58,9 +58,7 @@ def parse_policies(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
-    devices = args.devices
-    if devices == "auto":
-        devices = "cuda" if cuda_gpu_count() >= scenario.gpus else "emulated"
+    devices = resolve_devices(args.devices, scenario.gpus)
     emulated = devices == "emulated"
     print(f"drbalance demo: {scenario.description}")
     if emulated:

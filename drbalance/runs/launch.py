@@ -83,11 +83,24 @@ def cuda_gpu_count() -> int:
         return 0
 
 
+def resolve_devices(requested: str, gpus: int) -> str:
+    """``--devices`` for a scenario of ``gpus`` GPUs: "auto" picks CUDA when this machine has that
+    many CUDA devices, else emulated ones; "cuda" is refused here, before any process starts, when it
+    has fewer."""
+    if requested == "emulated":
+        return requested
+    found = cuda_gpu_count()
+    if requested == "auto":
+        return "cuda" if found >= gpus else "emulated"
+    if found < gpus:
+        raise ValueError(f"--devices cuda: the scenario needs {gpus} GPUs and torch sees {found} CUDA device(s) "
+                         "here; use --devices emulated (or auto)")
+    return requested
+
+
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
-    devices = args.devices
-    if devices == "auto":
-        devices = "cuda" if cuda_gpu_count() >= scenario.gpus else "emulated"
+    devices = resolve_devices(args.devices, scenario.gpus)
     options = LaunchOptions(
         scenario, args.policy, args.run_dir, devices, args.time_scale, args.real_batch, args.image_size,
         args.decide_every, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,

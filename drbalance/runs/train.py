@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import defaults, env
-from drbalance.argtypes import non_negative_int
+from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.profiling.store import ProfileNotFound
@@ -35,13 +35,14 @@ MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The options train.py and train_ddp.py share word for word: reporting, decisions, the
     learning rate, and the emulated GPUs' time and sample scales."""
-    parser.add_argument("--report-every", type=int, default=5, help="iterations between SD reports (default 5)")
+    parser.add_argument("--report-every", type=positive_int, default=5,
+                        help="iterations between SD reports (default 5)")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between DR decisions (default: epoch ends only)")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default 0.01)")
+    parser.add_argument("--time-scale", type=positive_float, default=1.0,
                         help="emulated GPUs: multiply modelled times by this (default 1)")
-    parser.add_argument("--sample-scale", type=float, default=1.0,
+    parser.add_argument("--sample-scale", type=positive_float, default=1.0,
                         help="emulated GPUs: modelled samples per real sample (default 1)")
 
 
@@ -49,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
     parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
-    parser.add_argument("--classes", type=int, default=10, help="classes of FakeData (default 10)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
-    parser.add_argument("--iterations", type=int, default=None,
+    parser.add_argument("--classes", type=positive_int, default=10, help="classes of FakeData (default 10)")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
+    parser.add_argument("--iterations", type=positive_int, default=None,
                         help="iterations per epoch (default: the whole dataset; FakeData then has 20 batches)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per iteration (default 8)")
-    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE,
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per iteration (default 8)")
+    parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE,
                         help="image side in pixels (default 64: the smallest at which every model trains "
                         "with 1-sample chunks)")
     parser.add_argument("--devices", default="auto",
@@ -67,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's cost table). Required unless profiling.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
     add_training_options(parser)
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--start-gate", default=None, metavar="PATH",
                         help="set up (model, data, optimizer), write PATH.ready, then wait until PATH exists "
                         "before the session and training start: 'drbalance launch' starts jobs launched "
                         "together together, however long each took to import and build")
-    parser.add_argument("--start-gate-timeout", type=float, default=900.0,
+    parser.add_argument("--start-gate-timeout", type=positive_float, default=900.0,
                         help="seconds to wait at --start-gate before giving up (default 900)")
     return parser
 

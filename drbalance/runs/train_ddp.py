@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import defaults, env
+from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 from drbalance.runs.train import MODELS, add_training_options, solo_time
 
@@ -39,12 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
     parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
-    parser.add_argument("--classes", type=int, default=10, help="classes of FakeData (default 10)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
-    parser.add_argument("--iterations", type=int, default=None,
+    parser.add_argument("--classes", type=positive_int, default=10, help="classes of FakeData (default 10)")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
+    parser.add_argument("--iterations", type=positive_int, default=None,
                         help="global batches per epoch (default: the whole dataset; FakeData then has 20)")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per global batch, all ranks (default 16)")
-    parser.add_argument("--image-size", type=int, default=defaults.IMAGE_SIZE, help="image side in pixels (default 64)")
+    parser.add_argument("--batch-size", type=positive_int, default=16,
+                        help="samples per global batch, all ranks (default 16)")
+    parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE,
+                        help="image side in pixels (default 64)")
     parser.add_argument("--devices", default="auto",
                         help="'cuda' (NCCL), 'emulated:N' (gloo), 'cpu' (gloo), or 'auto' (CUDA if present, else "
                         "DRBALANCE_EMULATED_GPUS, else the CPU)")
@@ -55,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
                         "cost table). Required.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    parser.add_argument("--workers", type=non_negative_int, default=0,
+                        help="DataLoader worker processes per rank (default 0)")
     add_training_options(parser)
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch per rank (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch per rank (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0; the same on every rank)")
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="seconds a collective may wait for another rank before failing (default 300)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
