@@ -204,3 +204,36 @@ def test_a_replacing_endpoint_leaves_the_one_in_use_alone_until_it_exists(ipc_en
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_use(ipc_env, tmp_path):
+    """The inbox is removed while the manager cannot create a new one: here its message-queue
+    limit is lowered to 0 bytes (``prlimit``), so ``mq_open`` fails as it would on a user out of
+    queue space. ``manager.json`` must keep naming the heartbeat that still exists (the failed
+    replacement used to withdraw it), and once queues can be made the replacement goes through."""
+    import resource
+
+    manager = ManagerProcess(tmp_path, ipc_env)
+    pid = manager.process.pid
+    limit = resource.prlimit(pid, resource.RLIMIT_MSGQUEUE)
+    app = None
+    try:
+        token = discovery.read_manager(ipc_env).token
+        resource.prlimit(pid, resource.RLIMIT_MSGQUEUE, (0, limit[1]))
+        objects.unlink_queue(ipc_env.inbox(token))
+        wait_for(lambda: [e for e in manager.events("fault") if e["task"] == "endpoint"])
+        published = discovery.read_manager(ipc_env)
+        assert published is not None and published.token == token and published.pid == pid
+        assert (objects.SHM_DIR / ipc_env.manager_record(token).lstrip("/")).exists()  # the heartbeat in use stays
+        resource.prlimit(pid, resource.RLIMIT_MSGQUEUE, limit)
+        wait_for(lambda: manager.events("repaired"))
+        assert discovery.read_manager(ipc_env).token != token
+        app = long_app("after")
+        assert first_line(app)["attached"]  # it found the new inbox through manager.json
+        wait_for(lambda: decisions_for(manager, "after") >= 1)
+    finally:
+        if app is not None:
+            app.kill()
+            app.wait(timeout=30)
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
