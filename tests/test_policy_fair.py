@@ -97,6 +97,48 @@ def test_swaps_rotate_the_lone_gpu_to_the_most_slowed_app():
     assert policy.decide("c", "boundary", snapshot(*later)).branch in {"protected", "revert"}
 
 
+def test_no_swap_with_an_app_that_has_no_sd_yet():
+    # as in the swap above, but c has not reported an SD yet: the swap would be judged on a's SD alone
+    fresh = AppView("c", DataRatio([0, 10]), None, iteration=2, iterations_total=ITERATIONS,
+                    solo_time=ITERATIONS * SOLO_ITERATION, batch=32)
+    views = (app("a", [10, 0], [0.2, 0], 0.25, iteration=500), app("b", [10, 0], [0.2, 0], 0.25, iteration=500),
+             fresh)
+    decision = FairPolicy().decide("a", "boundary", snapshot(*views))
+    assert decision.branch != "swap" and "c" not in decision.others
+    measured = views[:2] + (app("c", [0, 10], [0, 0.1], 0.15, iteration=500),)
+    assert FairPolicy().decide("a", "boundary", snapshot(*measured)).branch == "swap"  # once c has one
+
+
+def test_near_its_end_an_app_makes_no_swap_that_only_evens_the_sds():
+    # the swap above, proposed by a with 35 of its 1000 iterations left (its window: 20 iterations):
+    # it would lower a's SD by 0.023 and raise c's by as much, and could not be judged before a ends
+    def views(iteration):
+        return (app("a", [10, 0], [0.2, 0], 0.25, iteration=iteration),
+                app("b", [10, 0], [0.2, 0], 0.25, iteration=iteration),
+                app("c", [0, 10], [0, 0.1], 0.15, iteration=iteration))
+
+    late = FairPolicy()
+    assert late.windows_left(views(965)[0]) < late.config.closing_windows
+    assert late.decide("a", "boundary", snapshot(*views(965))).branch == "keep"
+    # with the rule switched off, the same snapshot is a swap: the rule made the difference
+    assert FairPolicy(FairConfig(closing_windows=0)).decide("a", "boundary", snapshot(*views(965))).branch == "swap"
+
+
+def test_near_its_end_an_app_still_takes_a_change_that_lowers_the_sds_sum():
+    policy = FairPolicy()
+    # GPU 1 runs at half speed; GPU 0 is idle: moving there lowers a's SD and no one else's rises
+    view = app("a", [0, 10], [0, 0.2], 0.25, iteration=990)
+    assert policy.windows_left(view) < policy.config.closing_windows
+    decision = policy.decide("a", "boundary", snapshot(view))
+    assert decision.branch == "move" and decision.ratio[0] > 0
+
+
+def test_closing_windows_must_be_a_number_at_least_zero():
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="closing_windows"):
+            FairConfig(closing_windows=bad)
+
+
 def test_constraints_are_respected_by_every_candidate():
     policy = FairPolicy()
     # the fast GPU 0 is capped at 3 of 10 for this app (memory), and GPU 2 is not among its GPUs

@@ -50,11 +50,14 @@ class FairConfig:
     swap_partners: int = 6  # apps tried as swap partners
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
+    closing_windows: float = 2.0  # an app with fewer of its decision windows left decides for efficiency only
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
         if self.min_gain < 0:
             raise ValueError(f"min_gain must be >= 0; got {self.min_gain}")
+        if not self.closing_windows >= 0:  # also refuses NaN
+            raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -174,12 +177,22 @@ class FairPolicy:
         of the mean by at least min_gain is the gain. A gain is refused if the SDs of all apps
         would rise, in sum, by more than ``mean_slack`` times it per app plus ``noise``. Ranked by
         gain, then by the fall of the mean.
+
+        Closing windows: while the deciding app has fewer than ``closing_windows`` of its decision
+        windows left, a change must lower the sum of the SDs by min_gain (the gain: that fall per
+        app) and may not raise the largest by ``noise`` or more. A change that makes the SDs more
+        even at the cost of the mean could not be measured and undone before the app ends.
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
         margin = self.uncertainty(search, after)
         needed, noise = max(config.min_gain, margin), max(config.noise, margin)
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
+        if self.windows_left(search.me) < config.closing_windows:
+            fall = -mean_rise * search.app_count  # of the SDs' sum
+            if fall < needed or max(new_sds.values(), default=0.0) - max(old_sds.values(), default=0.0) >= noise:
+                return None
+            return Verdict(-mean_rise, (-mean_rise, -mean_rise))
         for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
             if old - now >= needed:
                 allowed = config.mean_slack * (old - now) + noise / search.app_count
@@ -187,6 +200,13 @@ class FairPolicy:
             if now - old >= noise:
                 return None
         return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
+
+    def windows_left(self, view: AppView) -> float:
+        """How many of its decision windows the app has left to run: its iterations left at its
+        measured pace (the solo pace before it is measured), over its window."""
+        per_iteration = view.iteration_time or view.solo_time / max(1, view.iterations_total)
+        left = max(0, view.iterations_total - view.iteration) * per_iteration
+        return left / max(1e-9, self.window_seconds(view))
 
     def uncertainty(self, search: _Search, times: Mapping[str, float]) -> float:
         """How far predicted SDs at finish can be off: the policy's measured relative error of
@@ -554,11 +574,13 @@ class _Search:
         return bool(learned) and max(learned.values()) < 1.0
 
     def _partners(self) -> list[str]:
-        """Apps worth trying to swap with: not moving already, the least slowed first."""
+        """Apps worth trying to swap with: measured (a swap with an app that has no SD yet is
+        judged on the mover's SD alone), not moving already, the least slowed first."""
         candidates = []
         for name in self.ratios:
-            if name != self.me.name and not self.policy.protected(name):
-                candidates.append((self.views[name].slowdown or 0.0, name))
+            slowdown = self.views[name].slowdown
+            if name != self.me.name and slowdown is not None and not self.policy.protected(name):
+                candidates.append((slowdown, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
 
 
