@@ -14,7 +14,8 @@ still owes other apps); it sees only snapshots, as every policy does. At app i's
    (one unit, half, or all of it) moved between two GPUs (which also takes a replica away), i's
    DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
-   the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``.
+   the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
+   i's last ``closing_windows`` decision windows only a fall of the SDs' sum counts (``judge``).
 
 Every candidate respects the app's constraints (allowed GPUs, minimum and maximum shares).
 """
