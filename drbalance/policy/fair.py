@@ -15,7 +15,8 @@ still owes other apps); it sees only snapshots, as every policy does. At app i's
    DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
    the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
-   i's last ``closing_windows`` decision windows only a fall of the SDs' sum counts (``judge``).
+   i's last ``closing_windows`` decision windows a fall of the SDs' sum counts first, and a more
+   even result only from a move of i alone that does not raise the mean (``judge``).
 
 Every candidate respects the app's constraints (allowed GPUs, minimum and maximum shares).
 """
@@ -168,7 +169,8 @@ class FairPolicy:
                     locked.update(_gained(move.before, move.after))
         return locked
 
-    def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float]) -> Verdict | None:
+    def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
+              movers: int = 1) -> Verdict | None:
         """How much a change pays, from the predicted times of the apps it affects; None if not enough.
 
         Leximax over their predicted SDs at finish (the other apps do not change): the largest are
@@ -180,26 +182,34 @@ class FairPolicy:
         gain, then by the fall of the mean.
 
         Closing windows: while the deciding app has fewer than ``closing_windows`` of its decision
-        windows left, a change must lower the sum of the SDs by min_gain (the gain: that fall per
-        app) and may not raise the largest by ``noise`` or more. A change that makes the SDs more
-        even at the cost of the mean could not be measured and undone before the app ends.
+        windows left, a change that lowers the sum of the SDs by min_gain (the gain: that fall per
+        app) without raising the largest by ``noise`` ranks first; after it, only a change of the
+        deciding app alone (``movers`` 1: no swap, no plan) that wins the leximax comparison with no
+        rise of the mean at all. A change that makes the SDs more even at the cost of the mean could
+        not be measured and undone before the app ends.
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
         margin = self.uncertainty(search, after)
         needed, noise = max(config.min_gain, margin), max(config.noise, margin)
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
-        if self.windows_left(search.me) < config.closing_windows:
+        closing = self.windows_left(search.me) < config.closing_windows
+        if closing:
             fall = -mean_rise * search.app_count  # of the SDs' sum
-            if fall < needed or max(new_sds.values(), default=0.0) - max(old_sds.values(), default=0.0) >= noise:
+            if fall >= needed and max(new_sds.values(), default=0.0) - max(old_sds.values(), default=0.0) < noise:
+                return Verdict(-mean_rise, (1.0, -mean_rise, -mean_rise))
+            if movers != 1:
                 return None
-            return Verdict(-mean_rise, (-mean_rise, -mean_rise))
         for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
             if old - now >= needed:
+                if closing:
+                    return Verdict(old - now, (0.0, old - now, -mean_rise)) if mean_rise <= 0.0 else None
                 allowed = config.mean_slack * (old - now) + noise / search.app_count
                 return Verdict(old - now, (old - now, -mean_rise)) if mean_rise <= allowed else None
             if now - old >= noise:
                 return None
+        if closing:
+            return None
         return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
 
     def windows_left(self, view: AppView) -> float:
@@ -369,7 +379,7 @@ class _Search:
     def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """The policy's judgement of a change, or None if it does not pay."""
         before, after = self.compare(changes)
-        return self.policy.judge(self, before, after)
+        return self.policy.judge(self, before, after, movers=len(changes))
 
     def best(self, ratio: DataRatio, track: _Track) -> tuple[dict[str, DataRatio], float] | None:
         best: tuple[Verdict, dict[str, DataRatio]] | None = None

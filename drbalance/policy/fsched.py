@@ -47,9 +47,10 @@ class FSchedPolicy(FairPolicy):
     def __init__(self, config: FSchedConfig | None = None) -> None:
         super().__init__(config or FSchedConfig())
 
-    def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float]) -> Verdict | None:
+    def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
+              movers: int = 1) -> Verdict | None:
         """Under the variance bound: the throughput gain (ranked first); over it: the fall of the
-        variance (ranked after every change that ends under the bound)."""
+        variance (ranked after every change that ends under the bound). ``movers`` is not used."""
         bound = getattr(self.config, "variance_bound", FSchedConfig.variance_bound)
         sds = search.all_sds()
         old_variance = _variance(sds)
