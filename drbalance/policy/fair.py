@@ -52,7 +52,7 @@ class FairConfig:
     swap_partners: int = 6  # apps tried as swap partners
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
-    closing_windows: float = 2.0  # an app with fewer of its decision windows left decides for efficiency only
+    closing_windows: float = 2.0  # an app with fewer of its decision windows left puts efficiency first (judge)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
