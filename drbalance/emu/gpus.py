@@ -273,13 +273,19 @@ def _open_or_create(name: str) -> Segment:
 def remove_emulated_gpus(names: IpcNames, count: int) -> None:
     """Remove the shared objects of emulated GPUs 0..count-1 (after a run)."""
     for index in range(count):
-        objects.unlink_shared_memory(names.emulated_gpu(index))
-        objects.unlink_semaphore(names.emulated_waiters(index))  # left by releases before 2026-11-22
-        for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        _remove_gpu(names, index, ignored=FileNotFoundError)
+
+
+def _remove_gpu(names: IpcNames, index: int, ignored: type[OSError]) -> None:
+    """Unlink emulated GPU ``index``'s segment, lock file and wait file (and the waiter semaphore
+    of releases before 2026-11-22); a file that cannot be removed for an ``ignored`` reason stays."""
+    objects.unlink_shared_memory(names.emulated_gpu(index))
+    objects.unlink_semaphore(names.emulated_waiters(index))
+    for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
+        try:
+            path.unlink()
+        except ignored:
+            pass
 
 
 @dataclass(frozen=True)
@@ -368,11 +374,5 @@ class EmulatedSource:
             if users:
                 self.left_in_use[gpu.index] = users
                 continue
-            objects.unlink_shared_memory(self.names.emulated_gpu(gpu.index))
-            objects.unlink_semaphore(self.names.emulated_waiters(gpu.index))  # left by earlier releases
-            for path in (self.names.emulated_lock(gpu.index), self.names.emulated_wait_lock(gpu.index)):
-                try:
-                    path.unlink()
-                except OSError:
-                    pass
+            _remove_gpu(self.names, gpu.index, ignored=OSError)
         self.gpus = []

@@ -193,7 +193,7 @@ class FairPolicy:
         margin = self.uncertainty(search, after)
         needed, noise = max(config.min_gain, margin), max(config.noise, margin)
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
-        closing = self.windows_left(search.me) < config.closing_windows
+        closing = search.closing
         if closing:
             fall = -mean_rise * search.app_count  # of the SDs' sum
             if fall >= needed and max(new_sds.values(), default=0.0) - max(old_sds.values(), default=0.0) < noise:
@@ -313,6 +313,8 @@ class _Search:
         gpus = self.config.gpu_count
         self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio.shares) == gpus}
         self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
+        # the deciding app is in its last ``closing_windows`` (``FairPolicy.judge``): once per search
+        self.closing = policy.windows_left(me) < policy.config.closing_windows
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
         self._users: list[int] | None = None
