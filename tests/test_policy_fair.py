@@ -6,12 +6,14 @@ per-GPU chunk times, as BalancedDataParallel's timings give them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
-from drbalance.policy.fair import FairConfig, FairPolicy, _Search
+from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
 from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.predictor import Predictor, predicted_slowdown
 from drbalance.ratio import DataRatio
@@ -95,6 +97,32 @@ def test_swaps_rotate_the_lone_gpu_to_the_most_slowed_app():
     later = (app("a", [0, 10], [0, 0.1], 0.15, iteration=510), app("b", [10, 0], [0.2, 0], 0.25, iteration=510),
              app("c", [10, 0], [0.2, 0], 0.25, iteration=510))
     assert policy.decide("c", "boundary", snapshot(*later)).branch in {"protected", "revert"}
+
+
+def _swap_scene(epoch=0):
+    """The swap above: a and b share GPU 0, c has GPU 1 alone, half-way through their runs."""
+    return snapshot(app("a", [10, 0], [0.2, 0], 0.25, iteration=500), app("b", [10, 0], [0.2, 0], 0.25, iteration=500),
+                    app("c", [0, 10], [0, 0.1], 0.15, iteration=500, epoch=epoch))
+
+
+def test_an_app_at_its_move_cap_makes_no_move_of_its_own_until_its_next_epoch():
+    cap = FairConfig().max_moves_per_epoch
+    policy = FairPolicy()
+    policy.tracks["a"] = _Track(moves={0: cap})  # a has been moved ``cap`` times in its epoch 0
+    decision = policy.decide("a", "boundary", _swap_scene())
+    assert decision.branch == "move-cap" and decision.ratio == DataRatio([10, 0]) and not decision.others
+    later = replace(_swap_scene(), apps=tuple(replace(view, epoch=1) for view in _swap_scene().apps))
+    assert policy.decide("a", "boundary", later).branch == "swap"  # in its next epoch it may
+
+
+def test_a_dr_banned_for_an_app_is_not_pushed_to_it():
+    policy = FairPolicy()
+    policy.tracks["c"] = _Track(banned={(10, 0): 600})  # c undid a move off [10, 0]: banned until iteration 600
+    decision = policy.decide("a", "boundary", _swap_scene())
+    assert decision.branch != "swap" and "c" not in decision.others
+    expired = FairPolicy()
+    expired.tracks["c"] = _Track(banned={(10, 0): 500})  # the ban ended at c's iteration 500
+    assert dict(expired.decide("a", "boundary", _swap_scene()).others) == {"c": DataRatio([10, 0])}
 
 
 def test_no_swap_with_an_app_that_has_no_sd_yet():
@@ -266,6 +294,30 @@ def test_every_decision_is_a_valid_dr_and_nothing_moves_while_protected(raw, dec
                  for view in views]
         later = policy.decide(name, "boundary", Snapshot(tuple(moved), (50.0, 50.0, 50.0), config))
         assert (later.branch, later.ratio) in {("protected", first.ratio), ("revert", me.ratio)}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(measured_app, min_size=2, max_size=5), st.lists(st.integers(0, 4), min_size=2, max_size=10))
+def test_an_app_is_moved_at_most_once_between_two_of_its_own_decisions(raw, order):
+    # pushes (swap halves, plans) respect the protected period as the app's own moves do: the
+    # app's next decision judges a move before anything else moves it
+    policy = FairPolicy()
+    config = PolicyConfig(3)
+    views = {view.name: view for view in random_views(raw)}
+    since_own = dict.fromkeys(views, 0)  # moves made to each app since its own last decision
+    for pick in order:
+        name = list(views)[pick % len(views)]
+        decision = policy.decide(name, "boundary", Snapshot(tuple(views.values()), (50.0, 50.0, 50.0), config))
+        since_own[name] = 0
+        changes = dict(decision.others)
+        if decision.ratio != views[name].ratio:
+            changes[name] = decision.ratio
+        for other, ratio in changes.items():
+            since_own[other] += 1
+            old = views[other]
+            views[other] = app(other, ratio.shares, [0.1, 0.1, 0.1], old.iteration_time, iteration=old.iteration)
+        assert max(since_own.values()) <= 1
+        views = {other: replace(view, iteration=view.iteration + 5) for other, view in views.items()}
 
 
 def test_the_papers_policy_keeps_a_dr_that_would_break_the_apps_constraints():

@@ -14,7 +14,7 @@ still owes other apps); it sees only snapshots, as every policy does. At app i's
    (one unit, half, or all of it) moved between two GPUs (which also takes a replica away), i's
    DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
-   the max and lowers the mean by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
+   the max and lowers the SDs' sum by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
    i's last ``closing_windows`` decision windows a fall of the SDs' sum counts first, and a more
    even result only from a move of i alone that does not raise the mean (``judge``).
 
@@ -138,9 +138,9 @@ class FairPolicy:
         if move is not None and move.quiet > 0:
             move.quiet -= 1
             return Decision.of(app, me.ratio, "protected", decisions_left=move.quiet)
-        if track.moves.get(me.epoch, 0) >= self.config.max_moves_per_epoch:
+        if self.capped(me):
             return Decision.of(app, me.ratio, "move-cap", epoch=me.epoch)
-        best = search.best(ratio, track)
+        best = search.best(ratio)
         if best is None:
             return Decision.of(app, me.ratio, "keep", locked=sorted(search.locked))
         changes, gain = best
@@ -177,9 +177,9 @@ class FairPolicy:
         compared first; at the first that is lower by at least min_gain the change wins and the
         difference is the gain, unless an earlier one is higher by ``noise`` or more (differences
         below that are within the predictor's error, and count as ties). If none differs, a fall
-        of the mean by at least min_gain is the gain. A gain is refused if the SDs of all apps
-        would rise, in sum, by more than ``mean_slack`` times it per app plus ``noise``. Ranked by
-        gain, then by the fall of the mean.
+        of the SDs' sum by at least min_gain wins, and that fall per app is the gain. A gain is
+        refused if the SDs of all apps would rise, in sum, by more than ``mean_slack`` times it per
+        app plus ``noise``. Ranked by gain, then by the fall of the mean.
 
         Closing windows: while the deciding app has fewer than ``closing_windows`` of its decision
         windows left, a change that lowers the sum of the SDs by min_gain (the gain: that fall per
@@ -253,6 +253,13 @@ class FairPolicy:
         if track.last_decision is not None and me.iteration > track.last_decision:
             track.window = me.iteration - track.last_decision
         track.last_decision = me.iteration
+
+    def capped(self, view: AppView) -> bool:
+        """Whether the app has made ``max_moves_per_epoch`` moves in its current epoch (its own,
+        reverts, and those pushed to it as a swap partner or in a plan): it makes no move of its
+        own until the next."""
+        track = self.tracks.get(view.name)
+        return track is not None and track.moves.get(view.epoch, 0) >= self.config.max_moves_per_epoch
 
     def protected(self, name: str) -> bool:
         """Whether the app is in the protected period after a move (``protect_windows`` of its
@@ -383,10 +390,11 @@ class _Search:
         before, after = self.compare(changes)
         return self.policy.judge(self, before, after, movers=len(changes))
 
-    def best(self, ratio: DataRatio, track: _Track) -> tuple[dict[str, DataRatio], float] | None:
+    def best(self, ratio: DataRatio) -> tuple[dict[str, DataRatio], float] | None:
         best: tuple[Verdict, dict[str, DataRatio]] | None = None
-        candidates = list(self._candidates(ratio, track))
-        candidates.extend(plan for plan in self._consolidation_plans() if self.me.name in plan)
+        candidates = list(self._candidates(ratio))
+        candidates.extend(plan for plan in self._consolidation_plans() if self.me.name in plan
+                          and not any(self._banned(name, their) for name, their in plan.items()))
         idle_users = []
         for changes in candidates:
             found = self.gain(changes)
@@ -443,12 +451,20 @@ class _Search:
                 return True
         return False
 
-    def _candidates(self, ratio: DataRatio, track: _Track) -> Iterator[dict[str, DataRatio]]:
+    def _banned(self, name: str, ratio: DataRatio) -> bool:
+        """Whether ``ratio`` was undone for the app (a revert) less than ``ban_windows`` of its
+        windows ago: it is not tried again meanwhile, as its own move or pushed to it."""
+        track = self.policy.tracks.get(name)
+        if track is None or not track.banned:
+            return False
+        until = track.banned.get(ratio.shares)
+        return until is not None and self.views[name].iteration < until
+
+    def _candidates(self, ratio: DataRatio) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config
         seen = {ratio.shares}
-        banned = {shares for shares, until in track.banned.items() if me.iteration < until}
         for candidate in self._own_candidates(ratio):
-            if candidate.shares in seen or candidate.shares in banned:
+            if candidate.shares in seen or self._banned(me.name, candidate):
                 continue
             seen.add(candidate.shares)
             if not self._touches_lock(ratio, candidate) and not violations(me, candidate, config):
@@ -457,7 +473,7 @@ class _Search:
             other = self.views[partner]
             mine = self.ratios[partner].rescale(config.dr_total)
             theirs = ratio
-            if mine.shares == ratio.shares or mine.shares in banned:
+            if mine.shares == ratio.shares or self._banned(me.name, mine) or self._banned(partner, theirs):
                 continue
             if self._touches_lock(ratio, mine) or self._touches_lock(self.ratios[partner], theirs):
                 continue
@@ -588,7 +604,8 @@ class _Search:
 
     def _partners(self) -> list[str]:
         """Apps worth trying to swap with: measured (a swap with an app that has no SD yet is
-        judged on the mover's SD alone), not moving already, the least slowed first."""
+        judged on the mover's SD alone), not moving already (a pushed move counts towards the
+        partner's move cap but is not refused by it: docs/policy.md), the least slowed first."""
         candidates = []
         for name in self.ratios:
             slowdown = self.views[name].slowdown
