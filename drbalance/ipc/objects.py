@@ -264,7 +264,8 @@ class QueueLimitError(OSError):
             detail = (f"this user's message-queue budget is probably used up: RLIMIT_MSGQUEUE is {budget} "
                       f"(hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}) and every queue of "
                       f"this user counts against it, about {max_messages} x ({max_message_size} + 48) bytes each; "
-                      f"raise it with 'ulimit -q BYTES' (or 'msgqueue' in /etc/security/limits.conf), or remove "
+                      f"raise it with 'ulimit -q BYTES' (or 'msgqueue' in /etc/security/limits.conf, or "
+                      f"LimitMSGQUEUE= in a systemd unit), or remove "
                       f"stale queues (mount -t mqueue none /dev/mqueue to list them); at most "
                       f"{limits['queues_max']} queues may exist system-wide (sysctl fs.mqueue.queues_max)")
         super().__init__(errno.EMFILE, f"cannot create message queue {name}: {cause}. {detail}")

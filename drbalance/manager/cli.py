@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dr-total", type=int, default=defaults.dr_total,
                         help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch")
     parser.add_argument("--source", default="nvml",
-                        help="utilisation source: 'nvml' (real GPUs), 'emulated[:N]' (emulated GPUs), or "
-                        "'scripted:FILE' (a JSON script, for tests)")
+                        help="utilisation source: 'nvml' (real GPUs), 'emulated[:N[:MEMORY]]' (emulated GPUs; "
+                        "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")
     parser.add_argument("--gpus", type=parse_gpus, default=None,
                         help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
     parser.add_argument("--sample-period", type=float, default=defaults.sample_period,
