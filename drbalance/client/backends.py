@@ -263,8 +263,9 @@ class CpuBackend(DeviceBackend):
         """Each chunk's forward, one after another: (outputs, wall seconds of each).
 
         In training mode the module's buffers advance once for the whole forward (each chunk
-        starts from the same values; see :mod:`drbalance.client.buffers`); on an error they are
-        put back to their values before the forward.
+        starts from the same values; see :mod:`drbalance.client.buffers`); on an error in a
+        split forward they are put back to their values before it (a single chunk is the
+        module's own forward, as in plain PyTorch: nothing is put back).
         """
         outputs, spans = [], []
         clock = time.perf_counter

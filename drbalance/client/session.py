@@ -1,6 +1,6 @@
 """The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
 
-    model = BalancedDataParallel(net, device_ids=[0, 1, 2, 3])
+    model = BalancedDataParallel(net.cuda(0), device_ids=[0, 1, 2, 3])
     session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader, solo_time="resnet50",
                       start_epoch=start_epoch)   # the plan from len(loader); resume at a later epoch
     for epoch in range(start_epoch, 90):
@@ -14,8 +14,9 @@ time and warns once. At the planned end it tells the manager it is done (so its 
 for others) and stays usable until closed.
 
 Every ``report_every`` iterations the session writes its SD, DR and progress into its shared
-record. At each decision boundary (the end of every epoch, and every ``decide_every`` iterations
-if set) it also sends a notice to the manager and waits at most ``exchange_timeout`` seconds for
+record. At each decision boundary (the end of every epoch, every ``decide_every`` iterations if
+set, and when the manager's last answer asked for the next decision) it also sends a notice to the
+manager (waiting at most ``send_timeout`` for room) and waits at most ``exchange_timeout`` seconds for
 a new DR, which the model uses from its next forward. Without a manager, or with a slow or dead
 one, training goes on with its own DR (one warning); it re-attaches when a manager appears.
 A DR the manager pushes outside an exchange (the other half of a swap) is applied after the
@@ -154,7 +155,8 @@ class Session:
     loader itself: its length is used), ``solo_time`` (seconds for the whole plan, or the name of
     a stored profile), ``start_epoch`` (resuming from a checkpoint: epochs already done, default
     0), ``report_every`` (iterations between records, default 5),
-    ``decide_every`` (iterations between decisions; default None = at epoch ends only),
+    ``decide_every`` (iterations between decisions besides epoch ends; default None = at epoch
+    ends and when the manager's answer asks for the next decision),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
     to wait for the manager's answer, default 0.5), ``send_timeout`` (seconds a notice may wait
