@@ -72,7 +72,8 @@ def test_a_ddp_session_publishes_one_app_with_its_minimum_share_batch_and_rank_s
 
 
 def test_a_one_rank_ddp_job_can_be_profiled(one_rank, ipc_env, tmp_path, monkeypatch):
-    """``drbalance profile`` measures one process on one GPU: a one-rank job is that (more ranks are refused)."""
+    """``drbalance profile`` measures one process on one GPU: a one-rank job is that. Its session
+    under profiling attaches to no manager and keeps the whole batch on its one rank."""
     monkeypatch.setenv("DRBALANCE_PROFILE_OUTPUT", str(tmp_path / "profile.json"))
     model = BalancedDistributedDataParallel(nn.Linear(3, 1))
     session = Session(model, "profiled", 1, 4, "unused")

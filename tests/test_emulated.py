@@ -28,31 +28,32 @@ def test_a_free_gpu_serves_the_device_time_and_reports_it_busy(emu):
     source = EmulatedSource(emu, [0, 1])
     source.sample()
     started = time.monotonic()
-    assert gpu.occupy(0.3) < 0.05  # no wait on a free GPU
+    assert gpu.occupy(0.3) < 0.25  # no wait on a free GPU (a busy CI machine may deschedule us briefly)
     elapsed = time.monotonic() - started
     time.sleep(0.3)
     busy, idle = source.sample()
     assert 0.29 <= elapsed < 0.8  # loose upper bound: a busy CI machine may oversleep
-    assert busy == pytest.approx(100 * 0.3 / (time.monotonic() - started), abs=8) and idle == 0.0
+    # the GPU counts the time it was really held (oversleeping included), so compare with that
+    assert busy == pytest.approx(100 * elapsed / (time.monotonic() - started), abs=8) and idle == 0.0
     assert gpu.read().acquisitions >= 1 and gpu.read().busy_since == 0.0
     gpu.close()
     source.close()
 
 
 def test_jobs_in_two_processes_take_turns_and_different_gpus_run_concurrently(emu):
-    holder = python_process("tests.helpers.emu_holder", "0", "0.6")
+    holder = python_process("tests.helpers.emu_holder", "0", "1.5")
     try:
         assert holder.stdout.readline().strip() == "holding"
         mine = EmulatedGpu(emu, 0)
         other = EmulatedGpu(emu, 1)
         started = time.monotonic()
-        assert other.occupy(0.2) < 0.05  # another GPU: no waiting
+        assert other.occupy(0.2) < 0.25  # another GPU: no waiting for GPU 0's holder (1.5 s)
         waited = mine.occupy(0.3)  # GPU 0 is shared: we take turns with the other process
         elapsed = time.monotonic() - started
         holder.communicate(timeout=30)
     finally:
         holder.kill()
-    # shared, the two jobs need 0.6 + 0.3 s of work at a co-location capacity of 1.216
+    # GPU 0 is still held (1.5 s, of which at most about 0.2 s passed): we waited for our turn
     assert waited > 0.05 and elapsed > 0.45
     mine.close()
     other.close()
@@ -106,7 +107,7 @@ def test_the_emulated_backend_splits_like_the_cpu_path_and_times_replicas(emu):
     assert [(t.slot, t.device, t.samples) for t in timings] == [(0, "emu:0", 2), (2, "emu:2", 5), (3, "emu:3", 3)]
     assert all(t.seconds >= 0.01 + 0.005 * t.samples - 1e-3 for t in timings)
     # host phase: 2 extra replicas x 0.02 s; device phase: chunks in parallel, the longest 0.035 s
-    assert 0.07 <= elapsed < 1.0
+    assert 0.07 <= elapsed < 5.0  # the lower bound is the point; the upper one only catches a hang
     with pytest.raises(ValueError, match=r"device_ids \[7\] are not among the 4 emulated GPUs"):
         BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 7], backend=backend)
     backend.close()

@@ -144,7 +144,7 @@ def test_ties_are_broken_deterministically():
 def test_util_branch_rounding_sums_to_the_total_and_saturated_gpus_split_evenly():
     me = app("i", [4, 3, 3, 0], 2.0)
     decision = PAPER.decide("i", "boundary", snapshot(crowd(me), [67, 67, 67, 33]))
-    # remaining 33/33/33/67 -> 10 * (0.1983, 0.1983, 0.1983, 0.4050): largest remainder sums to 10
+    # remaining 33/33/33/67 -> 10 * (0.1988, 0.1988, 0.1988, 0.4036): largest remainder sums to 10
     assert decision.branch == "util" and sum(decision.ratio) == 10
     assert decision.ratio == DataRatio([2, 2, 2, 4])
     decision = PAPER.decide("i", "boundary", snapshot(crowd(me), [100, 100, 100, 70]))

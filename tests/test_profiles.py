@@ -21,7 +21,7 @@ def test_profile_command_measures_a_real_script_and_the_session_resolves_the_nam
     assert status == 0
     profile = load_profile("toy")
     assert profile.iterations_total == 200 and profile.measured_iterations == 25 and profile.device == "cpu"
-    assert 0.02 <= profile.iteration_time_s < 0.2
+    assert 0.02 <= profile.iteration_time_s < 1.0  # a 0.02 s sleep per iteration; slack for a loaded machine
     assert profile.solo_time_s == pytest.approx(200 * profile.iteration_time_s)
     stored = json.loads((tmp_path / "profiles.json").read_text())
     assert stored["version"] == 1 and stored["profiles"]["toy"]["solo_time_s"] == profile.solo_time_s

@@ -49,12 +49,12 @@ def test_notice_and_update_between_two_real_processes(ipc_env):
 
 def test_without_a_manager_training_finishes_in_bounded_time(ipc_env):
     app = python_process("tests.helpers.toy_app", "--app", "alone", "--epochs", "5", "--iterations", "4",
-                         "--sleep", "0.01", "--exchange-timeout", "2.0")
+                         "--sleep", "0.01", "--exchange-timeout", "5.0")
     app_lines, err = lines(app)
     assert app.returncode == 0, err
     done = app_lines[-1]
-    # no waiting for an absent manager: one wait for an answer alone would take the 2 s exchange timeout
-    assert done["done"] and done["elapsed"] < 2.0, done
+    # no waiting for an absent manager: one wait for an answer alone would take the 5 s exchange timeout
+    assert done["done"] and done["elapsed"] < 5.0, done
     assert all(line["ratio"] == [1, 1, 1, 1] for line in app_lines if "ratio" in line)
     assert err.count("no manager in namespace") == 1  # one warning, not one per boundary
     assert leftovers(ipc_env) == []
