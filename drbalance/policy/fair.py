@@ -261,6 +261,13 @@ class FairPolicy:
         track = self.tracks.get(view.name)
         return track is not None and track.moves.get(view.epoch, 0) >= self.config.max_moves_per_epoch
 
+    def banned(self, view: AppView, ratio: DataRatio) -> bool:
+        """Whether ``ratio`` was undone for the app (a revert) less than ``ban_windows`` of its
+        windows ago: it is not tried again meanwhile, as its own move or pushed to it."""
+        track = self.tracks.get(view.name)
+        until = None if track is None else track.banned.get(ratio.shares)
+        return until is not None and view.iteration < until
+
     def protected(self, name: str) -> bool:
         """Whether the app is in the protected period after a move (``protect_windows`` of its
         decisions, the first of which judges the move)."""
@@ -394,7 +401,7 @@ class _Search:
         best: tuple[Verdict, dict[str, DataRatio]] | None = None
         candidates = list(self._candidates(ratio))
         candidates.extend(plan for plan in self._consolidation_plans() if self.me.name in plan
-                          and not any(self._banned(name, their) for name, their in plan.items()))
+                          and not any(self.policy.banned(self.views[name], their) for name, their in plan.items()))
         idle_users = []
         for changes in candidates:
             found = self.gain(changes)
@@ -451,20 +458,11 @@ class _Search:
                 return True
         return False
 
-    def _banned(self, name: str, ratio: DataRatio) -> bool:
-        """Whether ``ratio`` was undone for the app (a revert) less than ``ban_windows`` of its
-        windows ago: it is not tried again meanwhile, as its own move or pushed to it."""
-        track = self.policy.tracks.get(name)
-        if track is None or not track.banned:
-            return False
-        until = track.banned.get(ratio.shares)
-        return until is not None and self.views[name].iteration < until
-
     def _candidates(self, ratio: DataRatio) -> Iterator[dict[str, DataRatio]]:
         me, config = self.me, self.config
         seen = {ratio.shares}
         for candidate in self._own_candidates(ratio):
-            if candidate.shares in seen or self._banned(me.name, candidate):
+            if candidate.shares in seen or self.policy.banned(me, candidate):
                 continue
             seen.add(candidate.shares)
             if not self._touches_lock(ratio, candidate) and not violations(me, candidate, config):
@@ -473,7 +471,7 @@ class _Search:
             other = self.views[partner]
             mine = self.ratios[partner].rescale(config.dr_total)
             theirs = ratio
-            if mine.shares == ratio.shares or self._banned(me.name, mine) or self._banned(partner, theirs):
+            if mine.shares == ratio.shares or self.policy.banned(me, mine) or self.policy.banned(other, theirs):
                 continue
             if self._touches_lock(ratio, mine) or self._touches_lock(self.ratios[partner], theirs):
                 continue
