@@ -95,10 +95,12 @@ JOB = textwrap.dedent("""
 
 def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
     """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
-    unshare = shutil.which("unshare")
-    if os.geteuid() != 0 or unshare is None or subprocess.run(
-            [unshare, "-m", "true"], capture_output=True).returncode != 0:
+    if os.geteuid() != 0:
         pytest.skip("a private /dev/shm needs root with CAP_SYS_ADMIN (unshare -m); the backed-pages test covers it")
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is missing (an install problem, not a reason to skip)"
+    if subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused); the backed-pages test covers it")
     (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
     env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=JOB, OUT=str(tmp_path),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
