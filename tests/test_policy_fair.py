@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
 from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
 from drbalance.policy.fsched import FSchedPolicy
-from drbalance.policy.predictor import Predictor, predicted_slowdown
+from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
 from drbalance.ratio import DataRatio
 
 SOLO_ITERATION = 0.15  # host 0.05 + device work 0.10 alone on a speed-1 GPU
@@ -378,3 +378,53 @@ def test_where_sharing_is_destructive_no_own_move_goes_onto_a_gpu_another_app_ha
     assert max(policy.predictor.kappa[False].values()) >= 1.0
     assert 1 not in _destinations_of_a(policy, views)
     assert decision.branch != "move" or decision.ratio[1] == 0
+
+
+def test_a_split_measured_slower_than_predicted_makes_later_splits_dearer():
+    policy = FairPolicy()
+    views = _two_sharing_one_alone(0.12, 0.17)
+    split = policy.decide("a", "boundary", snapshot(*views))
+    assert split.branch == "move" and len(split.ratio.used) == 2 and policy.predictor.replica_penalty == 0.0
+    predicted = split.details["predicted_iteration"]
+    # a window later the split has run 30% slower than predicted: it is undone, and the predictor
+    # charges the miss to the replica a's move added
+    later = (app("a", list(split.ratio.shares), [0.07, 0.07], predicted * 1.3, iteration=540),
+             app("b", [10, 0], [0.11, 0], 0.16, iteration=540), app("c", [0, 10], [0, 0.11], 0.16, iteration=540))
+    assert policy.decide("a", "boundary", snapshot(*later)).branch == "revert"
+    assert policy.predictor.replica_penalty == pytest.approx(0.2 * 0.3)  # the step x the miss, per replica added
+    # a policy that has learned as much no longer splits a in the first scene: its whole batch moves
+    taught = FairPolicy()
+    taught.predictor = Predictor(2, taught.config.predictor)
+    taught.predictor.learn_move(1, 2, measured=1.3, predicted=1.0)
+    decision = taught.decide("a", "boundary", snapshot(*views))
+    assert decision.branch == "move" and len(decision.ratio.used) == 1
+
+
+def test_the_replica_penalty_is_learned_from_splits_and_joins_and_kept_in_bounds():
+    predictor = Predictor(2)
+    view = app("a", [10, 0], [0.1, 0], 0.15)
+    predictor.observe([view])
+
+    def times():
+        return [predictor.iteration_times({"a": DataRatio(shares)}, {"a": view})["a"] for shares in ([10, 0], [5, 5])]
+
+    alone, split = times()
+    predictor.learn_move(1, 2, measured=1.2, predicted=1.0)  # a split 20% slower than predicted
+    assert predictor.replica_penalty == pytest.approx(0.04)
+    assert times() == pytest.approx([alone, split * 1.04])  # only configurations with extra replicas cost more
+    predictor.learn_move(2, 1, measured=0.9, predicted=1.0)  # a join faster than predicted: the same lesson
+    assert predictor.replica_penalty == pytest.approx(0.06)
+    predictor.learn_move(1, 3, measured=0.8, predicted=1.0)  # two replicas added, 20% faster: 10% per replica
+    assert predictor.replica_penalty == pytest.approx(0.04)
+    for before, after, measured in ((2, 2, 2.0), (1, 2, 0.0)):  # the same replica count, or nothing measured
+        predictor.learn_move(before, after, measured=measured, predicted=1.0)
+        assert predictor.replica_penalty == pytest.approx(0.04)
+    for _ in range(50):
+        predictor.learn_move(1, 2, measured=3.0, predicted=1.0)
+    assert predictor.replica_penalty == predictor.config.replica_penalty_max
+    for _ in range(50):
+        predictor.learn_move(1, 2, measured=0.5, predicted=1.0)
+    assert predictor.replica_penalty == 0.0
+    for bad in ({"replica_penalty_step": 1.5}, {"replica_penalty_max": float("nan")}):
+        with pytest.raises(ValueError, match="replica_penalty"):
+            PredictorConfig(**bad)

@@ -5,9 +5,11 @@ The policy keeps state between decisions (what it learned, when it last moved ea
 still owes other apps); it sees only snapshots, as every policy does. At app i's decision:
 
 1. Learn from the snapshot (``Predictor.observe``).
-2. If i's last move has now been measured for a whole decision window, check it: the corrected
-   predictor compares i's current DR with the one before the move; a move that made things worse
-   by at least ``min_gain`` is undone (branch ``revert``) and that DR is not tried again for
+2. If i's last move has now been measured for a whole decision window, check it: a move that
+   changed i's replica count corrects the predictor's replica penalty by how far the measured
+   iteration time missed the predicted one (``Predictor.learn_move``); the corrected predictor
+   compares i's current DR with the one before the move; a move that made things worse by at
+   least ``min_gain`` is undone (branch ``revert``) and that DR is not tried again for
    ``ban_windows`` windows.
 3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
    used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
@@ -293,6 +295,7 @@ class FairPolicy:
         measured = me.iteration_time
         details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
         if move.predicted > 0 and measured:
+            search.predictor.learn_move(len(move.before.used), len(move.after.used), measured, move.predicted)
             miss = min(1.0, abs(measured / move.predicted - 1.0))
             self.error += self.config.error_smoothing * (miss - self.error)
         if violations(me, move.before, search.config):

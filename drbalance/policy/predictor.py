@@ -7,7 +7,8 @@ chunk size (``AppView.chunk_seconds`` / ``chunk_samples``). Nothing comes from t
 
 The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs used):
 
-    T_i = host_i + overhead_i * (k - 1) + max_g  work_i * (phi + (1 - phi) * n_g / B_i) / speed_g * dilation_ig
+    T_i = (host_i + overhead_i * (k - 1) + max_g  work_i * (phi + (1 - phi) * n_g / B_i) / speed_g * dilation_ig)
+          * (1 + rho * (k - 1))
     dilation_ig = 1 + sum over the other apps j on g of  kappa_ij * duty_jg
 
 - ``host_i`` (host seconds per iteration: data loading, optimizer, Python) is measured as the
@@ -24,6 +25,13 @@ The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs u
   an app that shares its GPU. A pair never seen together gets the app's mean sensitivity times
   the other's mean aggressiveness over the pairs learned so far, relative to the overall mean
   (``interference_prior`` while nothing is learned).
+- ``rho`` (the replica penalty, one for all apps, 0 until learned) is what a split costs beyond
+  that: learned from the policy's own moves that changed an app's replica count
+  (``learn_move``). The mean-field stretch above is the expected stretch of each chunk, but an
+  iteration waits for its slowest chunk, and with chunks on several shared GPUs that one is
+  usually stretched more than on average. In the simulator, moves that added a replica were
+  measured 4-30% slower than predicted (median per run and interference model), all other moves
+  0-9% faster (docs/policy.md).
 - A per-app correction factor (measured / predicted iteration time for the configuration the
   app was measured in) absorbs what the model misses.
 
@@ -56,14 +64,18 @@ class PredictorConfig:
     smoothing: float = 0.5  # weight of a new observation in the running estimates
     interference_step: float = 0.5  # NLMS step for kappa
     correction_bounds: tuple[float, float] = (0.67, 1.5)
+    replica_penalty_step: float = 0.2  # how far one measured move moves rho towards explaining its miss
+    replica_penalty_max: float = 1.0  # rho's ceiling (share of the iteration time per extra replica)
 
     def __post_init__(self) -> None:
-        for name in ("fixed_fraction", "host_prior", "smoothing", "interference_step"):
+        for name in ("fixed_fraction", "host_prior", "smoothing", "interference_step", "replica_penalty_step"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be within 0..1; got {value!r}")
         if self.overhead_prior < 0 or self.interference_prior < 0:
             raise ValueError("overhead_prior and interference_prior must be >= 0")
+        if not self.replica_penalty_max >= 0:  # also refuses NaN
+            raise ValueError(f"replica_penalty_max must be a number >= 0; got {self.replica_penalty_max!r}")
 
 
 @dataclass
@@ -125,6 +137,7 @@ class Predictor:
         # a crowd (a third app there too); with running sums for pairs never seen together
         self.kappa: dict[bool, dict[tuple[str, str], float]] = {False: {}, True: {}}
         self._sums = {False: _KappaSums(), True: _KappaSums()}
+        self.replica_penalty = 0.0  # rho: iteration time grows by this share per extra replica (``learn_move``)
         self.generation = 0  # moves on whenever anything a prediction reads is learned or forgotten
         self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
         self._placed: dict[str, tuple[DataRatio, int, tuple[int, ...]]] = {}  # per app: DR, batch, GPUs with samples
@@ -219,7 +232,8 @@ class Predictor:
             crowd = len(duties) > 1
             stretch = 1.0 + sum(self.pair_kappa(view.name, name, crowd) * duty for name, duty in duties.items())
             longest = max(longest, work * self.size_factor(placement[gpu], model.batch) / self.speed[gpu] * stretch)
-        return model.host_time(config) + model.overhead_time(config) * (len(others) - 1) + longest
+        alone = model.host_time(config) + model.overhead_time(config) * (len(others) - 1) + longest
+        return alone * self.replica_factor(len(others))
 
     def _learn_host(self, view: AppView, model: AppModel, placement: Sequence[int]) -> None:
         config = self.config
@@ -276,6 +290,26 @@ class Predictor:
             low, high = self.config.correction_bounds
             ratio = min(high, max(low, view.iteration_time / predicted))
             model.correction = _blend(model.correction, ratio, self.config.smoothing)
+
+    def replica_factor(self, replicas: int) -> float:
+        """The iteration time's factor for an app with this many replicas: 1 + rho per extra one."""
+        return 1.0 + self.replica_penalty * max(0, replicas - 1)
+
+    def learn_move(self, replicas_before: int, replicas_after: int, measured: float, predicted: float) -> None:
+        """Correct the replica penalty rho from a move measured for a whole window (seconds per
+        iteration, measured and as predicted before the move): a move that added replicas and was
+        slower than predicted, or took replicas away and was faster, raises it; the reverse lowers
+        it. Each such move takes rho ``replica_penalty_step`` of the way to explaining its miss per
+        replica changed, within 0..``replica_penalty_max``. A move that kept the replica count, or
+        with no measurement, teaches nothing here."""
+        changed = replicas_after - replicas_before
+        if not changed or not predicted > 0 or not measured > 0:
+            return
+        step = self.config.replica_penalty_step * (measured / predicted - 1.0) / changed
+        learned = min(self.config.replica_penalty_max, max(0.0, self.replica_penalty + step))
+        if learned != self.replica_penalty:
+            self.replica_penalty = learned
+            self.generation += 1
 
     def pair_kappa(self, app: str, other: str, crowd: bool = False) -> float:
         """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU, the two
@@ -523,6 +557,11 @@ class Neighbourhood:
                 if longest is None or seconds > longest:  # as max() keeps the first largest
                     longest = seconds
             fixed = host + overhead * (len(placed) - 1)
+            if len(placed) > 1 and predictor.replica_penalty:  # every part grows by the replica factor
+                factor = predictor.replica_factor(len(placed))
+                placed = [(g, seconds * factor) for g, seconds in placed]
+                fixed *= factor
+                longest *= factor
             found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest), gpus)
         return found
 

@@ -1,0 +1,109 @@
+"""How far `fair`'s predictions of its own moves miss, by kind of move, in simulated runs.
+
+    python -m benchmarks.move_misses a b c staggered mixed-lengths          # fair as it is
+    python -m benchmarks.move_misses a b c staggered mixed-lengths --step 0  # without the replica penalty
+
+At an app's first decision after a move (a whole window measured under the new DR) `fair`
+compares the measured iteration time with the one it predicted when it moved. This prints, per
+scenario (from round-robin) and interference model, the median and mean of measured / predicted
+for four kinds of move: *split* (the move added replicas), *join* (it took replicas away),
+*one GPU* (from one GPU to another) and *several* (the same number of replicas, more than one).
+Above 1 the predictor was optimistic. ``--step`` sets ``PredictorConfig.replica_penalty_step``
+(0: the replica penalty is never learned, the predictor as it was before it).
+
+What it showed before the replica penalty (``--step 0``): splits ran slower than predicted in
+every run (median 1.04-1.30), moves onto one GPU faster (0.60-0.95); see docs/policy.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+from drbalance.policy.base import AppView, Decision
+from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
+from drbalance.ratio import DataRatio
+from drbalance.sim import SimConfig, Simulation
+from drbalance.sim.mixes import scenario_named
+from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+
+KINDS = ("split", "join", "one GPU", "several")
+
+
+def kind_of(replicas_before: int, replicas_after: int) -> str:
+    """The kind of a move by the replica counts before and after it."""
+    if replicas_after > replicas_before:
+        return "split"
+    if replicas_after < replicas_before:
+        return "join"
+    return "one GPU" if replicas_after == 1 else "several"
+
+
+class MissLog(FairPolicy):
+    """`fair`, noting measured / predicted iteration time of every move it checks."""
+
+    def __init__(self, config: FairConfig | None = None) -> None:
+        super().__init__(config)
+        self.misses: dict[str, list[float]] = defaultdict(list)
+
+    def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
+        move = track.last_move
+        fresh = move is not None and not move.checked and ratio == move.after and me.iteration > move.iteration
+        if fresh and move.predicted > 0 and me.iteration_time:
+            kind = kind_of(len(move.before.used), len(move.after.used))
+            self.misses[kind].append(me.iteration_time / move.predicted)
+        return super()._check_last_move(me, ratio, track, search)
+
+
+def run(job: tuple[str, str, float | None]) -> dict[str, list[float]]:
+    """The misses by kind of one run of a scenario from round-robin."""
+    name, interference, step = job
+    config = FairConfig()
+    if step is not None:
+        config = replace(config, predictor=replace(config.predictor, replica_penalty_step=step))
+    policy = MissLog(config)
+    sim = SimConfig(policy="fair", placement="round-robin", record=False, contention=make_interference(interference))
+    Simulation(scenario_named(name), sim, policy=policy).run()
+    return dict(policy.misses)
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{len(values)}: {statistics.median(values):.3f} / {statistics.fmean(values):.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="+", help="built-in scenarios, .json files or mixes of drbalance.sim.mixes")
+    parser.add_argument("--step", type=float, default=None,
+                        help="replica_penalty_step for the predictor (default: PredictorConfig's)")
+    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if args.step is not None and not 0.0 <= args.step <= 1.0:
+        parser.error(f"--step must be within 0..1; got {args.step}")
+    for name in args.scenarios:
+        try:
+            scenario_named(name)
+        except ValueError as error:
+            parser.error(str(error))
+    jobs = [(name, interference, args.step) for name in args.scenarios for interference in sorted(INTERFERENCE_MODELS)]
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        results = list(pool.map(run, jobs))
+    print("| scenario | interference | " + " | ".join(KINDS) + " |")
+    print("|---|---|" + "---|" * len(KINDS))
+    for (name, interference, _), misses in zip(jobs, results):
+        print(f"| {name} | {interference} | " + " | ".join(cell(misses.get(kind, [])) for kind in KINDS) + " |")
+    print()
+    print("Cells: moves checked: median / mean of measured / predicted iteration time "
+          "(above 1: slower than predicted).")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
