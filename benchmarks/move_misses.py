@@ -9,7 +9,10 @@ scenario (from round-robin) and interference model, the median and mean of measu
 for four kinds of move: *split* (the move added replicas), *join* (it took replicas away),
 *one GPU* (from one GPU to another) and *several* (the same number of replicas, more than one).
 Above 1 the predictor was optimistic. ``--step`` sets ``PredictorConfig.replica_penalty_step``
-(0: the replica penalty is never learned, the predictor as it was before it).
+(0: the replica penalty is never learned, the predictor as it was before it). ``--by-branch``
+splits each kind by the branch that made the move: ``move``, ``swap`` or ``plan`` for the
+deciding app, ``pushed`` for the other apps of a swap or plan (docs/policy.md, "Known defect":
+a swap's mover is predicted as if its partner stayed).
 
 What it showed before the replica penalty (``--step 0``): splits ran slower than predicted in
 every run (median 1.04-1.30), moves onto one GPU faster (0.60-0.95); see docs/policy.md.
@@ -22,6 +25,7 @@ import statistics
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from drbalance.policy.base import AppView, Decision
 from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
@@ -48,6 +52,13 @@ class MissLog(FairPolicy):
     def __init__(self, config: FairConfig | None = None) -> None:
         super().__init__(config)
         self.misses: dict[str, list[float]] = defaultdict(list)
+        self.by_branch: dict[str, list[float]] = defaultdict(list)
+        self._branches: dict[tuple[str, int], str] = {}  # (app, iteration of its move) -> branch
+
+    def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
+              gain: float, **details: Any) -> Decision:
+        self._branches[(me.name, me.iteration)] = branch
+        return super()._move(me, ratio, new, branch, search, track, gain, **details)
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         move = track.last_move
@@ -55,11 +66,13 @@ class MissLog(FairPolicy):
         if fresh and move.predicted > 0 and me.iteration_time:
             kind = kind_of(len(move.before.used), len(move.after.used))
             self.misses[kind].append(me.iteration_time / move.predicted)
+            branch = self._branches.get((me.name, move.iteration), "pushed")
+            self.by_branch[f"{kind}/{branch}"].append(me.iteration_time / move.predicted)
         return super()._check_last_move(me, ratio, track, search)
 
 
-def run(job: tuple[str, str, float | None]) -> dict[str, list[float]]:
-    """The misses by kind of one run of a scenario from round-robin."""
+def run(job: tuple[str, str, float | None], by_branch: bool = False) -> dict[str, list[float]]:
+    """The misses by kind (or by kind and branch) of one run of a scenario from round-robin."""
     name, interference, step = job
     config = FairConfig()
     if step is not None:
@@ -67,7 +80,11 @@ def run(job: tuple[str, str, float | None]) -> dict[str, list[float]]:
     policy = MissLog(config)
     sim = SimConfig(policy="fair", placement="round-robin", record=False, contention=make_interference(interference))
     Simulation(scenario_named(name), sim, policy=policy).run()
-    return dict(policy.misses)
+    return dict(policy.by_branch if by_branch else policy.misses)
+
+
+def run_by_branch(job: tuple[str, str, float | None]) -> dict[str, list[float]]:
+    return run(job, by_branch=True)
 
 
 def cell(values: list[float]) -> str:
@@ -81,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="+", help="built-in scenarios, .json files or mixes of drbalance.sim.mixes")
     parser.add_argument("--step", type=float, default=None,
                         help="replica_penalty_step for the predictor (default: PredictorConfig's)")
+    parser.add_argument("--by-branch", action="store_true",
+                        help="split each kind by the branch that made the move (move, swap, plan, pushed)")
     parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -94,7 +113,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
     jobs = [(name, interference, args.step) for name in args.scenarios for interference in sorted(INTERFERENCE_MODELS)]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        results = list(pool.map(run, jobs))
+        results = list(pool.map(run_by_branch if args.by_branch else run, jobs))
+    if args.by_branch:
+        print("| scenario | interference | kind/branch: moves: median / mean |")
+        print("|---|---|---|")
+        for (name, interference, _), misses in zip(jobs, results):
+            print(f"| {name} | {interference} | "
+                  + "; ".join(f"{key} {cell(values)}" for key, values in sorted(misses.items())) + " |")
+        return 0
     print("| scenario | interference | " + " | ".join(KINDS) + " |")
     print("|---|---|" + "---|" * len(KINDS))
     for (name, interference, _), misses in zip(jobs, results):
