@@ -30,8 +30,8 @@ The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs u
   (``learn_move``). The mean-field stretch above is the expected stretch of each chunk, but an
   iteration waits for its slowest chunk, and with chunks on several shared GPUs that one is
   usually stretched more than on average. In the simulator, moves that added a replica were
-  measured 4-30% slower than predicted (median per run and interference model), all other moves
-  0-9% faster (docs/policy.md).
+  measured 4-30% slower than predicted (median per run and interference model), apps moving
+  alone from one GPU to another 0-5% slower (docs/policy.md).
 - A per-app correction factor (measured / predicted iteration time for the configuration the
   app was measured in) absorbs what the model misses.
 
