@@ -14,8 +14,9 @@ splits each kind by the branch that made the move: ``move``, ``swap`` or ``plan`
 deciding app, ``pushed`` for the other apps of a swap or plan (docs/policy.md, "Known defect":
 a swap's mover is predicted as if its partner stayed).
 
-What it showed before the replica penalty (``--step 0``): splits ran slower than predicted in
-every run (median 1.04-1.30), moves onto one GPU faster (0.60-0.95); see docs/policy.md.
+What it showed before the replica penalty (``--step 0``): splits ran slower than predicted in 9
+of 10 runs of (a), (b), (c), the staggered and mixed-lengths mixes (median 1.04-1.30; (a) under
+`gavel`, two splits, 0.94), moves onto one GPU faster (0.60-0.95); see docs/policy.md.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs u
   that: learned from the policy's own moves that changed an app's replica count
   (``learn_move``). The mean-field stretch above is the expected stretch of each chunk, but an
   iteration waits for its slowest chunk, and with chunks on several shared GPUs that one is
-  usually stretched more than on average. In the simulator, moves that added a replica were
-  measured 4-30% slower than predicted (median per run and interference model), apps moving
-  alone from one GPU to another 0-5% slower (docs/policy.md).
+  usually stretched more than on average. In the simulator, before rho, moves that added a
+  replica were measured 4-30% slower than predicted in 9 of 10 runs (median per run and
+  interference model; docs/policy.md).
 - A per-app correction factor (measured / predicted iteration time for the configuration the
   app was measured in) absorbs what the model misses.
 
@@ -64,7 +64,7 @@ class PredictorConfig:
     smoothing: float = 0.5  # weight of a new observation in the running estimates
     interference_step: float = 0.5  # NLMS step for kappa
     correction_bounds: tuple[float, float] = (0.67, 1.5)
-    replica_penalty_step: float = 0.2  # how far one measured move moves rho towards explaining its miss
+    replica_penalty_step: float = 0.2  # rho += this x (measured / predicted - 1) / replicas added, per measured move
     replica_penalty_max: float = 1.0  # rho's ceiling (share of the iteration time per extra replica)
 
     def __post_init__(self) -> None:
@@ -299,9 +299,9 @@ class Predictor:
         """Correct the replica penalty rho from a move measured for a whole window (seconds per
         iteration, measured and as predicted before the move): a move that added replicas and was
         slower than predicted, or took replicas away and was faster, raises it; the reverse lowers
-        it. Each such move takes rho ``replica_penalty_step`` of the way to explaining its miss per
-        replica changed, within 0..``replica_penalty_max``. A move that kept the replica count, or
-        with no measurement, teaches nothing here."""
+        it: rho += ``replica_penalty_step`` x (measured / predicted - 1) / (replicas after -
+        replicas before), kept within 0..``replica_penalty_max``. A move that kept the replica
+        count, or with no measurement, teaches nothing here."""
         changed = replicas_after - replicas_before
         if not changed or not predicted > 0 or not measured > 0:
             return
