@@ -29,7 +29,8 @@ from dataclasses import replace
 from typing import Any
 
 from drbalance.policy.base import AppView, Decision
-from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
+from drbalance.policy.fair import FairConfig, FairPolicy, _Move, _Search, _Track
+from drbalance.policy.predictor import Predictor
 from drbalance.ratio import DataRatio
 from drbalance.sim import SimConfig, Simulation
 from drbalance.sim.mixes import scenario_named
@@ -52,8 +53,7 @@ class MissLog(FairPolicy):
 
     def __init__(self, config: FairConfig | None = None) -> None:
         super().__init__(config)
-        self.misses: dict[str, list[float]] = defaultdict(list)
-        self.by_branch: dict[str, list[float]] = defaultdict(list)
+        self.by_branch: dict[str, list[float]] = defaultdict(list)  # "kind/branch" -> measured / predicted
         self._branches: dict[tuple[str, int], str] = {}  # (app, iteration of its move) -> branch
 
     def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
@@ -61,15 +61,11 @@ class MissLog(FairPolicy):
         self._branches[(me.name, me.iteration)] = branch
         return super()._move(me, ratio, new, branch, search, track, gain, **details)
 
-    def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
-        move = track.last_move
-        fresh = move is not None and not move.checked and ratio == move.after and me.iteration > move.iteration
-        if fresh and move.predicted > 0 and me.iteration_time:
-            kind = kind_of(len(move.before.used), len(move.after.used))
-            self.misses[kind].append(me.iteration_time / move.predicted)
-            branch = self._branches.get((me.name, move.iteration), "pushed")
-            self.by_branch[f"{kind}/{branch}"].append(me.iteration_time / move.predicted)
-        return super()._check_last_move(me, ratio, track, search)
+    def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
+        kind = kind_of(len(move.before.used), len(move.after.used))
+        branch = self._branches.get((me.name, move.iteration), "pushed")
+        self.by_branch[f"{kind}/{branch}"].append(measured / move.predicted)
+        super()._learn_from_move(me, move, measured, predictor)
 
 
 def run(job: tuple[str, str, float | None], by_branch: bool = False) -> dict[str, list[float]]:
@@ -81,7 +77,12 @@ def run(job: tuple[str, str, float | None], by_branch: bool = False) -> dict[str
     policy = MissLog(config)
     sim = SimConfig(policy="fair", placement="round-robin", record=False, contention=make_interference(interference))
     Simulation(scenario_named(name), sim, policy=policy).run()
-    return dict(policy.by_branch if by_branch else policy.misses)
+    if by_branch:
+        return dict(policy.by_branch)
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for key, values in policy.by_branch.items():
+        by_kind[key.split("/")[0]].extend(values)
+    return dict(by_kind)
 
 
 def run_by_branch(job: tuple[str, str, float | None]) -> dict[str, list[float]]:

@@ -284,6 +284,14 @@ class FairPolicy:
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
+    def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
+        """What a move measured for a whole window teaches (``measured`` and ``move.predicted``:
+        seconds per iteration, both > 0): the replica penalty, if it changed the app's replica
+        count, and the policy's relative error of its predictions."""
+        predictor.learn_move(len(move.before.used), len(move.after.used), measured, move.predicted)
+        miss = min(1.0, abs(measured / move.predicted - 1.0))
+        self.error += self.config.error_smoothing * (miss - self.error)
+
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse: going
         back pays by the policy's judgement, or lowers the SDs of the apps it affects by
@@ -295,9 +303,7 @@ class FairPolicy:
         measured = me.iteration_time
         details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
         if move.predicted > 0 and measured:
-            search.predictor.learn_move(len(move.before.used), len(move.after.used), measured, move.predicted)
-            miss = min(1.0, abs(measured / move.predicted - 1.0))
-            self.error += self.config.error_smoothing * (miss - self.error)
+            self._learn_from_move(me, move, measured, search.predictor)
         if violations(me, move.before, search.config):
             return None
         found = search.gain({me.name: move.before})
