@@ -62,7 +62,7 @@ class MissLog(FairPolicy):
         return super()._move(me, ratio, new, branch, search, track, gain, **details)
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
-        kind = kind_of(len(move.before.used), len(move.after.used))
+        kind = kind_of(predictor.replicas(me.name, move.before), predictor.replicas(me.name, move.after))
         branch = self._branches.get((me.name, move.iteration), "pushed")
         self.by_branch[f"{kind}/{branch}"].append(measured / move.predicted)
         super()._learn_from_move(me, move, measured, predictor)

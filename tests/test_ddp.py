@@ -292,3 +292,12 @@ def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(i
                 process.communicate(timeout=30)
         assert manager.stop() == 0
     assert leftovers(ipc_env) == []
+
+
+def test_drbalance_profile_refuses_a_job_of_several_ranks_on_every_rank(tmp_path):
+    # the environment `drbalance profile` sets, around a real two-rank job over gloo: a solo-run
+    # profile is one process on one GPU, so every rank's Session refuses, and no profile is written
+    ranks = spawn("profile_refused", 2, tmp_path)
+    for found in ranks:
+        assert found["refused"] is not None and "single rank" in found["refused"], found
+        assert "nproc_per_node 1" in found["refused"] and not found["written"]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
-from drbalance.policy.fair import FairConfig, FairPolicy, _Search, _Track
+from drbalance.policy.fair import FairConfig, FairPolicy, _Move, _Search, _Track
 from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
 from drbalance.ratio import DataRatio
@@ -398,6 +398,20 @@ def test_a_split_measured_slower_than_predicted_makes_later_splits_dearer():
     taught.predictor.learn_move(1, 2, measured=1.3, predicted=1.0)
     decision = taught.decide("a", "boundary", snapshot(*views))
     assert decision.branch == "move" and len(decision.ratio.used) == 1
+
+
+def test_the_replica_penalty_counts_the_gpus_that_get_samples_not_the_shares():
+    # [9, 1] of a 4-sample batch puts all 4 samples on GPU 0: still one replica, so a miss of that
+    # "move" says nothing about what a replica costs; of a 64-sample batch it is a split (58 / 6)
+    for batch, replicas, penalty in ((4, 1, 0.0), (64, 2, 0.2 * 0.3)):
+        policy = FairPolicy()
+        policy.predictor = Predictor(2, policy.config.predictor)
+        me = app("a", [9, 1], [0.1, 0.01], 1.3, iteration=540, batch=batch)
+        policy.predictor.model(me)
+        assert policy.predictor.replicas("a", DataRatio([9, 1])) == replicas
+        move = _Move(DataRatio([10, 0]), DataRatio([9, 1]), 500, predicted=1.0)
+        policy._learn_from_move(me, move, measured=1.3, predictor=policy.predictor)
+        assert policy.predictor.replica_penalty == pytest.approx(penalty)
 
 
 def test_the_replica_penalty_is_learned_from_splits_and_joins_and_kept_in_bounds():

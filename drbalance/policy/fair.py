@@ -287,8 +287,11 @@ class FairPolicy:
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
         """What a move measured for a whole window teaches (``measured`` and ``move.predicted``:
         seconds per iteration, both > 0): the replica penalty, if it changed the app's replica
-        count, and the policy's relative error of its predictions."""
-        predictor.learn_move(len(move.before.used), len(move.after.used), measured, move.predicted)
+        count (the GPUs that get samples of its batch, ``Predictor.replicas``), and the policy's
+        relative error of its predictions."""
+        name = me.name
+        predictor.learn_move(predictor.replicas(name, move.before), predictor.replicas(name, move.after), measured,
+                             move.predicted)
         miss = min(1.0, abs(measured / move.predicted - 1.0))
         self.error += self.config.error_smoothing * (miss - self.error)
 

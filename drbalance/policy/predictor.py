@@ -295,6 +295,11 @@ class Predictor:
         """The iteration time's factor for an app with this many replicas: 1 + rho per extra one."""
         return 1.0 + self.replica_penalty * max(0, replicas - 1)
 
+    def replicas(self, name: str, ratio: DataRatio) -> int:
+        """How many GPUs get samples of the app's batch under ``ratio`` (its replicas; a small share
+        of a small batch can round to none, so this can be fewer than the DR's nonzero shares)."""
+        return len(_used(ratio.shares, ratio.total, self.apps[name].batch))
+
     def learn_move(self, replicas_before: int, replicas_after: int, measured: float, predicted: float) -> None:
         """Correct the replica penalty rho from a move measured for a whole window (seconds per
         iteration, measured and as predicted before the move): a move that added replicas and was

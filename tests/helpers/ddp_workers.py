@@ -286,3 +286,23 @@ def exit_after_backward(rank: int, world: int, out: str) -> None:
         functional.cross_entropy(model(x[mine]), y[mine]).backward()
     write(out, "exit", rank, {"counts": list(model.last_chunk_sizes)})
     dist.destroy_process_group()
+
+
+def profile_refused(rank: int, world: int, out: str) -> None:
+    """A DDP job of two ranks started by ``drbalance profile`` (its environment): every rank's
+    Session refuses it with an error that says to profile one rank; nothing is written."""
+    import os
+
+    from drbalance.client.session import Session
+
+    init(rank, world, out)
+    output = Path(out, f"measured-rank{rank}.json")
+    os.environ["DRBALANCE_PROFILE_OUTPUT"] = str(output)
+    model = BalancedDistributedDataParallel(small_net(), ratio=[5, 5])
+    found: dict = {"refused": None}
+    try:
+        Session(model, "profiled-ddp", 1, 5, solo_time=1.0, sd_log=False, handle_sigterm=False)
+    except ValueError as error:
+        found["refused"] = str(error)
+    found["written"] = output.exists()
+    write(out, "profile", rank, found)
