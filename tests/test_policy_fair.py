@@ -198,6 +198,37 @@ def test_without_measurements_nothing_moves():
         assert policy.decide("a", trigger, snapshot(bare)).branch == "no-measurement"
 
 
+def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
+    a = app("a", [10, 0, 0, 0], [0.12, 0, 0, 0], 0.16)
+    c = app("c", [0, 0, 0, 10], [0, 0, 0, 0.12], 0.16)
+    newcomer = AppView("b", DataRatio([10, 0, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
+    # GPU 1 has no app of ours but reads 80% busy (someone else's work), GPU 2 is idle
+    found = FairPolicy().decide("b", "register", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    assert found.branch == "place" and found.ratio == DataRatio([0, 0, 10, 0]) and found.details["gpu"] == 2
+    # of two idle GPUs the one that reads less busy; an unknown reading counts as idle
+    found = FairPolicy().decide("b", "register", snapshot(a, newcomer, gpus=4, util=[95.0, 6.0, None, 2.0]))
+    assert found.ratio == DataRatio([0, 0, 10, 0])
+    # nothing idle (every GPU reads busy or is taken): it waits for its first window like any newcomer
+    crowded = snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 40.0, 90.0])
+    assert FairPolicy().decide("b", "register", crowded).branch == "no-measurement"
+    # its constraints hold: allowed only on GPUs 0 and 1, it is not placed on GPU 2
+    bound = replace(newcomer, allowed=(0, 1))
+    found = FairPolicy().decide("b", "register", snapshot(a, c, bound, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    assert found.branch == "no-measurement" and found.ratio == bound.ratio
+    # another app not measured yet (jobs launched together register one by one): nothing is placed
+    starting = AppView("d", DataRatio([0, 10, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
+    found = FairPolicy().decide("b", "register", snapshot(a, starting, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
+    assert found.branch == "no-measurement"
+    # a newcomer alone on its GPU stays; so does one at a later boundary (only registration places)
+    alone = replace(newcomer, ratio=DataRatio([0, 0, 10, 0]))
+    assert FairPolicy().decide("b", "register", snapshot(a, c, alone, gpus=4)).branch == "no-measurement"
+    later = FairPolicy().decide("b", "boundary", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    assert later.branch == "no-measurement"
+    for bad in (-1.0, 100.5, float("nan")):
+        with pytest.raises(ValueError, match="newcomer_idle_utilization"):
+            FairConfig(newcomer_idle_utilization=bad)
+
+
 def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
     predictor = Predictor(2)
     views = [app("a", [10, 0], [0.2, 0], 0.25), app("b", [10, 0], [0.2, 0], 0.25), app("c", [0, 10], [0, 0.1], 0.15)]

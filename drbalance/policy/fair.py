@@ -2,7 +2,10 @@
 largest predicted SD at finish (then the mean), with rules against thrashing (docs/policy.md).
 
 The policy keeps state between decisions (what it learned, when it last moved each app, moves it
-still owes other apps); it sees only snapshots, as every policy does. At app i's decision:
+still owes other apps); it sees only snapshots, as every policy does. At app i's registration it
+moves i whole onto an idle GPU if i's DR shares a GPU with another app and every other app has
+been measured (branch ``place``; ``_place_newcomer``); else i keeps its DR until it has measured
+a window. At app i's decision:
 
 1. Learn from the snapshot (``Predictor.observe``).
 2. If i's last move has now been measured for a whole decision window, check it: a move that
@@ -55,11 +58,15 @@ class FairConfig:
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
     closing_windows: float = 2.0  # an app with fewer of its decision windows left puts efficiency first (judge)
+    newcomer_idle_utilization: float = 10.0  # percent: an idle GPU reads below this (a newcomer's placement)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
         if self.min_gain < 0:
             raise ValueError(f"min_gain must be >= 0; got {self.min_gain}")
+        if not 0 <= self.newcomer_idle_utilization <= 100:  # also refuses NaN
+            raise ValueError(f"newcomer_idle_utilization must be within 0..100 percent; got "
+                             f"{self.newcomer_idle_utilization!r}")
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
@@ -130,6 +137,10 @@ class FairPolicy:
         predictor = self._predictor(snapshot, app)
         track = self.tracks.setdefault(app, _Track())
         self._note_window(track, me)
+        if trigger == "register":
+            placed = self._place_newcomer(me, ratio, snapshot)
+            if placed is not None:
+                return placed
         if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
             return Decision.of(app, me.ratio, "no-measurement")
         search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app))
@@ -156,6 +167,37 @@ class FairPolicy:
         branch = "move" if not others else "swap" if len(others) == 1 else "plan"
         decision = self._move(me, ratio, changes[app], branch, search, track, gain, partners=sorted(others))
         return replace(decision, others=MappingProxyType(others))
+
+    def _place_newcomer(self, me: AppView, ratio: DataRatio, snapshot: Snapshot) -> Decision | None:
+        """A registering app that shares a GPU with another app goes whole onto an idle GPU, if there
+        is one: no app's DR uses it and its utilisation reads below ``newcomer_idle_utilization``
+        (or gives no reading). The least busy such GPU, then the lowest index. Else None: it keeps
+        its DR until measured, like any newcomer. Only while every other app has been measured:
+        jobs launched together register one by one, and a GPU the apps registered so far leave
+        free may be the next one's."""
+        config = snapshot.config
+        taken: set[int] = set()
+        for view in snapshot.apps:
+            if view.name == me.name:
+                continue
+            if view.iteration_time is None or view.chunk_seconds is None:
+                return None  # it started with others: their GPUs are not known to be where they stay
+            taken.update(view.ratio.used)
+        if taken.isdisjoint(ratio.used):
+            return None
+        idle = []
+        for gpu in range(config.gpu_count):
+            reading = snapshot.utilization[gpu]
+            busy = 0.0 if reading is None else reading
+            if gpu in taken or busy >= self.config.newcomer_idle_utilization:
+                continue
+            candidate = DataRatio.single(config.gpu_count, gpu, config.dr_total)
+            if not violations(me, candidate, config):
+                idle.append((busy, gpu, candidate))
+        if not idle:
+            return None
+        busy, gpu, candidate = min(idle, key=lambda found: found[:2])
+        return Decision.of(me.name, candidate, "place", gpu=gpu, utilization=busy)
 
     def _locked_gpus(self, snapshot: Snapshot, app: str) -> set[int]:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
