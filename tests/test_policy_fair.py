@@ -199,8 +199,8 @@ def test_without_measurements_nothing_moves():
 
 
 def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
-    a = app("a", [10, 0, 0, 0], [0.12, 0, 0, 0], 0.16)
-    c = app("c", [0, 0, 0, 10], [0, 0, 0, 0.12], 0.16)
+    a = app("a", [10, 0, 0, 0], [0.12, 0, 0, 0], 0.16, iteration=500)  # 80 s run
+    c = app("c", [0, 0, 0, 10], [0, 0, 0, 0.12], 0.16, iteration=500)
     newcomer = AppView("b", DataRatio([10, 0, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
     # GPU 1 has no app of ours but reads 80% busy (someone else's work), GPU 2 is idle
     found = FairPolicy().decide("b", "register", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
@@ -215,10 +215,16 @@ def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
     bound = replace(newcomer, allowed=(0, 1))
     found = FairPolicy().decide("b", "register", snapshot(a, c, bound, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
     assert found.branch == "no-measurement" and found.ratio == bound.ratio
-    # another app not measured yet (jobs launched together register one by one): nothing is placed
+    # another app not measured yet, or run for less than newcomer_settled_seconds (60 s; a and c
+    # have run 80 s): it may be a job launched with b, still registering
     starting = AppView("d", DataRatio([0, 10, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
-    found = FairPolicy().decide("b", "register", snapshot(a, starting, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
-    assert found.branch == "no-measurement"
+    recent = app("d", [0, 10, 0, 0], [0, 0.12, 0, 0], 0.16, iteration=300)  # 48 s
+    for other in (starting, recent):
+        found = FairPolicy().decide("b", "register", snapshot(a, other, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
+        assert found.branch == "no-measurement"
+    ran = app("d", [0, 10, 0, 0], [0, 0.12, 0, 0], 0.16, iteration=400)  # 64 s: GPU 3, idle, takes b
+    found = FairPolicy().decide("b", "register", snapshot(a, ran, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
+    assert found.branch == "place" and found.ratio == DataRatio([0, 0, 0, 10])
     # a newcomer alone on its GPU stays; so does one at a later boundary (only registration places)
     alone = replace(newcomer, ratio=DataRatio([0, 0, 10, 0]))
     assert FairPolicy().decide("b", "register", snapshot(a, c, alone, gpus=4)).branch == "no-measurement"
@@ -227,6 +233,9 @@ def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
     for bad in (-1.0, 100.5, float("nan")):
         with pytest.raises(ValueError, match="newcomer_idle_utilization"):
             FairConfig(newcomer_idle_utilization=bad)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="newcomer_settled_seconds"):
+            FairConfig(newcomer_settled_seconds=bad)
 
 
 def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():

@@ -191,25 +191,36 @@ def test_both_sides_of_a_comparison_start_from_the_same_placement():
 
 
 def test_fair_places_a_newcomer_that_arrives_on_a_taken_gpu_onto_an_idle_one():
-    # z arrives on x's GPU while GPU 2 is idle, after x and y have reported (a few iterations) and
-    # before their first decision (x's would spread it onto GPU 2): fair's registration decision
-    # moves z there whole, observe leaves it beside x; x and y register where they started under both
+    from drbalance.policy.fair import FairConfig, FairPolicy
+
+    # z arrives on x's GPU while GPU 2 is idle, 2 s after x and y (they have reported, and not yet
+    # decided: x's first decision would spread it onto GPU 2). With the settling time cut to 1 s,
+    # fair's registration decision moves z there whole; observe leaves it beside x; x and y
+    # register where they started under both
     apps = (AppSpec("x", "resnet50", 32, 1, 40, ratio=(10, 0, 0)),
             AppSpec("y", "resnet50", 32, 1, 40, ratio=(0, 10, 0)),
             AppSpec("z", "resnet50", 32, 1, 40, ratio=(10, 0, 0), arrival=2.0))
     scenario = Scenario("newcomer", 3, apps)
+
+    def registrations(scenario, policy):
+        name = "fair" if isinstance(policy, FairPolicy) else policy
+        result = Simulation(scenario, SimConfig(policy=name), policy=policy if name == "fair" else None).run()
+        return result, {m["app"]: m for m in result.manager_records if m.get("trigger") == "register"}
+
+    quick = FairPolicy(FairConfig(newcomer_settled_seconds=1.0))
     results = {}
-    for policy, placed, branch in (("fair", [0, 0, 10], "place"), ("observe", [10, 0, 0], "observe")):
-        result = results[policy] = simulate(scenario, SimConfig(policy=policy))
-        registered = {m["app"]: m for m in result.manager_records if m.get("trigger") == "register"}
-        assert registered["x"]["new_dr"] == [10, 0, 0] and registered["y"]["new_dr"] == [0, 10, 0], policy
-        assert registered["z"]["old_dr"] == [10, 0, 0] and registered["z"]["new_dr"] == placed, policy
+    for label, policy, placed, branch in (("fair", quick, [0, 0, 10], "place"),
+                                          ("observe", "observe", [10, 0, 0], "observe")):
+        results[label], registered = registrations(scenario, policy)
+        assert registered["x"]["new_dr"] == [10, 0, 0] and registered["y"]["new_dr"] == [0, 10, 0], label
+        assert registered["z"]["old_dr"] == [10, 0, 0] and registered["z"]["new_dr"] == placed, label
         assert registered["z"]["branch"] == branch
     assert results["fair"].max_sd < results["observe"].max_sd  # three apps on three GPUs, against two on one
-    # z arriving with x and y (nothing measured yet: they might be jobs still registering) stays put
+    # by default the others must have run a minute: 2 s after them z may be a job launched with
+    # them and still registering, and stays put; so does a z that starts with them
+    assert registrations(scenario, FairPolicy())[1]["z"]["branch"] == "no-measurement"
     together = replace(scenario, apps=tuple(replace(spec, arrival=0.0) for spec in apps))
-    records = simulate(together, SimConfig(policy="fair")).manager_records
-    assert [m["branch"] for m in records if m.get("trigger") == "register"] == ["no-measurement"] * 3
+    assert {m["branch"] for m in registrations(together, quick)[1].values()} == {"no-measurement"}
 
 
 # Every app lasts ~9 minutes alone instead of 30: the same contention, fewer events. At 0.2 too few

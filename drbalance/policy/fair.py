@@ -4,8 +4,8 @@ largest predicted SD at finish (then the mean), with rules against thrashing (do
 The policy keeps state between decisions (what it learned, when it last moved each app, moves it
 still owes other apps); it sees only snapshots, as every policy does. At app i's registration it
 moves i whole onto an idle GPU if i's DR shares a GPU with another app and every other app has
-been measured (branch ``place``; ``_place_newcomer``); else i keeps its DR until it has measured
-a window. At app i's decision:
+run for a while (branch ``place``; ``_place_newcomer``); else i keeps its DR until it has
+measured a window. At app i's decision:
 
 1. Learn from the snapshot (``Predictor.observe``).
 2. If i's last move has now been measured for a whole decision window, check it: a move that
@@ -28,6 +28,7 @@ Every candidate respects the app's constraints (allowed GPUs, minimum and maximu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -59,6 +60,7 @@ class FairConfig:
     window_iterations: int = 20  # ...but at least this many of its iterations
     closing_windows: float = 2.0  # an app with fewer of its decision windows left puts efficiency first (judge)
     newcomer_idle_utilization: float = 10.0  # percent: an idle GPU reads below this (a newcomer's placement)
+    newcomer_settled_seconds: float = 60.0  # ...made only if every other app has run this long
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,9 @@ class FairConfig:
         if not 0 <= self.newcomer_idle_utilization <= 100:  # also refuses NaN
             raise ValueError(f"newcomer_idle_utilization must be within 0..100 percent; got "
                              f"{self.newcomer_idle_utilization!r}")
+        if not 0 <= self.newcomer_settled_seconds < math.inf:  # also refuses NaN
+            raise ValueError(f"newcomer_settled_seconds must be a finite number of seconds >= 0; got "
+                             f"{self.newcomer_settled_seconds!r}")
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
@@ -172,16 +177,18 @@ class FairPolicy:
         """A registering app that shares a GPU with another app goes whole onto an idle GPU, if there
         is one: no app's DR uses it and its utilisation reads below ``newcomer_idle_utilization``
         (or gives no reading). The least busy such GPU, then the lowest index. Else None: it keeps
-        its DR until measured, like any newcomer. Only while every other app has been measured:
-        jobs launched together register one by one, and a GPU the apps registered so far leave
-        free may be the next one's."""
+        its DR until measured, like any newcomer. Only if every other app has run for at least
+        ``newcomer_settled_seconds`` (its iterations done x its measured iteration time): jobs
+        launched together register one by one, and a GPU the ones registered so far leave free
+        may be where the next one starts."""
         config = snapshot.config
+        settled = self.config.newcomer_settled_seconds
         taken: set[int] = set()
         for view in snapshot.apps:
             if view.name == me.name:
                 continue
-            if view.iteration_time is None or view.chunk_seconds is None:
-                return None  # it started with others: their GPUs are not known to be where they stay
+            if view.iteration_time is None or view.iteration * view.iteration_time < settled:
+                return None  # it may have started with the newcomer: where the others go is not known
             taken.update(view.ratio.used)
         if taken.isdisjoint(ratio.used):
             return None
