@@ -295,10 +295,14 @@ class Predictor:
         """The iteration time's factor for an app with this many replicas: 1 + rho per extra one."""
         return 1.0 + self.replica_penalty * max(0, replicas - 1)
 
+    def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
+        """The GPUs that get samples of the app's batch under ``ratio`` (a small share of a small
+        batch can round to none, so these can be fewer than the DR's nonzero shares)."""
+        return _used(ratio.shares, ratio.total, self.apps[name].batch)
+
     def replicas(self, name: str, ratio: DataRatio) -> int:
-        """How many GPUs get samples of the app's batch under ``ratio`` (its replicas; a small share
-        of a small batch can round to none, so this can be fewer than the DR's nonzero shares)."""
-        return len(_used(ratio.shares, ratio.total, self.apps[name].batch))
+        """How many replicas the app runs under ``ratio``: ``len(gpus_of(...))``."""
+        return len(self.gpus_of(name, ratio))
 
     def learn_move(self, replicas_before: int, replicas_after: int, measured: float, predicted: float) -> None:
         """Correct the replica penalty rho from a move measured for a whole window (seconds per
@@ -441,7 +445,7 @@ class Neighbourhood:
                 if known is not None and known[0] is ratio and known[1] == model.batch:
                     gpus = known[2]
                 else:
-                    gpus = _used(ratio.shares, ratio.total, model.batch)  # as gpus_of
+                    gpus = _used(ratio.shares, ratio.total, model.batch)  # as Predictor.gpus_of
                     placed[name] = (ratio, model.batch, gpus)
                 for gpu in gpus:
                     on_gpu[gpu].append(name)
@@ -455,11 +459,6 @@ class Neighbourhood:
         self._current: dict[str, Chunks] = {}  # chunks under the current DRs
         self._models: dict[str, tuple[int, float, float, float]] = {}  # batch, work, host, overhead seconds
         self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
-
-    def gpus_of(self, name: str, ratio: DataRatio) -> tuple[int, ...]:
-        """The GPUs that get samples of the app's batch under ``ratio`` (a small share of a small
-        batch can round to none)."""
-        return _used(ratio.shares, ratio.total, self.predictor.apps[name].batch)
 
     def measured_duty(self, name: str, gpu: int) -> float:
         """The share of time the app keeps ``gpu`` busy in its current configuration: its measured
