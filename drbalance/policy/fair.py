@@ -233,11 +233,11 @@ class FairPolicy:
         app plus ``noise``. Ranked by gain, then by the fall of the mean.
 
         Closing windows: while the deciding app has fewer than ``closing_windows`` of its decision
-        windows left, a change that lowers the sum of the SDs by min_gain (the gain: that fall per
-        app) without raising the largest by ``noise`` ranks first; after it, only a change of the
-        deciding app alone (``movers`` 1: no swap, no plan) that wins the leximax comparison with no
-        rise of the mean at all. A change that makes the SDs more even at the cost of the mean could
-        not be measured and undone before the app ends.
+        windows left, only a change of the deciding app alone (``movers`` 1: no swap, no plan) is
+        made: first one that lowers the sum of the SDs by min_gain (the gain: that fall per app)
+        without raising the largest by ``noise``; after it, one that wins the leximax comparison
+        with no rise of the mean at all. A change could not be measured and undone before the app
+        ends, and a swap's partner would carry a move it never judged.
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
@@ -246,11 +246,11 @@ class FairPolicy:
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
         closing = search.closing
         if closing:
+            if movers != 1:
+                return None  # in its closing windows an app makes only moves of its own
             fall = -mean_rise * search.app_count  # of the SDs' sum
             if fall >= needed and max(new_sds.values(), default=0.0) - max(old_sds.values(), default=0.0) < noise:
                 return Verdict(-mean_rise, (1.0, -mean_rise, -mean_rise))
-            if movers != 1:
-                return None
         for old, now in zip(sorted(old_sds.values(), reverse=True), sorted(new_sds.values(), reverse=True)):
             if old - now >= needed:
                 if closing:
