@@ -16,12 +16,12 @@ measured a window. At app i's decision:
    ``ban_windows`` windows.
 3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
    used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
-   (one unit, half, or all of it) moved between two GPUs (which also takes a replica away), i's
-   DR swapped with another app's (the other app's half is pushed to it at once). The best candidate by
+   (half or all of it) moved between two GPUs (which also takes a replica away), i's DR swapped
+   with another app's (the other app's half is pushed to it at once). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
    the max and lowers the SDs' sum by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
-   i's last ``closing_windows`` decision windows a fall of the SDs' sum counts first, and a more
-   even result only from a move of i alone that does not raise the mean (``judge``).
+   i's last ``closing_windows`` decision windows only moves of i alone are made: a fall of the
+   SDs' sum counts first, and a more even result only if the mean does not rise (``judge``).
 
 Every candidate respects the app's constraints (allowed GPUs, minimum and maximum shares).
 """
@@ -630,8 +630,8 @@ class _Search:
             for gpu in sorted(set(destinations) | set(used)):
                 if gpu == source:
                     continue
-                for amount in sorted({1, ratio[source] // 2, ratio[source]}):
-                    if 0 < amount <= ratio[source]:
+                for amount in sorted({ratio[source] // 2, ratio[source]}):  # half, all
+                    if amount > 0:
                         shares = list(ratio.shares)
                         shares[source] -= amount
                         shares[gpu] += amount
