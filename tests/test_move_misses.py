@@ -15,10 +15,13 @@ def test_moves_are_told_apart_by_their_replica_counts():
     assert [kind_of(1, 2), kind_of(3, 1), kind_of(1, 1), kind_of(2, 2)] == ["split", "join", "one GPU", "several"]
 
 
-def test_without_the_replica_penalty_splits_run_slower_than_predicted_and_moves_to_one_gpu_faster():
+def test_without_the_replica_penalty_splits_miss_their_predictions_more_than_one_gpu_moves():
     misses = run(("c", "calibrated", 0.0))  # docs/policy.md: the reason the penalty exists
     assert len(misses["split"]) >= 5 and len(misses["one GPU"]) >= 5
-    assert statistics.median(misses["split"]) > 1.0 > statistics.median(misses["one GPU"])
+    # splits ran slower than predicted, and by more than moves from one GPU to another (which
+    # looked faster than predicted, under 1, until a swap's mover was predicted with its partner gone)
+    assert statistics.median(misses["split"]) > 1.0
+    assert statistics.median(misses["split"]) > statistics.median(misses["one GPU"]) + 0.05
     learned = run(("c", "calibrated", None))  # with it, the policy splits less
     assert len(learned.get("split", [])) < len(misses["split"])
 
@@ -36,5 +39,8 @@ def test_by_branch_tells_a_swaps_mover_from_its_pushed_partner():
     assert {key.split("/")[1] for key in misses} <= {"move", "swap", "plan", "pushed"}
     swapped, pushed = misses["one GPU/swap"], misses["one GPU/pushed"]
     assert swapped and pushed
-    # docs/policy.md, "Known defect": a swap's mover is predicted as if its partner stayed
-    assert statistics.median(swapped) < 0.9 < statistics.median(pushed)
+    # a swap's mover is predicted with every change of the swap (docs/policy.md, "A swap's mover
+    # is predicted with its partner gone"): before, as if its partner stayed, its median was
+    # under 0.9 (it ran faster than predicted), its pushed partner's above
+    assert 0.9 < statistics.median(swapped) < 1.1
+    assert 0.9 < statistics.median(pushed) < 1.1

@@ -93,6 +93,8 @@ def test_swaps_rotate_the_lone_gpu_to_the_most_slowed_app():
     assert decision.branch == "swap" and decision.ratio == DataRatio([0, 10])
     assert decision.details["partners"] == ["c"]
     assert dict(decision.others) == {"c": DataRatio([10, 0])}  # c's half, pushed to c at once
+    # a's iteration is predicted with c gone from GPU 1 (alone there: the solo time), not beside it
+    assert decision.details["predicted_iteration"] == pytest.approx(SOLO_ITERATION, rel=0.05)
     # c's next decision judges its part of the swap (its protected period), it does not move again
     later = (app("a", [0, 10], [0, 0.1], 0.15, iteration=510), app("b", [10, 0], [0.2, 0], 0.25, iteration=510),
              app("c", [10, 0], [0.2, 0], 0.25, iteration=510))

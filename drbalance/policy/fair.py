@@ -170,7 +170,7 @@ class FairPolicy:
                                       quiet=self.config.protect_windows)
             partner.moves[view.epoch] = partner.moves.get(view.epoch, 0) + 1
         branch = "move" if not others else "swap" if len(others) == 1 else "plan"
-        decision = self._move(me, ratio, changes[app], branch, search, track, gain, partners=sorted(others))
+        decision = self._move(me, ratio, changes, branch, search, track, gain, partners=sorted(others))
         return replace(decision, others=MappingProxyType(others))
 
     def _place_newcomer(self, me: AppView, ratio: DataRatio, snapshot: Snapshot) -> Decision | None:
@@ -326,9 +326,13 @@ class FairPolicy:
         move = None if track is None else track.last_move
         return move is not None and (move.quiet > 0 or not move.checked)
 
-    def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
-              gain: float, **details: Any) -> Decision:
-        predicted = search.predicted_time(me.name, {me.name: new})
+    def _move(self, me: AppView, ratio: DataRatio, changes: Mapping[str, DataRatio], branch: str, search: _Search,
+              track: _Track, gain: float, **details: Any) -> Decision:
+        """Make the deciding app's part of ``changes`` (its move, or its half of a swap or plan),
+        remembering the iteration time predicted for it with every change applied: a swap's
+        mover is predicted with its partner gone from the GPU it joins."""
+        new = changes[me.name]
+        predicted = search.predicted_time(me.name, changes)
         track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows)
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
