@@ -154,15 +154,21 @@ def test_near_its_end_an_app_makes_no_swap_that_only_evens_the_sds():
     assert FairPolicy(FairConfig(closing_windows=0)).decide("a", "boundary", snapshot(*views(965))).branch == "swap"
 
 
+def _two_apps_search(iteration=965):
+    """``fair``'s search for a's decision: a alone on GPU 0 (0.35 s iterations), b alone on GPU 1
+    (0.15 s), both at ``iteration`` of 1000 (965: in a's closing windows)."""
+    policy = FairPolicy()
+    snap = snapshot(app("a", [10, 0], [0.3, 0], 0.35, iteration=iteration),
+                    app("b", [0, 10], [0, 0.1], 0.15, iteration=iteration))
+    return policy, _Search(policy, snap, policy._predictor(snap, "a"), snap.app("a"), set())
+
+
 def test_near_its_end_a_move_of_the_app_alone_may_even_the_sds_if_the_mean_does_not_rise():
     # judged on hand-written predicted iteration times: a from 0.35 s to 0.25 s (its SD falls by
     # 0.023 over its last 35 iterations), b from 0.15 s to 0.24 s (its SD rises by a little less)
-    policy = FairPolicy()
-    views = (app("a", [10, 0], [0.3, 0], 0.35, iteration=965), app("b", [0, 10], [0, 0.1], 0.15, iteration=965))
-    snap = snapshot(*views)
-    search = _Search(policy, snap, policy._predictor(snap, "a"), snap.app("a"), set())
+    policy, search = _two_apps_search()
     before, after = {"a": 0.35, "b": 0.15}, {"a": 0.25, "b": 0.24}
-    assert policy.windows_left(views[0]) < policy.config.closing_windows
+    assert search.closing
     verdict = policy.judge(search, before, after, movers=1)
     assert verdict is not None and verdict.gain == pytest.approx(35 * 0.1 / 150)
     assert policy.judge(search, before, after, movers=2) is None  # the same as a swap: refused
@@ -172,20 +178,16 @@ def test_near_its_end_a_move_of_the_app_alone_may_even_the_sds_if_the_mean_does_
 def test_near_its_end_a_change_that_lowers_the_sds_sum_is_taken_as_a_move_not_as_a_swap():
     # judged on hand-written predicted iteration times: a from 0.35 s to 0.25 s over its last 35
     # iterations, b unchanged: the SDs' sum falls by 0.023, no SD rises
-    policy = FairPolicy()
-    views = (app("a", [10, 0], [0.3, 0], 0.35, iteration=965), app("b", [0, 10], [0, 0.1], 0.15, iteration=965))
-    snap = snapshot(*views)
-    search = _Search(policy, snap, policy._predictor(snap, "a"), snap.app("a"), set())
+    policy, search = _two_apps_search()
     before, after = {"a": 0.35, "b": 0.15}, {"a": 0.25, "b": 0.15}
     assert search.closing
     verdict = policy.judge(search, before, after, movers=1)
     assert verdict is not None and verdict.key[0] == 1.0  # ranked first: efficiency in closing windows
     assert policy.judge(search, before, after, movers=2) is None  # a swap: b would carry a move it never judged
     # outside its closing windows the same swap wins by the fall of the sum
-    early = replace(snap, apps=tuple(replace(view, iteration=500) for view in snap.apps))
-    early_search = _Search(policy, early, policy._predictor(early, "a"), early.app("a"), set())
-    assert not early_search.closing
-    assert policy.judge(early_search, before, after, movers=2) is not None
+    policy, early = _two_apps_search(iteration=500)
+    assert not early.closing
+    assert policy.judge(early, before, after, movers=2) is not None
 
 
 def test_near_its_end_an_app_still_takes_a_change_that_lowers_the_sds_sum():
