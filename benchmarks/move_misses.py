@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -57,10 +58,10 @@ class MissLog(FairPolicy):
         self.by_branch: dict[str, list[float]] = defaultdict(list)  # "kind/branch" -> measured / predicted
         self._branches: dict[tuple[str, int], str] = {}  # (app, iteration of its move) -> branch
 
-    def _move(self, me: AppView, ratio: DataRatio, new: DataRatio, branch: str, search: _Search, track: _Track,
-              gain: float, **details: Any) -> Decision:
+    def _move(self, me: AppView, ratio: DataRatio, changes: Mapping[str, DataRatio], branch: str, search: _Search,
+              track: _Track, gain: float, **details: Any) -> Decision:
         self._branches[(me.name, me.iteration)] = branch
-        return super()._move(me, ratio, new, branch, search, track, gain, **details)
+        return super()._move(me, ratio, changes, branch, search, track, gain, **details)
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
         kind = kind_of(predictor.replicas(me.name, move.before), predictor.replicas(me.name, move.after))
