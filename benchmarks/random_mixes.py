@@ -1,0 +1,145 @@
+"""Issue 9's "never worse than doing nothing" on mixes nobody tuned for: scenarios drawn at random.
+
+    python -m benchmarks.random_mixes                          # seeds 0-199, fair vs observe, both models
+    python -m benchmarks.random_mixes --seeds 0:20 --policies fair,f-sched
+    python -m benchmarks.random_mixes --json benchmarks/results/random_mixes.json
+
+The mixes of ``drbalance.sim.mixes`` and the paper's scenarios were the ones `fair` was tuned
+on. Here each seed draws its own scenario (``random_mix``): 2, 3, 4, 6 or 8 GPUs (4 twice as
+likely); between one more app than GPUs and 2.5 apps per GPU, each of the six models at random
+with run lengths of 5 to 40 minutes alone; half the seeds start every app at t = 0, the others
+spread arrivals over the first 15 minutes; a quarter give the GPUs speeds of 1, 0.75 or 0.5.
+Every run starts from round-robin placement; ``observe`` from round-robin (nothing moved) is
+the reference, and a run is *worse* when its final max SD or mean SD exceeds observe's by more
+than ``drbalance.sim.mixes.NOT_WORSE_MARGIN`` (issue 9's rule). No torch is imported; about 8
+minutes for the 200 seeds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from drbalance.sim.engine import SimConfig, simulate
+from drbalance.sim.mixes import MODELS, batch_of, not_worse
+from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
+from drbalance.workload.scenarios import Scenario, sized_app
+
+GPU_COUNTS = (2, 3, 4, 4, 6, 8)
+SOLO_SECONDS = (300.0, 2400.0)  # each app's run length alone on one GPU, drawn uniformly
+ARRIVAL_SPREAD = 900.0  # seconds over which arrivals are spread, for the seeds that spread them
+GPU_SPEEDS = (1.0, 0.75, 0.5)
+
+
+def random_mix(seed: int) -> Scenario:
+    """The scenario of ``seed`` (the same for everyone: ``random.Random(seed)``)."""
+    rng = random.Random(seed)
+    gpus = rng.choice(GPU_COUNTS)
+    apps = max(gpus + 1, round(gpus * rng.uniform(1.0, 2.5)))
+    together = rng.random() < 0.5
+    specs = []
+    for index in range(apps):
+        model = rng.choice(MODELS)
+        specs.append(sized_app(f"r{index}", model, batch_of(model), rng.uniform(*SOLO_SECONDS), 10,
+                               arrival=0.0 if together else rng.uniform(0.0, ARRIVAL_SPREAD)))
+    speeds = tuple(rng.choice(GPU_SPEEDS) for _ in range(gpus)) if rng.random() < 0.25 else None
+    return Scenario(f"random-{seed}", gpus, tuple(specs), f"{apps} apps on {gpus} GPUs, drawn from seed {seed}",
+                    gpu_speed=speeds)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One simulated run's final SDs (spread, max, mean: SD units)."""
+
+    seed: int
+    interference: str
+    policy: str
+    spread: float
+    max_sd: float
+    mean_sd: float
+
+
+def run(job: tuple[int, str, str]) -> Run:
+    """Simulate ``random_mix(seed)`` under one policy and interference model, from round-robin."""
+    seed, interference, policy = job
+    result = simulate(random_mix(seed), SimConfig(policy=policy, placement="round-robin", record=False,
+                                                  contention=make_interference(interference)))
+    return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd)
+
+
+def sweep(seeds: range, policies: list[str], workers: int = 2) -> dict[tuple[int, str, str], Run]:
+    """Every seed under both interference models, ``observe`` and each policy."""
+    jobs = [(seed, interference, policy) for seed in seeds for interference in INTERFERENCE_MODELS
+            for policy in ["observe", *policies]]
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
+
+
+def worse(got: Run, base: Run) -> bool:
+    """Whether ``got`` ends worse than doing nothing (``base``, observe) by issue 9's rule."""
+    return not not_worse(got.max_sd, got.mean_sd, base.max_sd, base.mean_sd)
+
+
+def report(results: dict[tuple[int, str, str], Run], seeds: range, policies: list[str]) -> str:
+    """One line per seed and model (observe's max / mean SD, each policy's spread / max / mean and
+    whether it is worse), then per policy and model the count of worse runs."""
+    lines = []
+    counts = {(policy, interference): 0 for policy in policies for interference in INTERFERENCE_MODELS}
+    for seed in seeds:
+        scenario = random_mix(seed)
+        shape = f"{scenario.gpus}x{len(scenario.apps)}{' speeds' if scenario.gpu_speed else ''}"
+        for interference in INTERFERENCE_MODELS:
+            base = results[(seed, interference, "observe")]
+            cells = [f"seed {seed:3d} {shape:10s} {interference:10s} observe {base.max_sd:.3f} / {base.mean_sd:.3f}"]
+            for policy in policies:
+                got = results[(seed, interference, policy)]
+                bad = worse(got, base)
+                counts[(policy, interference)] += bad
+                cells.append(f"{policy} {got.spread:.3f} / {got.max_sd:.3f} / {got.mean_sd:.3f}"
+                             f"{' WORSE' if bad else ''}")
+            lines.append(" | ".join(cells))
+    lines.append("")
+    for (policy, interference), count in counts.items():
+        lines.append(f"{policy}, {interference}: worse than doing nothing in {count} of {len(seeds)} runs")
+    return "\n".join(lines)
+
+
+def _seeds(text: str) -> range:
+    """``A:B`` (seeds A to B-1) or ``N`` (seeds 0 to N-1)."""
+    try:
+        first, _, last = text.partition(":")
+        seeds = range(int(first), int(last)) if last else range(int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be N or A:B (integers); got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"no seeds in {text!r}")
+    return seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=_seeds, default=range(200), help="N (0..N-1) or A:B (A..B-1); default 200")
+    parser.add_argument("--policies", default="fair", help="comma-separated policies besides observe")
+    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    parser.add_argument("--json", metavar="PATH", help="also write every run's final SDs here")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    policies = [name for name in args.policies.split(",") if name]
+    results = sweep(args.seeds, policies, args.workers)
+    print(report(results, args.seeds, policies))
+    if args.json:
+        rows = [vars(result) | {"worse": worse(result, results[(result.seed, result.interference, "observe")])}
+                for result in results.values() if result.policy != "observe"]
+        bases = [vars(result) for result in results.values() if result.policy == "observe"]
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"command": "python -m benchmarks.random_mixes " + " ".join(argv),
+                       "observe": bases, "runs": rows}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

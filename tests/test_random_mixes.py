@@ -1,0 +1,52 @@
+"""benchmarks.random_mixes: the drawn scenarios, the "worse than doing nothing" count, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import random_mixes
+from benchmarks.random_mixes import Run, _seeds, random_mix, report, run, worse
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_seed_draws_the_same_valid_scenario_every_time():
+    for seed in range(30):
+        scenario = random_mix(seed)
+        assert scenario == random_mix(seed)
+        assert scenario.gpus in random_mixes.GPU_COUNTS
+        assert scenario.gpus < len(scenario.apps) <= round(scenario.gpus * 2.5)
+        assert all(0.0 <= app.arrival <= random_mixes.ARRIVAL_SPREAD for app in scenario.apps)
+        assert scenario.gpu_speed is None or len(scenario.gpu_speed) == scenario.gpus
+    shapes = {(random_mix(seed).gpus, len(random_mix(seed).apps)) for seed in range(30)}
+    assert len(shapes) > 5  # the seeds do draw different scenarios
+
+
+def test_worse_is_issue_9s_rule_on_max_and_on_mean():
+    base = Run(0, "calibrated", "observe", 0.3, 1.30, 1.20)
+    assert not worse(Run(0, "calibrated", "fair", 0.0, 1.31, 1.21), base)
+    assert worse(Run(0, "calibrated", "fair", 0.0, 1.32, 1.00), base)  # a lower mean does not excuse the max
+    assert worse(Run(0, "calibrated", "fair", 0.0, 1.00, 1.215), base)
+
+
+def test_report_counts_the_runs_that_end_worse_than_observe_of_the_same_seed():
+    seeds = range(2, 3)  # two GPUs, three apps: about a second per run
+    results = {(2, interference, policy): run((2, interference, policy))
+               for interference in ("calibrated", "gavel") for policy in ("observe", "fair")}
+    text = report(results, seeds, ["fair"])
+    rows = [line for line in text.splitlines() if line.startswith("seed")]
+    assert len(rows) == 2
+    base = results[(2, "calibrated", "observe")]
+    assert f"observe {base.max_sd:.3f} / {base.mean_sd:.3f}" in rows[0]
+    expected = int(worse(results[(2, "calibrated", "fair")], base))
+    assert f"fair, calibrated: worse than doing nothing in {expected} of 1 runs" in text
+    assert ("WORSE" in rows[0]) == bool(expected)
+
+
+def test_seeds_argument_takes_a_count_or_a_range_and_refuses_the_rest():
+    assert _seeds("5") == range(5) and _seeds("3:7") == range(3, 7)
+    for bad in ("x", "7:3", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _seeds(bad)
