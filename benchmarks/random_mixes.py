@@ -3,6 +3,7 @@
     python -m benchmarks.random_mixes                          # seeds 0-199, fair vs observe, both models
     python -m benchmarks.random_mixes --seeds 0:20 --policies fair,f-sched
     python -m benchmarks.random_mixes --json benchmarks/results/random_mixes.json
+    python -m benchmarks.random_mixes --set swap_partners=1   # fair with a knob of FairConfig changed
 
 The mixes of ``drbalance.sim.mixes`` and the paper's scenarios were the ones `fair` was tuned
 on. Here each seed draws its own scenario (``random_mix``): 2, 3, 4, 6 or 8 GPUs (4 twice as
@@ -22,9 +23,10 @@ import json
 import random
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
-from drbalance.sim.engine import SimConfig, simulate
+from drbalance.policy.fair import FairConfig, FairPolicy
+from drbalance.sim.engine import SimConfig, Simulation
 from drbalance.sim.mixes import MODELS, batch_of, not_worse
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import Scenario, sized_app
@@ -63,20 +65,44 @@ class Run:
     mean_sd: float
 
 
-def run(job: tuple[int, str, str]) -> Run:
-    """Simulate ``random_mix(seed)`` under one policy and interference model, from round-robin."""
+Knobs = tuple[tuple[str, object], ...]  # FairConfig fields and the values that replace their defaults
+
+
+def run(job: tuple[int, str, str], knobs: Knobs = ()) -> Run:
+    """Simulate ``random_mix(seed)`` under one policy and interference model, from round-robin;
+    ``fair`` with ``knobs`` replacing FairConfig's defaults."""
     seed, interference, policy = job
-    result = simulate(random_mix(seed), SimConfig(policy=policy, placement="round-robin", record=False,
-                                                  contention=make_interference(interference)))
+    config = SimConfig(policy=policy, placement="round-robin", record=False,
+                       contention=make_interference(interference))
+    chosen = FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
+    result = Simulation(random_mix(seed), config, policy=chosen).run()
     return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd)
 
 
-def sweep(seeds: range, policies: list[str], workers: int = 2) -> dict[tuple[int, str, str], Run]:
+def _run_with(task: tuple[tuple[int, str, str], Knobs]) -> Run:
+    return run(*task)
+
+
+def sweep(seeds: range, policies: list[str], workers: int = 2, knobs: Knobs = ()) -> dict[tuple[int, str, str], Run]:
     """Every seed under both interference models, ``observe`` and each policy."""
     jobs = [(seed, interference, policy) for seed in seeds for interference in INTERFERENCE_MODELS
             for policy in ["observe", *policies]]
     with ProcessPoolExecutor(max(1, workers)) as pool:
-        return dict(zip(jobs, pool.map(run, jobs)))
+        return dict(zip(jobs, pool.map(_run_with, [(job, knobs) for job in jobs])))
+
+
+def knob(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` for a number field of FairConfig, VALUE read as that field's type."""
+    name, _, value = text.partition("=")
+    numbers = {field.name: type(getattr(FairConfig(), field.name)) for field in fields(FairConfig)
+               if type(getattr(FairConfig(), field.name)) in (int, float)}
+    if name not in numbers or not value:
+        raise argparse.ArgumentTypeError(f"--set takes NAME=VALUE with NAME one of {', '.join(sorted(numbers))}; "
+                                         f"got {text!r}")
+    try:
+        return name, numbers[name](value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} takes a {numbers[name].__name__}; got {value!r}") from None
 
 
 def worse(got: Run, base: Run) -> bool:
@@ -125,11 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=_seeds, default=range(200), help="N (0..N-1) or A:B (A..B-1); default 200")
     parser.add_argument("--policies", default="fair", help="comma-separated policies besides observe")
     parser.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
+                        help="run fair with this FairConfig knob changed (repeatable), e.g. swap_partners=1")
     parser.add_argument("--json", metavar="PATH", help="also write every run's final SDs here")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     policies = [name for name in args.policies.split(",") if name]
-    results = sweep(args.seeds, policies, args.workers)
+    try:
+        FairPolicy(replace(FairConfig(), **dict(args.set)))
+    except ValueError as error:
+        parser.error(str(error))
+    results = sweep(args.seeds, policies, args.workers, tuple(args.set))
     print(report(results, args.seeds, policies))
     if args.json:
         rows = [vars(result) | {"worse": worse(result, results[(result.seed, result.interference, "observe")])}
