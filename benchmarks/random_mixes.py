@@ -94,8 +94,9 @@ def sweep(seeds: range, policies: list[str], workers: int = 2, knobs: Knobs = ()
 def knob(text: str) -> tuple[str, object]:
     """``NAME=VALUE`` for a number field of FairConfig, VALUE read as that field's type."""
     name, _, value = text.partition("=")
-    numbers = {field.name: type(getattr(FairConfig(), field.name)) for field in fields(FairConfig)
-               if type(getattr(FairConfig(), field.name)) in (int, float)}
+    defaults = FairConfig()
+    numbers = {field.name: type(getattr(defaults, field.name)) for field in fields(FairConfig)
+               if type(getattr(defaults, field.name)) in (int, float)}
     if name not in numbers or not value:
         raise argparse.ArgumentTypeError(f"--set takes NAME=VALUE with NAME one of {', '.join(sorted(numbers))}; "
                                          f"got {text!r}")
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policies = [name for name in args.policies.split(",") if name]
     try:
-        FairPolicy(replace(FairConfig(), **dict(args.set)))
+        replace(FairConfig(), **dict(args.set))  # FairConfig checks the values
     except ValueError as error:
         parser.error(str(error))
     results = sweep(args.seeds, policies, args.workers, tuple(args.set))
