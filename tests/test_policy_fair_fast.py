@@ -1,10 +1,11 @@
 """`fair`'s fast paths give exactly what the plain definitions give (issue 9's decision time).
 
-The predictor's ``Neighbourhood`` caches per search (chunks, kappas, duties, solutions without a
-change), solves a set of apps that share no GPU in one round, keeps a chunk that no other app of
-the set shares out of the fixed point's rounds (its value cannot change), adds outside terms only
-on GPUs with an app outside the set, and the search keeps Eq. 2's terms,
-user counts per GPU and compared changes. Each is checked here against a straightforward
+The predictor keeps chunks and kappas from one decision to the next (until what each depends on
+is learned); its ``Neighbourhood`` caches per search (duties, solutions without a change), solves
+a set of apps that share no GPU in one round, keeps a chunk that no other app of the set shares
+out of the fixed point's rounds (its value cannot change), adds outside terms only on GPUs with
+an app outside the set, and the search keeps Eq. 2's terms, user counts per GPU and compared
+changes. Each is checked here against a straightforward
 reference on random configurations, bit for bit (floats compared with ==): the speed-ups must
 not change a single decision. Whole simulated runs are compared by
 ``python -m benchmarks.decision_trace`` (docs/benchmarks.md).
@@ -71,6 +72,25 @@ def configurations(draw):
     return predictor, later, changes
 
 
+def plain_pair_kappa(predictor, app, other, crowd):
+    """``Predictor.pair_kappa`` written plainly (before the predictor kept kappas): looked up afresh
+    in the learned kappas and the running sums."""
+    pair, learned, sums = (app, other), predictor.kappa, predictor._sums
+    found = learned[False].get(pair)
+    if crowd:
+        if found is None:
+            found = learned[True].get(pair)
+        if found is None:
+            found = sums[False].estimate(app, other)
+    elif found is None:
+        found = sums[False].estimate(app, other)
+        if found is None:
+            found = learned[True].get(pair)
+    if found is None:
+        found = sums[True].estimate(app, other)
+    return predictor.config.interference_prior if found is None else found
+
+
 def reference_solve(predictor, ratios, views, names, changes):
     """The fixed point written plainly (drbalance before issue 9's speed-ups, with the pair and
     crowd kappas): every duty and kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
@@ -111,9 +131,9 @@ def reference_solve(predictor, ratios, views, names, changes):
                 if other == name:
                     continue
                 if other in inside:
-                    partners.append((predictor.pair_kappa(name, other, crowd), (other, gpu), other))
+                    partners.append((plain_pair_kappa(predictor, name, other, crowd), (other, gpu), other))
                 else:
-                    outside += predictor.pair_kappa(name, other, crowd) * duty[(other, gpu)]
+                    outside += plain_pair_kappa(predictor, name, other, crowd) * duty[(other, gpu)]
             plans.append((name, gpu, chunk, outside, partners))
     stretched = {(name, gpu): chunk for name, gpu, chunk, _, _ in plans}
     times = {name: fixed[name] + max((c for _, c in chunks[name]), default=0.0) for name in names}
@@ -220,6 +240,43 @@ def test_a_neighbourhood_kept_while_the_predictor_learns_predicts_from_what_it_l
         for other in ratios:
             for crowd in (False, True):
                 assert neighbourhood.kappa(name, other, crowd) == predictor.pair_kappa(name, other, crowd)
+
+
+@settings(max_examples=60)
+@given(configurations(), st.floats(1.0, 3.0), st.data())
+def test_the_predictors_kept_kappas_and_chunks_follow_what_it_learns(case, factor, data):
+    """Kept from one decision to the next (``Predictor.pair_kappa``, ``Predictor.chunks``), each
+    kappa and chunk equals the plain definition after more learning, a move and forgotten apps."""
+    predictor, views, changes = case
+    names = [v.name for v in views]
+
+    def check():
+        for name in predictor.apps:
+            for other in names:
+                for crowd in (False, True):
+                    assert predictor.pair_kappa(name, other, crowd) == plain_pair_kappa(predictor, name, other, crowd)
+            for ratio in [v.ratio for v in views] + list(changes.values()):
+                kept = predictor.chunks(name, ratio)
+                assert kept == predictor._chunks_of(predictor.apps[name], ratio)
+                model = predictor.apps[name]
+                plain = [(g, model.work(predictor.config) * predictor.size_factor(n, model.batch) / predictor.speed[g])
+                         for g, n in enumerate(ratio.split(model.batch)) if n]
+                if len(plain) > 1:
+                    plain = [(g, seconds * predictor.replica_factor(len(plain))) for g, seconds in plain]
+                assert list(kept.placed) == plain
+
+    check()  # every kappa and chunk now kept
+    later = [AppView(v.name, v.ratio, v.slowdown, iteration=v.iteration + 20, iterations_total=v.iterations_total,
+                     iteration_time=v.iteration_time * factor, solo_time=v.solo_time, batch=v.batch,
+                     chunk_seconds=tuple(s * factor if s is not None else None for s in v.chunk_seconds),
+                     chunk_samples=v.chunk_samples) if v.chunk_seconds is not None else v for v in views]
+    predictor.observe(later, learn_from=data.draw(st.sets(st.sampled_from(names))))
+    check()
+    predictor.learn_move(1, 2, data.draw(st.floats(0.5, 2.0)), 1.0)  # the replica penalty moves
+    check()
+    predictor.forget(data.draw(st.sets(st.sampled_from(names))))
+    names = list(predictor.apps)
+    check()
 
 
 class Shares(list):

@@ -139,7 +139,8 @@ class FairPolicy:
         ratio = current_ratio(me, config)
         if ratio is None:
             return Decision.of(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
-        predictor = self._predictor(snapshot, app)
+        live = {view.name for view in snapshot.apps}
+        predictor = self._predictor(snapshot, app, live)
         track = self.tracks.setdefault(app, _Track())
         self._note_window(track, me)
         if trigger == "register":
@@ -148,7 +149,7 @@ class FairPolicy:
                 return placed
         if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
             return Decision.of(app, me.ratio, "no-measurement")
-        search = _Search(self, snapshot, predictor, me, self._locked_gpus(snapshot, app))
+        search = _Search(self, snapshot, predictor, me, self._locked_gpus(app, live))
         checked = self._check_last_move(me, ratio, track, search)
         if checked is not None:
             return checked
@@ -206,18 +207,15 @@ class FairPolicy:
         busy, gpu, candidate = min(idle, key=lambda found: found[:2])
         return Decision.of(me.name, candidate, "place", gpu=gpu, utilization=busy)
 
-    def _locked_gpus(self, snapshot: Snapshot, app: str) -> set[int]:
+    def _locked_gpus(self, app: str, live: set[str]) -> set[int]:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
-        No more load goes there meanwhile."""
+        No more load goes there meanwhile. ``live``: the names of the apps in the snapshot."""
         locked: set[int] = set()
-        live: set[str] | None = None
         for name, track in self.tracks.items():
             move = track.last_move
-            if move is not None and not move.checked and name != app:
-                if live is None:
-                    live = {view.name for view in snapshot.apps}
-                if name in live:
-                    locked.update(_gained(move.before, move.after))
+            if move is not None and not move.checked and name != app and name in live:
+                before, after = move.before, move.after
+                locked.update(_gained_shares(before.shares, before.total, after.shares, after.total))
         return locked
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
@@ -289,13 +287,17 @@ class FairPolicy:
         return excess * (sum(parts) / len(parts)) if parts else 0.0
 
     # --- bookkeeping -----------------------------------------------------------------------------
-    def _predictor(self, snapshot: Snapshot, app: str) -> Predictor:
+    def _predictor(self, snapshot: Snapshot, app: str, live: set[str] | None = None) -> Predictor:
+        """The predictor, having forgotten the apps that are gone and learned from the snapshot
+        (``live``: the names of the snapshot's apps, if the caller has them)."""
         if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
             self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
-        live = {view.name for view in snapshot.apps}
+        if live is None:
+            live = {view.name for view in snapshot.apps}
         self.predictor.forget(live)
-        for name in [name for name in self.tracks if name not in live]:
-            del self.tracks[name]
+        if not live.issuperset(self.tracks):  # some app is gone (a loop in Python only then)
+            for name in [name for name in self.tracks if name not in live]:
+                del self.tracks[name]
         self.predictor.observe(snapshot.apps, learn_from=(app,))
         return self.predictor
 
@@ -388,10 +390,18 @@ class _Search:
         self.predictor = predictor
         self.me = me
         self.locked = locked
-        self.views = {view.name: view for view in snapshot.apps}
         gpus = self.config.gpu_count
-        self.ratios = {view.name: view.ratio for view in snapshot.apps if len(view.ratio.shares) == gpus}
-        self.app_count = max(1, sum(1 for view in snapshot.apps if view.slowdown is not None))
+        views: dict[str, AppView] = {}
+        ratios: dict[str, DataRatio] = {}  # the apps whose DR has a share per GPU of the server
+        measured = 0  # apps with an SD so far
+        for view in snapshot.apps:  # one pass over the apps
+            name, ratio = view.name, view.ratio
+            views[name] = view
+            if len(ratio.shares) == gpus:
+                ratios[name] = ratio
+            if view.slowdown is not None:
+                measured += 1
+        self.views, self.ratios, self.app_count = views, ratios, max(1, measured)
         # the deciding app is in its last ``closing_windows`` (``FairPolicy.judge``): once per search
         self.closing = policy.windows_left(me) < policy.config.closing_windows
         self._all_sds: dict[str, float] | None = None
@@ -649,10 +659,12 @@ class _Search:
         to an averagely loaded GPU would only shuffle it."""
         gpus = self.config.gpu_count
         load = [0.0] * gpus
+        me = self.me.name
         for name, ratio in self.ratios.items():
-            if name != self.me.name:
+            if name != me:
+                shares, total = ratio.shares, ratio.total
                 for gpu in ratio.used:
-                    load[gpu] += ratio[gpu] / ratio.total
+                    load[gpu] += shares[gpu] / total
         average = sum(load) / gpus
         quiet = [g for g in range(gpus) if g not in self.locked and (load[g] == 0 or load[g] <= average - 0.5)]
         mine = self.ratios.get(self.me.name)
@@ -672,10 +684,14 @@ class _Search:
         judged on the mover's SD alone), not moving already (a pushed move counts towards the
         partner's move cap but is not refused by it: docs/policy.md), the least slowed first."""
         candidates = []
+        me, views, tracks = self.me.name, self.views, self.policy.tracks
         for name in self.ratios:
-            slowdown = self.views[name].slowdown
-            if name != self.me.name and slowdown is not None and not self.policy.protected(name):
-                candidates.append((slowdown, name))
+            slowdown = views[name].slowdown
+            if name != me and slowdown is not None:
+                track = tracks.get(name)  # as FairPolicy.protected, written out (called for every app)
+                move = None if track is None else track.last_move
+                if move is None or not (move.quiet > 0 or not move.checked):
+                    candidates.append((slowdown, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
 
 

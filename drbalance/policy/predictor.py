@@ -141,14 +141,27 @@ class Predictor:
         self.generation = 0  # moves on whenever anything a prediction reads is learned or forgotten
         self._modelled: dict[str, AppView] = {}  # per app, the view its model was last updated from
         self._placed: dict[str, tuple[DataRatio, int, tuple[int, ...]]] = {}  # per app: DR, batch, GPUs with samples
+        # per app and DR (shares, total): its chunks (``chunks``), kept until its model, a GPU's speed
+        # or the replica penalty is learned (``_drop_chunks``); what else a prediction reads (kappas,
+        # corrections) is not in them
+        self._chunks: dict[str, dict[tuple[tuple[int, ...], int], Chunks]] = {}
+        # per app, its kappas as ``pair_kappa`` found them, per context ([False] pair, [True] crowd):
+        # other app -> kappa. One learned for the pair is kept until the pair's kappa is learned
+        # again; one from an estimate or the prior (listed in ``_estimated``) until any kappa is
+        # learned (the running sums move): ``_set_kappa``
+        self._kappa_rows: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+        self._estimated: list[tuple[dict[str, float], str]] = []
 
     # --- learning ---------------------------------------------------------------------------------
     def forget(self, live: Iterable[str]) -> None:
         """Drop what was learned about apps that are gone."""
         keep = set(live)
-        for name in [name for name in self.apps if name not in keep]:
+        gone: list[str] = [] if keep.issuperset(self.apps) else [name for name in self.apps if name not in keep]
+        for name in gone:
             del self.apps[name]
             self.generation += 1
+            self._drop_chunks(name)
+            self._kappa_rows.pop(name, None)
             self._modelled.pop(name, None)
             self._placed.pop(name, None)
         for crowd, learned in self.kappa.items():
@@ -167,8 +180,10 @@ class Predictor:
         if model is None:
             model = self.apps[view.name] = AppModel(solo, batch)
             self.generation += 1
+            self._drop_chunks(view.name)
         elif model.solo_iteration != solo or model.batch != batch:
             self.generation += 1
+            self._drop_chunks(view.name)
         model.solo_iteration, model.batch = solo, batch
         return model
 
@@ -180,20 +195,23 @@ class Predictor:
         whole window's measurements: learning from that app alone uses every window once.
         """
         seen, apps = self._modelled, self.apps
-        for view in views:
-            if seen.get(view.name) is not view or view.name not in apps:  # a record read before changes nothing
-                self.model(view)
-                seen[view.name] = view
         wanted = None if learn_from is None else set(learn_from)
+        learning = []  # the views to learn from, picked in the same pass (app names are unique)
         for view in views:
-            if wanted is not None and view.name not in wanted and self.apps[view.name].measured_iteration >= 0:
-                continue  # not deciding now, and learned from before
-            model = self.apps[view.name]
+            name = view.name
+            if seen.get(name) is not view or name not in apps:  # a record read before changes nothing
+                self.model(view)
+                seen[name] = view
+            if wanted is None or name in wanted or apps[name].measured_iteration < 0:
+                learning.append(view)  # deciding now, or never learned from
+        for view in learning:
+            model = apps[view.name]
             placement = _measured_samples(view)
             if placement is None or view.iteration == model.measured_iteration:
                 continue
             model.measured_iteration = view.iteration
             self.generation += 1  # host, overhead, speeds, kappas, correction
+            self._drop_chunks(view.name)  # its host or overhead (a GPU's speed drops every app's)
             others = self._co_runners(view, placement, views)
             self._learn_host(view, model, placement)
             self._learn_gpus(view, model, placement, others)
@@ -205,21 +223,22 @@ class Predictor:
         used = [g for g, n in enumerate(placement) if n > 0]
         found: dict[int, dict[str, float]] = {g: {} for g in used}
         places = [(gpu, found[gpu]) for gpu in used]
-        prior = self.config.duty_prior
+        prior, me = self.config.duty_prior, view.name
         for other in views:
-            if other.name == view.name:
+            name = other.name
+            if name == me:
                 continue
             chunk_seconds, iteration_time = other.chunk_seconds, other.iteration_time
             if chunk_seconds is not None and iteration_time:  # measured
                 for gpu, there in places:
                     seconds = chunk_seconds[gpu]
                     if seconds is not None:
-                        there[other.name] = min(1.0, seconds / iteration_time)
+                        there[name] = min(1.0, seconds / iteration_time)
             else:
                 shares = other.ratio.shares
                 for gpu, there in places:
                     if gpu < len(shares) and shares[gpu] > 0:
-                        there[other.name] = prior
+                        there[name] = prior
         return found
 
     def _measured_configuration_time(self, view: AppView, model: AppModel, placement: Sequence[int],
@@ -264,6 +283,7 @@ class Predictor:
                 if len(used) == 1 and not model.host_bound():  # alone with the whole batch: this GPU's speed
                     known = self.speed[gpu] if self._speed_measured[gpu] else None
                     self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
+                    self._drop_chunks()
                     self._speed_measured[gpu] = True
                 continue
             stretch = seconds * self.speed[gpu] / unstretched - 1.0
@@ -284,6 +304,14 @@ class Predictor:
         if value is not None:
             self.kappa[crowd][pair] = value
             self._sums[crowd].add(pair, value)
+        # the kept kappas this can move: the pair's own (both contexts), every estimate and prior
+        rows = self._kappa_rows.get(pair[0])
+        if rows is not None:
+            for row in rows:
+                row.pop(pair[1], None)
+        for row, other in self._estimated:
+            row.pop(other, None)
+        self._estimated.clear()
 
     def _learn_correction(self, view: AppView, model: AppModel, predicted: float) -> None:
         if predicted > 0:
@@ -319,6 +347,7 @@ class Predictor:
         if learned != self.replica_penalty:
             self.replica_penalty = learned
             self.generation += 1
+            self._drop_chunks()
 
     def pair_kappa(self, app: str, other: str, crowd: bool = False) -> float:
         """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU, the two
@@ -332,24 +361,85 @@ class Predictor:
         for a pair only after an estimate from the kappas learned in pairs. An estimate for a
         pair never seen together is the app's mean sensitivity times the other's mean
         aggressiveness over the mean; with nothing learned, ``interference_prior``.
+
+        Kept per app in ``kappa_rows`` until what it depends on is learned (``_set_kappa``).
         """
+        row = self.kappa_rows(app)[1 if crowd else 0]
+        found = row.get(other)
+        if found is None:
+            found = row[other] = self._look_up_kappa(app, other, crowd)
+        return found
+
+    def kappa_rows(self, app: str) -> tuple[dict[str, float], dict[str, float]]:
+        """The app's kappas found so far, per context ([False]: alone together with the other app,
+        [True]: in a crowd): other app -> ``pair_kappa``. Read them, never change them; a pair not
+        there yet is found by ``pair_kappa``."""
+        rows = self._kappa_rows.get(app)
+        if rows is None:
+            rows = self._kappa_rows[app] = ({}, {})
+        return rows
+
+    def _look_up_kappa(self, app: str, other: str, crowd: bool) -> float:
+        """``pair_kappa`` from what is learned; one from an estimate or the prior is listed in
+        ``_estimated`` (the caller keeps it in ``kappa_rows``)."""
         pair = (app, other)
         learned, sums = self.kappa, self._sums
         found = learned[False].get(pair)
+        if found is None and crowd:
+            found = learned[True].get(pair)
+        if found is not None:
+            return found  # learned for the pair: moves only when the pair is learned
         if crowd:
-            if found is None:
-                found = learned[True].get(pair)
-            if found is None:
-                found = sums[False].estimate(app, other)
-        elif found is None:
             found = sums[False].estimate(app, other)
-            if found is None:
+        else:
+            found = sums[False].estimate(app, other)
+            if found is None:  # (and only then) the pair's kappa learned in a crowd
                 found = learned[True].get(pair)
         if found is None:
             found = sums[True].estimate(app, other)
+        self._estimated.append((self.kappa_rows(app)[1 if crowd else 0], other))
         return self.config.interference_prior if found is None else found
 
     # --- prediction -------------------------------------------------------------------------------
+    def chunks(self, name: str, ratio: DataRatio) -> Chunks:
+        """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them; kept
+        until the app's model, a GPU's speed or the replica penalty is learned."""
+        kept = self._chunks.get(name)
+        if kept is None:
+            kept = self._chunks[name] = {}
+        key = (ratio.shares, ratio.total)
+        found = kept.get(key)
+        if found is None:
+            found = kept[key] = self._chunks_of(self.apps[name], ratio)
+        return found
+
+    def _chunks_of(self, model: AppModel, ratio: DataRatio) -> Chunks:
+        """``chunks``, computed."""
+        config, speed, batch = self.config, self.speed, model.batch
+        work, host, overhead = model.work(config), model.host_time(config), model.overhead_time(config)
+        gpus, factors = _size_factors(ratio.shares, ratio.total, batch, config.fixed_fraction)
+        placed = []
+        longest = None
+        for g, factor in zip(gpus, factors):
+            seconds = work * factor / speed[g]  # work * size_factor(n, batch) / speed[g]
+            placed.append((g, seconds))
+            if longest is None or seconds > longest:  # as max() keeps the first largest
+                longest = seconds
+        fixed = host + overhead * (len(placed) - 1)
+        if len(placed) > 1 and self.replica_penalty:  # every part grows by the replica factor
+            factor = self.replica_factor(len(placed))
+            placed = [(g, seconds * factor) for g, seconds in placed]
+            fixed *= factor
+            longest *= factor
+        return Chunks(tuple(placed), fixed, fixed + (0.0 if longest is None else longest), gpus)
+
+    def _drop_chunks(self, name: str | None = None) -> None:
+        """Forget the kept chunks of an app whose model changed (of every app: None)."""
+        if name is None:
+            self._chunks.clear()
+        else:
+            self._chunks.pop(name, None)
+
     def size_factor(self, size: float, batch: int) -> float:
         """Device time of a chunk of ``size`` samples as a share of the full batch's."""
         phi = self.config.fixed_fraction
@@ -405,9 +495,10 @@ class _KappaSums:
 class Chunks(NamedTuple):
     """An app's iteration under one DR before any sharing: ``placed`` its chunks as (GPU, seconds
     alone on it), ``fixed`` its seconds outside them (host time and the replicas' overhead),
-    ``alone`` the iteration's seconds (fixed + its longest chunk), ``gpus`` the GPUs it uses."""
+    ``alone`` the iteration's seconds (fixed + its longest chunk), ``gpus`` the GPUs it uses.
+    The predictor keeps them and hands the same ones out again: read them, never change them."""
 
-    placed: list[tuple[int, float]]
+    placed: tuple[tuple[int, float], ...]
     fixed: float
     alone: float
     gpus: tuple[int, ...]
@@ -422,11 +513,12 @@ class Neighbourhood:
     time over iteration time; a prior before it is measured). Comparing the affected apps before
     and after a change is then cheap, whatever the number of apps.
 
-    What does not depend on the change (each app's chunks under a DR, pair kappas in both
-    contexts, measured duties, the solution without a change for a set of apps) is computed once
-    and kept until the predictor learns something (its ``generation`` moves on): then all but
-    the configuration (``ratios``, ``on_gpu``, measured duties, as at construction) is computed
-    afresh.
+    What does not depend on the change (measured duties, outside terms, the solution without a
+    change for a set of apps) is computed once and kept until the predictor learns something
+    (its ``generation`` moves on): then all but the configuration (``ratios``, ``on_gpu``,
+    measured duties, as at construction) is computed afresh. Each app's chunks under a DR and
+    the pair kappas in both contexts are kept by the predictor itself, from one decision to the
+    next, until what each depends on is learned (``Predictor.chunks``, ``Predictor.pair_kappa``).
     """
 
     ROUNDS = 3
@@ -436,11 +528,11 @@ class Neighbourhood:
         self.views = views
         self.ratios: dict[str, DataRatio] = {}
         self.on_gpu: list[list[str]] = [[] for _ in range(predictor.gpu_count)]
-        on_gpu, apps, placed = self.on_gpu, predictor.apps, predictor._placed
+        mine, on_gpu, apps, placed = self.ratios, self.on_gpu, predictor.apps, predictor._placed
         for name, ratio in ratios.items():
             model = apps.get(name)
             if model is not None:
-                self.ratios[name] = ratio
+                mine[name] = ratio
                 known = placed.get(name)  # the same DR object as at the last decision: the same GPUs
                 if known is not None and known[0] is ratio and known[1] == model.batch:
                     gpus = known[2]
@@ -452,12 +544,9 @@ class Neighbourhood:
         self._duty: dict[tuple[str, int], float] = {}
         # what depends on what the predictor learned, kept while it learns nothing (``_renew``)
         self._generation = predictor.generation
-        self._kappa: dict[str, tuple[dict[str, float], dict[str, float]]] = {}  # app -> (pair, crowd): other -> kappa
         self._terms: dict[tuple[str, int, bool], list[tuple[str, float]]] = {}
         self._alone: dict[tuple[str, int], float] = {}  # a chunk's stretch with the app alone in the set
-        self._chunks: dict[tuple[str, tuple[int, ...], int], Chunks] = {}
         self._current: dict[str, Chunks] = {}  # chunks under the current DRs
-        self._models: dict[str, tuple[int, float, float, float]] = {}  # batch, work, host, overhead seconds
         self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
 
     def measured_duty(self, name: str, gpu: int) -> float:
@@ -474,17 +563,8 @@ class Neighbourhood:
         return value
 
     def kappa(self, app: str, other: str, crowd: bool = False) -> float:
-        """``Predictor.pair_kappa`` in either context, kept until the predictor learns."""
-        if self._generation != self.predictor.generation:
-            self._renew()
-        rows = self._kappa.get(app)
-        if rows is None:
-            rows = self._kappa[app] = ({}, {})
-        row = rows[crowd]  # [False]: alone together, [True]: in a crowd
-        value = row.get(other)
-        if value is None:
-            value = row[other] = self.predictor.pair_kappa(app, other, crowd)
-        return value
+        """``Predictor.pair_kappa`` in either context (which the predictor keeps)."""
+        return self.predictor.pair_kappa(app, other, crowd)
 
     def _outside_terms(self, name: str, gpu: int, crowd: bool) -> list[tuple[str, float]]:
         """Per app of the current configuration on ``gpu`` (but ``name``): how much it stretches
@@ -510,8 +590,7 @@ class Neighbourhood:
     def _renew(self) -> None:
         """Forget every value that depends on what the predictor learned (it learned since)."""
         self._generation = self.predictor.generation
-        for cache in (self._kappa, self._terms, self._alone, self._chunks, self._current, self._models,
-                      self._unchanged):
+        for cache in (self._terms, self._alone, self._current, self._unchanged):
             cache.clear()
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
@@ -537,37 +616,9 @@ class Neighbourhood:
         return self._unchanged[tuple(names)], self.solve(names, changes)
 
     def chunks(self, name: str, ratio: DataRatio) -> Chunks:
-        """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them."""
-        if self._generation != self.predictor.generation:
-            self._renew()
-        key = (name, ratio.shares, ratio.total)
-        found = self._chunks.get(key)
-        if found is None:
-            predictor = self.predictor
-            speed = predictor.speed
-            constants = self._models.get(name)
-            if constants is None:
-                config = predictor.config
-                model = predictor.apps[name]
-                constants = self._models[name] = (model.batch, model.work(config), model.host_time(config),
-                                                  model.overhead_time(config))
-            batch, work, host, overhead = constants
-            gpus, factors = _size_factors(ratio.shares, ratio.total, batch, predictor.config.fixed_fraction)
-            placed = []
-            longest = None
-            for g, factor in zip(gpus, factors):
-                seconds = work * factor / speed[g]  # work * size_factor(n, batch) / speed[g]
-                placed.append((g, seconds))
-                if longest is None or seconds > longest:  # as max() keeps the first largest
-                    longest = seconds
-            fixed = host + overhead * (len(placed) - 1)
-            if len(placed) > 1 and predictor.replica_penalty:  # every part grows by the replica factor
-                factor = predictor.replica_factor(len(placed))
-                placed = [(g, seconds * factor) for g, seconds in placed]
-                fixed *= factor
-                longest *= factor
-            found = self._chunks[key] = Chunks(placed, fixed, fixed + (0.0 if longest is None else longest), gpus)
-        return found
+        """The app's chunks under ``ratio`` alone, and its seconds per iteration outside them
+        (``Predictor.chunks``)."""
+        return self.predictor.chunks(name, ratio)
 
     def _current_chunks(self, name: str) -> Chunks:
         found = self._current.get(name)
@@ -590,7 +641,7 @@ class Neighbourhood:
         if len(names) == 1 and self.ROUNDS >= 1:
             return self._solve_one(names[0], changes)
         index: dict[str, int] = {}
-        chunks: list[list[tuple[int, float]]] = []
+        chunks: list[tuple[tuple[int, float], ...]] = []
         fixed: list[float] = []
         times: list[float] = []  # before the first round: every chunk alone
         inside_on: dict[int, list[tuple[str, int, int]]] = {}  # per GPU: (app, its index, chunk number)
@@ -602,11 +653,10 @@ class Neighbourhood:
                 found = current.get(name) or self._current_chunks(name)
             else:
                 found = self.chunks(name, ratio)
-            placed = found.placed
-            chunks.append(placed)
+            chunks.append(found.placed)
             fixed.append(found.fixed)
             times.append(found.alone)
-            for gpu, _ in placed:
+            for gpu in found.gpus:  # the GPUs of ``found.placed``, in its order
                 entry = inside_on.get(gpu)
                 if entry is None:
                     entry = inside_on[gpu] = []
@@ -616,32 +666,28 @@ class Neighbourhood:
         # measured duty), and whether an app there is in a crowd (it and two others or more, of the
         # set or staying put), which picks the kappas (``Predictor.pair_kappa``)
         on_gpu = self.on_gpu
-        crowded: dict[int, bool] = {}
-        strangers: dict[int, int] = {}
+        shared: dict[int, tuple[list[tuple[str, int, int]], bool, int]] = {}  # per GPU: the set there, crowd, strangers
         for gpu, here in inside_on.items():
             outside_set = 0
             for other in on_gpu[gpu]:
                 if other not in index:
                     outside_set += 1
-            strangers[gpu] = outside_set
-            crowded[gpu] = len(here) + outside_set > 2
+            shared[gpu] = (here, len(here) + outside_set > 2, outside_set)
         # per chunk: the stretch from apps outside the set (fixed) and (kappa, chunk, app) of those
         # inside; chunks in the order of ``names`` then GPUs, refined in place (Gauss-Seidel). A
         # chunk with no app of the set beside it keeps its first value: it is left out of the rounds
         coupled_plans = []
         stretched: list[float] = []
         base = [0.0] * len(times)  # per app: its longest chunk that no other app of the set shares
-        kappa_rows, all_terms, pair_kappa = self._kappa, self._terms, self.predictor.pair_kappa
+        all_terms, kappa_rows, pair_kappa = self._terms, self.predictor.kappa_rows, self.predictor.pair_kappa
         number = -1
         for position, name in enumerate(names):
-            rows = kappa_rows.get(name)
-            if rows is None:
-                rows = kappa_rows[name] = ({}, {})
+            rows = kappa_rows(name)
             for gpu, chunk in chunks[position]:
                 number += 1
-                crowd = crowded[gpu]
+                here, crowd, strangers = shared[gpu]
                 outside = 1.0
-                if strangers[gpu]:
+                if strangers:
                     terms = all_terms.get((name, gpu, crowd))
                     if terms is None:
                         terms = self._outside_terms(name, gpu, crowd)
@@ -649,7 +695,6 @@ class Neighbourhood:
                         if other not in index:
                             outside += term
                 stretched.append(chunk)
-                here = inside_on[gpu]
                 if len(here) == 1:
                     value = chunk * outside
                     if value > base[position]:
@@ -660,8 +705,8 @@ class Neighbourhood:
                 for other, where, slot in here:
                     if other != name:
                         factor = row.get(other)
-                        if factor is None:  # as ``kappa`` (the generation was checked above)
-                            factor = row[other] = pair_kappa(name, other, crowd)
+                        if factor is None:  # not found yet: found and kept in the row
+                            factor = pair_kappa(name, other, crowd)
                         partners.append((factor, slot, where))
                 coupled_plans.append((number, position, chunk, outside, partners))
         if not coupled_plans and self.ROUNDS:  # no two apps of the set share a GPU: one round is all
