@@ -173,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--scale must be within (0, 1]; got {args.scale}")
     if not args.fairer > 0:
         parser.error(f"--fairer must be > 0; got {args.fairer}")
+    if args.limit < 1:
+        parser.error(f"--limit must be >= 1; got {args.limit}")
     answers = []
     for seed, interference in args.cases:
         found = explore(seed, interference, args.fairer, args.scale, args.workers, args.limit)

@@ -62,3 +62,12 @@ def test_cases_are_seed_colon_interference_and_bad_ones_are_refused():
     for bad in ("165", "x:gavel", "165:none", ":calibrated"):
         with pytest.raises(argparse.ArgumentTypeError):
             frontier.case(bad)
+
+
+def test_bad_options_are_refused_with_a_message(capsys):
+    for bad in (["165:calibrated", "--scale", "0"], ["165:calibrated", "--fairer", "-1"],
+                ["165:calibrated", "--limit", "0"], ["nonsense"]):
+        with pytest.raises(SystemExit) as stopped:
+            frontier.main(bad)
+        assert stopped.value.code == 2
+        assert "error:" in capsys.readouterr().err
