@@ -3,14 +3,16 @@
 Six training jobs (2 x DenseNet121, 2 x ResNet50, 2 x AlexNet; real torchvision models on
 FakeData) share 4 GPUs: first under the ``observe`` policy (each job keeps its one-GPU
 round-robin placement), then under the paper's policy, then under ``fair`` (drbalance's own).
-Prints the comparison table and writes the plots. Without 4 CUDA GPUs the GPUs are *emulated*
-(see docs/emulation.md): time-shared device slots on this CPU with device times from published
-per-model measurements.
+Prints the comparison table and writes the plots. An earlier demo's runs in the same folder are
+moved aside first (``set_aside_earlier_runs``): a run's logs are appended to, never replaced.
+Without 4 CUDA GPUs the GPUs are *emulated* (see docs/emulation.md): time-shared device slots on
+this CPU with device times from published per-model measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from drbalance import progress
 from drbalance.argtypes import non_negative_int, positive_float
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
-from drbalance.runs.launch import LaunchOptions, launch, resolve_devices
+from drbalance.runs.launch import LaunchOptions, earlier_run, launch, resolve_devices
 from drbalance.workload.scenarios import load_scenario
 
 EMULATED_NOTICE = (
@@ -56,6 +58,28 @@ def parse_policies(text: str) -> tuple[str, ...]:
     return names
 
 
+def set_aside_earlier_runs(out: Path, policies: tuple[str, ...]) -> list[tuple[Path, Path]]:
+    """Move an earlier demo's runs out of the way of this one, keeping them: every policy folder
+    of ``out`` that holds a run's logs (``launch.earlier_run``), and then the report folder, is
+    renamed to ``<name>.<n>`` with the first ``n`` >= 1 free for all of them. Returns the
+    (old, new) paths, none if nothing was there. A run directory is never reused: ``launch``
+    would refuse it, since the new logs would be appended to the old ones."""
+    names = [name for name in policies if earlier_run(out / name) is not None]
+    if not names:
+        return []
+    if os.path.lexists(out / "report"):
+        names.append("report")
+    suffix = 1
+    while any(os.path.lexists(out / f"{name}.{suffix}") for name in names):
+        suffix += 1
+    moved = []
+    for name in names:
+        target = out / f"{name}.{suffix}"
+        (out / name).rename(target)
+        moved.append((out / name, target))
+    return moved
+
+
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     devices = resolve_devices(args.devices, scenario.gpus)
@@ -66,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"Using {scenario.gpus} real CUDA GPUs; solo-run times come from stored profiles named after "
               f"the models (drbalance profile MODEL -- python -m drbalance.runs.train --model MODEL ...).")
+    moved = set_aside_earlier_runs(args.out, args.policies)
+    if moved:
+        print(f"An earlier demo's output was moved aside (nothing deleted): "
+              f"{', '.join(f'{old} -> {new}' for old, new in moved)}")
     started = time.monotonic()
     runs = []
     show = progress.wanted(args.progress)

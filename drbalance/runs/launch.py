@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, e2e-skewed, or a scenario .json file")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                         help="the manager's policy ('observe' = no balancing)")
-    parser.add_argument("--run-dir", type=Path, required=True, help="directory for this run's logs (created)")
+    parser.add_argument("--run-dir", type=Path, required=True,
+                        help="directory for this run's logs (created; refused if it holds an earlier run's logs)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
     parser.add_argument("--time-scale", type=positive_float, default=defaults.EMULATED_TIME_SCALE,
@@ -198,9 +199,34 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
     return command
 
 
+class RunDirectoryInUse(ValueError):
+    """The run directory already holds an earlier run's logs: the new run's would be appended to
+    them, and a report would mix the two runs."""
+
+
+def earlier_run(run_dir: Path) -> Path | None:
+    """A log file of an earlier run in ``run_dir`` (its ``run.json``, manager log, or an app's SD
+    log), or None if it holds none (or does not exist)."""
+    for name in ("run.json", "manager.jsonl", "manager.jsonl.1"):
+        if os.path.lexists(run_dir / name):
+            return run_dir / name
+    apps = run_dir / "apps"
+    if apps.is_dir():
+        return next(iter(sorted(apps.glob("*.sd.jsonl"))), None)
+    return None
+
+
 def launch(options: LaunchOptions) -> Path:
-    """Run the scenario to completion (or ``timeout``); return the run directory."""
+    """Run the scenario to completion (or ``timeout``); return the run directory.
+
+    Raises ``RunDirectoryInUse`` before anything starts if the run directory already holds an
+    earlier run's logs (they are left as they are)."""
     scenario, run_dir = options.scenario, options.run_dir
+    found = earlier_run(run_dir)
+    if found is not None:
+        raise RunDirectoryInUse(f"run directory {run_dir} already holds an earlier run ({found} exists); this run's "
+                                f"logs would be mixed with it. Choose another --run-dir, or move that one away. "
+                                f"Nothing was started.")
     make_dirs(run_dir / "apps")
     namespace = f"run-{uuid.uuid4().hex[:12]}"
     child_env = dict(os.environ)
