@@ -31,10 +31,9 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from benchmarks.random_mixes import random_mix
+from benchmarks.random_mixes import random_mix, simulate_mix
 from benchmarks.static_layouts import Layout, describe, evaluate
 from drbalance.ratio import DataRatio
-from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import Scenario
 
@@ -112,10 +111,7 @@ def _evaluate(task: tuple[int, str, float, Layout]) -> Point:
 
 def doing_nothing(seed: int, interference: str, scale: float) -> Point:
     """``observe`` from round-robin, as random_mixes runs it (its layout left empty)."""
-    scenario = shortened(random_mix(seed), scale)
-    config = SimConfig(policy="observe", placement="round-robin", record=False,
-                       contention=make_interference(interference))
-    result = simulate(scenario, config)
+    result = simulate_mix(shortened(random_mix(seed), scale), interference, "observe")
     return Point((), result.max_sd, result.mean_sd)
 
 

@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 
 from drbalance.policy.fair import FairConfig, FairPolicy
-from drbalance.sim.engine import SimConfig, Simulation
+from drbalance.sim.engine import SimConfig, SimResult, Simulation
 from drbalance.sim.mixes import MODELS, batch_of, not_worse
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import Scenario, sized_app
@@ -68,14 +68,19 @@ class Run:
 Knobs = tuple[tuple[str, object], ...]  # FairConfig fields and the values that replace their defaults
 
 
-def run(job: tuple[int, str, str], knobs: Knobs = ()) -> Run:
-    """Simulate ``random_mix(seed)`` under one policy and interference model, from round-robin;
-    ``fair`` with ``knobs`` replacing FairConfig's defaults."""
-    seed, interference, policy = job
+def simulate_mix(scenario: Scenario, interference: str, policy: str, knobs: Knobs = ()) -> SimResult:
+    """Simulate a scenario under one policy and interference model, from round-robin, as the
+    sweep does; ``fair`` with ``knobs`` replacing FairConfig's defaults."""
     config = SimConfig(policy=policy, placement="round-robin", record=False,
                        contention=make_interference(interference))
     chosen = FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
-    result = Simulation(random_mix(seed), config, policy=chosen).run()
+    return Simulation(scenario, config, policy=chosen).run()
+
+
+def run(job: tuple[int, str, str], knobs: Knobs = ()) -> Run:
+    """Simulate ``random_mix(seed)`` under one policy and interference model (``simulate_mix``)."""
+    seed, interference, policy = job
+    result = simulate_mix(random_mix(seed), interference, policy, knobs)
     return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd)
 
 

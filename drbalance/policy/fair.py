@@ -214,8 +214,7 @@ class FairPolicy:
         for name, track in self.tracks.items():
             move = track.last_move
             if move is not None and not move.checked and name != app and name in live:
-                before, after = move.before, move.after
-                locked.update(_gained_shares(before.shares, before.total, after.shares, after.total))
+                locked.update(_gained(move.before, move.after))
         return locked
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
@@ -684,14 +683,11 @@ class _Search:
         judged on the mover's SD alone), not moving already (a pushed move counts towards the
         partner's move cap but is not refused by it: docs/policy.md), the least slowed first."""
         candidates = []
-        me, views, tracks = self.me.name, self.views, self.policy.tracks
+        me, views, protected = self.me.name, self.views, self.policy.protected
         for name in self.ratios:
             slowdown = views[name].slowdown
-            if name != me and slowdown is not None:
-                track = tracks.get(name)  # as FairPolicy.protected, written out (called for every app)
-                move = None if track is None else track.last_move
-                if move is None or not (move.quiet > 0 or not move.checked):
-                    candidates.append((slowdown, name))
+            if name != me and slowdown is not None and not protected(name):
+                candidates.append((slowdown, name))
         return [name for _, name in sorted(candidates)[: self.policy.config.swap_partners]]
 
 
@@ -704,9 +700,9 @@ def _eq2_terms(view: AppView) -> tuple[float, int, float] | None:
     return view.slowdown * view.solo_time - left * view.iteration_time, left, view.solo_time
 
 
-def _gained(before: DataRatio, after: DataRatio) -> list[int]:
+def _gained(before: DataRatio, after: DataRatio) -> tuple[int, ...]:
     """GPUs whose share grows from ``before`` to ``after`` (compared as fractions of the batch)."""
-    return list(_gained_shares(before.shares, before.total, after.shares, after.total))
+    return _gained_shares(before.shares, before.total, after.shares, after.total)
 
 
 @lru_cache(maxsize=4096)
