@@ -29,10 +29,10 @@ import json
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from benchmarks.random_mixes import random_mix, simulate_mix
-from benchmarks.static_layouts import Layout, describe, evaluate
+from benchmarks.static_layouts import Layout, describe, evaluate, shortened
 from drbalance.ratio import DataRatio
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import Scenario
@@ -92,15 +92,6 @@ def app_ratios(scenario: Scenario, limit: int) -> tuple[str, list[tuple[int, ...
         if len(options) ** len(scenario.apps) <= limit:
             return name, options
     return grids[-1]
-
-
-def shortened(scenario: Scenario, scale: float) -> Scenario:
-    """The scenario with every run and every arrival time ``scale`` times as long (the order of
-    arrivals and finishes is kept roughly as at full length)."""
-    if scale == 1.0:
-        return scenario
-    shorter = scenario.scaled(scale)
-    return replace(shorter, apps=tuple(replace(app, arrival=app.arrival * scale) for app in shorter.apps))
 
 
 def _evaluate(task: tuple[int, str, float, Layout]) -> Point:

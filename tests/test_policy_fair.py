@@ -221,44 +221,74 @@ def test_without_measurements_nothing_moves():
         assert policy.decide("a", trigger, snapshot(bare)).branch == "no-measurement"
 
 
+def seen(*views, gpus=4):
+    """A ``fair`` policy that saw each of these apps register at iteration 0 (unmeasured)."""
+    policy = FairPolicy()
+    fresh = [replace(view, iteration=0, slowdown=None, iteration_time=None, chunk_seconds=None) for view in views]
+    for count, view in enumerate(fresh, 1):  # one by one; an app missing from a snapshot is gone
+        policy.decide(view.name, "register", snapshot(*fresh[:count], gpus=gpus))
+    return policy
+
+
 def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
     a = app("a", [10, 0, 0, 0], [0.12, 0, 0, 0], 0.16, iteration=500)  # 80 s run
     c = app("c", [0, 0, 0, 10], [0, 0, 0, 0.12], 0.16, iteration=500)
+    ran = app("d", [0, 10, 0, 0], [0, 0.12, 0, 0], 0.16, iteration=400)  # 64 s
     newcomer = AppView("b", DataRatio([10, 0, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
+    # the policy saw a, c and d register (a fresh policy has not seen them run: below)
     # GPU 1 has no app of ours but reads 80% busy (someone else's work), GPU 2 is idle
-    found = FairPolicy().decide("b", "register", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    found = seen(a, c, ran).decide("b", "register", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
     assert found.branch == "place" and found.ratio == DataRatio([0, 0, 10, 0]) and found.details["gpu"] == 2
     # of two idle GPUs the one that reads less busy; an unknown reading counts as idle
-    found = FairPolicy().decide("b", "register", snapshot(a, newcomer, gpus=4, util=[95.0, 6.0, None, 2.0]))
+    found = seen(a, c, ran).decide("b", "register", snapshot(a, newcomer, gpus=4, util=[95.0, 6.0, None, 2.0]))
     assert found.ratio == DataRatio([0, 0, 10, 0])
     # nothing idle (every GPU reads busy or is taken): it waits for its first window like any newcomer
     crowded = snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 40.0, 90.0])
-    assert FairPolicy().decide("b", "register", crowded).branch == "no-measurement"
+    assert seen(a, c, ran).decide("b", "register", crowded).branch == "no-measurement"
     # its constraints hold: allowed only on GPUs 0 and 1, it is not placed on GPU 2
     bound = replace(newcomer, allowed=(0, 1))
-    found = FairPolicy().decide("b", "register", snapshot(a, c, bound, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    found = seen(a, c, ran).decide("b", "register", snapshot(a, c, bound, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
     assert found.branch == "no-measurement" and found.ratio == bound.ratio
     # another app not measured yet, or run for less than newcomer_settled_seconds (60 s; a and c
     # have run 80 s): it may be a job launched with b, still registering
     starting = AppView("d", DataRatio([0, 10, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
     recent = app("d", [0, 10, 0, 0], [0, 0.12, 0, 0], 0.16, iteration=300)  # 48 s
     for other in (starting, recent):
-        found = FairPolicy().decide("b", "register", snapshot(a, other, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
+        scene = snapshot(a, other, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0])
+        found = seen(a, c, ran).decide("b", "register", scene)
         assert found.branch == "no-measurement"
-    ran = app("d", [0, 10, 0, 0], [0, 0.12, 0, 0], 0.16, iteration=400)  # 64 s: GPU 3, idle, takes b
-    found = FairPolicy().decide("b", "register", snapshot(a, ran, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
+    # d has run 64 s: GPU 3, idle, takes b
+    found = seen(a, c, ran).decide("b", "register", snapshot(a, ran, newcomer, gpus=4, util=[95.0, 0.0, 3.0, 0.0]))
     assert found.branch == "place" and found.ratio == DataRatio([0, 0, 0, 10])
     # a newcomer alone on its GPU stays; so does one at a later boundary (only registration places)
     alone = replace(newcomer, ratio=DataRatio([0, 0, 10, 0]))
-    assert FairPolicy().decide("b", "register", snapshot(a, c, alone, gpus=4)).branch == "no-measurement"
-    later = FairPolicy().decide("b", "boundary", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    assert seen(a, c, ran).decide("b", "register", snapshot(a, c, alone, gpus=4)).branch == "no-measurement"
+    later = seen(a, c, ran).decide("b", "boundary", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
     assert later.branch == "no-measurement"
+    # apps the policy has not seen run 60 s count as just started, whatever their iteration says
+    found = FairPolicy().decide("b", "register", snapshot(a, c, newcomer, gpus=4, util=[95.0, 80.0, 3.0, 90.0]))
+    assert found.branch == "no-measurement"
     for bad in (-1.0, 100.5, float("nan")):
         with pytest.raises(ValueError, match="newcomer_idle_utilization"):
             FairConfig(newcomer_idle_utilization=bad)
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="newcomer_settled_seconds"):
             FairConfig(newcomer_settled_seconds=bad)
+
+
+def test_a_job_resumed_from_a_checkpoint_counts_as_settled_only_after_running_60_s():
+    # r resumed at epoch 5 of 10: it registers at iteration 5000, as if it had run 800 s already
+    resumed = app("r", [10, 0, 0], [0.12, 0, 0], 0.16, iteration=5000)
+    policy = FairPolicy()
+    policy.decide("r", "register", snapshot(replace(resumed, slowdown=None, iteration_time=None), gpus=3))
+    newcomer = AppView("b", DataRatio([10, 0, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
+    early = replace(resumed, iteration=5200)  # 32 s after its registration
+    assert policy.run_seconds(early) == pytest.approx(200 * 0.16)
+    assert policy.decide("b", "register", snapshot(early, newcomer, gpus=3, util=[95.0, 0.0, 0.0])).branch \
+        == "no-measurement"  # launched with b, maybe: the next job may start on the idle GPU
+    settled = replace(resumed, iteration=5400)  # 64 s after it
+    found = policy.decide("b", "register", snapshot(settled, newcomer, gpus=3, util=[95.0, 0.0, 0.0]))
+    assert found.branch == "place" and found.ratio == DataRatio([0, 10, 0])
 
 
 def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():

@@ -102,8 +102,9 @@ class _Move:
 
 @dataclass
 class _Track:
-    """Per app: decision windows, recent moves, DRs not to retry."""
+    """Per app: where the policy first saw it, decision windows, recent moves, DRs not to retry."""
 
+    first_iteration: int = 0  # the app's iteration at its first decision this policy made (or push)
     last_decision: int | None = None
     window: int = 0  # iterations between the app's decisions
     last_move: _Move | None = None
@@ -141,7 +142,7 @@ class FairPolicy:
             return Decision.of(app, me.ratio, "bad-dr", gpus=len(me.ratio), server_gpus=config.gpu_count)
         live = {view.name for view in snapshot.apps}
         predictor = self._predictor(snapshot, app, live)
-        track = self.tracks.setdefault(app, _Track())
+        track = self._track(me)
         self._note_window(track, me)
         if trigger == "register":
             placed = self._place_newcomer(me, ratio, snapshot)
@@ -166,7 +167,7 @@ class FairPolicy:
         others = {other: their for other, their in changes.items() if other != app}
         for other, their in others.items():  # pushed to them now: each is a move of theirs too
             view = snapshot.app(other)
-            partner = self.tracks.setdefault(other, _Track())
+            partner = self._track(view)
             partner.last_move = _Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
                                       quiet=self.config.protect_windows)
             partner.moves[view.epoch] = partner.moves.get(view.epoch, 0) + 1
@@ -179,7 +180,7 @@ class FairPolicy:
         is one: no app's DR uses it and its utilisation reads below ``newcomer_idle_utilization``
         (or gives no reading). The least busy such GPU, then the lowest index. Else None: it keeps
         its DR until measured, like any newcomer. Only if every other app has run for at least
-        ``newcomer_settled_seconds`` (its iterations done x its measured iteration time): jobs
+        ``newcomer_settled_seconds`` since the policy first saw it (``run_seconds``): jobs
         launched together register one by one, and a GPU the ones registered so far leave free
         may be where the next one starts."""
         config = snapshot.config
@@ -188,7 +189,7 @@ class FairPolicy:
         for view in snapshot.apps:
             if view.name == me.name:
                 continue
-            if view.iteration_time is None or view.iteration * view.iteration_time < settled:
+            if view.iteration_time is None or self.run_seconds(view) < settled:
                 return None  # it may have started with the newcomer: where the others go is not known
             taken.update(view.ratio.used)
         if taken.isdisjoint(ratio.used):
@@ -299,6 +300,23 @@ class FairPolicy:
                 del self.tracks[name]
         self.predictor.observe(snapshot.apps, learn_from=(app,))
         return self.predictor
+
+    def _track(self, view: AppView) -> _Track:
+        """The app's track, begun at its current iteration if the policy has none."""
+        track = self.tracks.get(view.name)
+        if track is None:
+            track = self.tracks[view.name] = _Track(first_iteration=view.iteration)
+        return track
+
+    def run_seconds(self, view: AppView) -> float:
+        """How long the policy has seen the app run (seconds): its iterations since the policy's
+        first decision for it, at its measured iteration time; 0 if not measured or never seen.
+        Not its iterations since it started: a job resumed from a checkpoint (``start_epoch``)
+        registers with the iterations of its earlier run already counted."""
+        track = self.tracks.get(view.name)
+        if track is None or view.iteration_time is None:
+            return 0.0
+        return max(0, view.iteration - track.first_iteration) * view.iteration_time
 
     @staticmethod
     def _note_window(track: _Track, me: AppView) -> None:
