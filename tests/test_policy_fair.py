@@ -107,6 +107,48 @@ def _swap_scene(epoch=0):
                     app("c", [0, 10], [0, 0.1], 0.15, iteration=500, epoch=epoch))
 
 
+def _taught_that_strangers_mislead(config=None):
+    """A policy whose five moves beside strangers ran twice as slow as predicted, and whose eight
+    later moves elsewhere ran as predicted (as under Gavel's pairs, docs/reproduction.md)."""
+    policy = FairPolicy(config)
+    policy.predictor = Predictor(2, policy.config.predictor)
+    me = app("x", [10, 0], [0.1, 0], 0.15)
+    policy.predictor.model(me)
+    for novel, measured in [(True, 0.3)] * 5 + [(False, 0.15)] * 8:
+        move = _Move(DataRatio([0, 10]), DataRatio([10, 0]), 50, predicted=0.15, novel=novel)
+        policy._learn_from_move(me, move, measured=measured, predictor=policy.predictor)
+    assert policy.error < policy.config.error_floor < policy.novel_error  # precise, except beside strangers
+    return policy
+
+
+def test_a_change_beside_a_stranger_needs_the_gain_such_moves_have_earned():
+    # the swap of _swap_scene puts c beside b, whose kappa with c was never measured (an estimate)
+    assert FairPolicy().decide("a", "boundary", _swap_scene()).branch == "swap"
+    wary = _taught_that_strangers_mislead()
+    decision = wary.decide("a", "boundary", _swap_scene())
+    assert decision.branch == "keep" and decision.ratio == DataRatio([10, 0])
+    assert not wary.predictor.measured_together("c", "b")
+    # the same lessons with the margin for strangers off (novel_floor 1): the swap is made
+    assert _taught_that_strangers_mislead(FairConfig(novel_floor=1.0)).decide("a", "boundary", _swap_scene()).branch \
+        == "swap"
+    # and once c and b have been measured together, c is no stranger to b: the swap is made
+    known = _taught_that_strangers_mislead()
+    known.predictor.observe(list(snapshot(app("a", [10, 0], [0.1, 0], 0.15, iteration=400),
+                                          app("b", [0, 10], [0, 0.2], 0.25, iteration=400),
+                                          app("c", [0, 10], [0, 0.2], 0.25, iteration=400)).apps))
+    assert known.predictor.measured_together("c", "b")
+    decision = known.decide("a", "boundary", _swap_scene())
+    assert decision.branch == "swap" and decision.details["partners"] == ["c"]
+    # the move made is marked as one beside a stranger or not, for its measurement to teach
+    assert known.tracks["a"].last_move is not None and not known.tracks["a"].last_move.novel
+
+
+def test_novel_floor_must_be_a_finite_number_at_least_zero():
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="novel_floor"):
+            FairConfig(novel_floor=bad)
+
+
 def test_an_app_at_its_move_cap_makes_no_move_of_its_own_until_its_next_epoch():
     cap = FairConfig().max_moves_per_epoch
     policy = FairPolicy()

@@ -61,6 +61,8 @@ class FairConfig:
     closing_windows: float = 2.0  # an app with fewer of its decision windows left puts efficiency first (judge)
     newcomer_idle_utilization: float = 10.0  # percent: an idle GPU reads below this (a newcomer's placement)
     newcomer_settled_seconds: float = 60.0  # ...made only if every other app has run this long
+    novel_floor: float = 0.05  # changes that put an app beside a stranger take their margin from the
+    # error of such moves less this (when larger than the usual); 1 or more: off (uncertainty)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
@@ -72,6 +74,8 @@ class FairConfig:
         if not 0 <= self.newcomer_settled_seconds < math.inf:  # also refuses NaN
             raise ValueError(f"newcomer_settled_seconds must be a finite number of seconds >= 0; got "
                              f"{self.newcomer_settled_seconds!r}")
+        if not 0 <= self.novel_floor < math.inf:  # also refuses NaN
+            raise ValueError(f"novel_floor must be a finite number >= 0 (1 or more: off); got {self.novel_floor!r}")
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
@@ -98,6 +102,7 @@ class _Move:
     predicted: float  # iteration time predicted for ``after`` (seconds)
     quiet: int = 0  # the app's next decisions during which it stays put
     checked: bool = False  # measured for a whole window and judged
+    novel: bool = False  # it put the app beside a stranger (an app its kappa with was never learned)
 
 
 @dataclass
@@ -122,6 +127,7 @@ class FairPolicy:
         self.predictor: Predictor | None = None
         self.tracks: dict[str, _Track] = {}
         self.error = self.config.error_prior  # relative error of the iteration times it predicted
+        self.novel_error = self.config.error_prior  # the same, of the moves that put an app beside a stranger
 
     # --- the decision ----------------------------------------------------------------------------
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
@@ -219,7 +225,7 @@ class FairPolicy:
         return locked
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
-              movers: int = 1) -> Verdict | None:
+              movers: int = 1, novel: bool = False) -> Verdict | None:
         """How much a change pays, from the predicted times of the apps it affects; None if not enough.
 
         Leximax over their predicted SDs at finish (the other apps do not change): the largest are
@@ -236,10 +242,13 @@ class FairPolicy:
         without raising the largest by ``noise``; after it, one that wins the leximax comparison
         with no rise of the mean at all. A change could not be measured and undone before the app
         ends, and a swap's partner would carry a move it never judged.
+
+        ``novel``: the change puts an app beside a stranger; its margin then comes from the error
+        of such moves where that is larger (``uncertainty``).
         """
         old_sds, new_sds = search.sds(before), search.sds(after)
         config = self.config
-        margin = self.uncertainty(search, after)
+        margin = self.uncertainty(search, after, novel)
         needed, noise = max(config.min_gain, margin), max(config.noise, margin)
         mean_rise = (sum(new_sds.values()) - sum(old_sds.values())) / search.app_count
         closing = search.closing
@@ -268,15 +277,22 @@ class FairPolicy:
         left = max(0, view.iterations_total - view.iteration) * per_iteration
         return left / max(1e-9, self.window_seconds(view))
 
-    def uncertainty(self, search: _Search, times: Mapping[str, float]) -> float:
+    def uncertainty(self, search: _Search, times: Mapping[str, float], novel: bool = False) -> float:
         """How far predicted SDs at finish can be off: the policy's measured relative error of
         iteration-time predictions times the part of the SD still to come (iterations left x
         predicted iteration time / solo-run time), averaged over the apps a change affects.
         Errors up to ``error_floor`` count as none: a predictor that good gains more from acting on
         its predictions than from doubting them (in the simulator, a margin from a 5% error kept
         (c) from round-robin at a spread of 0.15 instead of 0.05). Noisy windows (emulated GPUs
-        on a starved CPU: misses of 50% and more) and long remaining runs call for larger gains."""
+        on a starved CPU: misses of 50% and more) and long remaining runs call for larger gains.
+
+        A ``novel`` change (it puts an app beside a stranger: an app whose kappa with it was never
+        learned, so the predictor used an estimate) uses instead, where larger, the error measured
+        on such moves alone less ``novel_floor``: under Gavel's measured pairs those miss by more
+        than 25% three times as often as a move onto a GPU of the app's own (docs/reproduction.md)."""
         excess = max(0.0, self.error - self.config.error_floor)
+        if novel:
+            excess = max(excess, self.novel_error - self.config.novel_floor)
         if not excess:
             return 0.0  # what the sum below comes to, without it
         parts = []
@@ -352,7 +368,8 @@ class FairPolicy:
         mover is predicted with its partner gone from the GPU it joins."""
         new = changes[me.name]
         predicted = search.predicted_time(me.name, changes)
-        track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows)
+        track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
+                                novel=search.puts_strangers_together(changes))
         track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
@@ -366,6 +383,12 @@ class FairPolicy:
                              move.predicted)
         miss = min(1.0, abs(measured / move.predicted - 1.0))
         self.error += self.config.error_smoothing * (miss - self.error)
+        if move.novel:
+            self.novel_error += self.config.error_smoothing * (miss - self.novel_error)
+
+    def novel_margin_matters(self) -> bool:
+        """Whether the error of moves beside strangers would raise a change's margin now."""
+        return self.novel_error - self.config.novel_floor > max(0.0, self.error - self.config.error_floor)
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse: going
@@ -489,7 +512,19 @@ class _Search:
     def gain(self, changes: Mapping[str, DataRatio]) -> Verdict | None:
         """The policy's judgement of a change, or None if it does not pay."""
         before, after = self.compare(changes)
-        return self.policy.judge(self, before, after, movers=len(changes))
+        novel = self.policy.novel_margin_matters() and self.puts_strangers_together(changes)
+        return self.policy.judge(self, before, after, movers=len(changes), novel=novel)
+
+    def puts_strangers_together(self, changes: Mapping[str, DataRatio]) -> bool:
+        """Whether the change puts a moved app on a GPU beside an app whose kappa with it (how much
+        that app slows it down) the predictor never learned, alone together or in a crowd."""
+        for name, new in changes.items():
+            for other, theirs in self.ratios.items():
+                if other != name and not self.predictor.measured_together(name, other):
+                    theirs = changes.get(other, theirs)
+                    if any(theirs[gpu] > 0 for gpu in new.used):
+                        return True
+        return False
 
     def best(self, ratio: DataRatio) -> tuple[dict[str, DataRatio], float] | None:
         best: tuple[Verdict, dict[str, DataRatio]] | None = None

@@ -48,9 +48,10 @@ class FSchedPolicy(FairPolicy):
         super().__init__(config or FSchedConfig())
 
     def judge(self, search: _Search, before: Mapping[str, float], after: Mapping[str, float],
-              movers: int = 1) -> Verdict | None:
+              movers: int = 1, novel: bool = False) -> Verdict | None:
         """Under the variance bound: the throughput gain (ranked first); over it: the fall of the
-        variance (ranked after every change that ends under the bound). ``movers`` is not used."""
+        variance (ranked after every change that ends under the bound). ``movers`` and ``novel``
+        are not used."""
         bound = getattr(self.config, "variance_bound", FSchedConfig.variance_bound)
         sds = search.all_sds()
         old_variance = _variance(sds)

@@ -349,6 +349,12 @@ class Predictor:
             self.generation += 1
             self._drop_chunks()
 
+    def measured_together(self, app: str, other: str) -> bool:
+        """Whether ``app``'s kappa with ``other`` was learned from measurements, alone together or
+        in a crowd; if not, ``pair_kappa`` is an estimate or the prior."""
+        pair = (app, other)
+        return pair in self.kappa[False] or pair in self.kappa[True]
+
     def pair_kappa(self, app: str, other: str, crowd: bool = False) -> float:
         """How much ``app``'s chunk stretches per unit of ``other``'s duty on the same GPU, the two
         alone there (``crowd`` False) or with a third app (True).
