@@ -447,6 +447,7 @@ class _Search:
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
         self._users: list[int] | None = None
+        self._occupants: list[list[str]] | None = None
         self._compared: dict[tuple, tuple[Mapping[str, float], dict[str, float]]] = {}
         self._sds_of: dict[int, tuple[Mapping[str, float], dict[str, float]]] = {}  # id(times) -> (times, SDs)
         self._eq2: dict[str, tuple[float, int, float] | None] = {}
@@ -518,13 +519,26 @@ class _Search:
     def puts_strangers_together(self, changes: Mapping[str, DataRatio]) -> bool:
         """Whether the change puts a moved app on a GPU beside an app whose kappa with it (how much
         that app slows it down) the predictor never learned, alone together or in a crowd."""
+        occupants = self._gpu_occupants()
+        known = self.predictor.measured_together
         for name, new in changes.items():
-            for other, theirs in self.ratios.items():
-                if other != name and not self.predictor.measured_together(name, other):
-                    theirs = changes.get(other, theirs)
-                    if any(theirs[gpu] > 0 for gpu in new.used):
+            for gpu in new.used:
+                for other in occupants[gpu]:  # apps the change leaves where they are
+                    if other != name and other not in changes and not known(name, other):
+                        return True
+                for other, theirs in changes.items():  # apps the change moves there too
+                    if other != name and theirs[gpu] > 0 and other in self.ratios and not known(name, other):
                         return True
         return False
+
+    def _gpu_occupants(self) -> list[list[str]]:
+        """Per GPU, the apps whose current DR gives it a share (built once per search)."""
+        if self._occupants is None:
+            self._occupants = [[] for _ in range(self.config.gpu_count)]
+            for name, ratio in self.ratios.items():
+                for gpu in ratio.used:
+                    self._occupants[gpu].append(name)
+        return self._occupants
 
     def best(self, ratio: DataRatio) -> tuple[dict[str, DataRatio], float] | None:
         best: tuple[Verdict, dict[str, DataRatio]] | None = None
