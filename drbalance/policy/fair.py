@@ -102,7 +102,7 @@ class _Move:
     predicted: float  # iteration time predicted for ``after`` (seconds)
     quiet: int = 0  # the app's next decisions during which it stays put
     checked: bool = False  # measured for a whole window and judged
-    novel: bool = False  # it put the app beside a stranger (an app its kappa with was never learned)
+    novel: bool = False  # its change put an app (the mover or a partner) beside a stranger (puts_strangers_together)
 
 
 @dataclass
