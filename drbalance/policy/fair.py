@@ -559,11 +559,8 @@ class _Search:
     def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
         """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
         users = self._users
-        if users is None:  # per GPU, the apps with a share there now
-            users = self._users = [0] * self.config.gpu_count
-            for ratio in self.ratios.values():
-                for gpu in ratio.used:
-                    users[gpu] += 1
+        if users is None:  # per GPU, how many apps have a share there now
+            users = self._users = [len(names) for names in self._gpu_occupants()]
         if 0 not in users:
             return False  # no GPU is idle: none can be taken
         change: dict[int, int] = {}
