@@ -290,9 +290,7 @@ class FairPolicy:
         learned, so the predictor used an estimate) uses instead, where larger, the error measured
         on such moves alone less ``novel_floor``: under Gavel's measured pairs those miss by more
         than 25% three times as often as a move onto a GPU of the app's own (docs/reproduction.md)."""
-        excess = max(0.0, self.error - self.config.error_floor)
-        if novel:
-            excess = max(excess, self.novel_error - self.config.novel_floor)
+        excess = self.margin_excess(novel)
         if not excess:
             return 0.0  # what the sum below comes to, without it
         parts = []
@@ -386,9 +384,16 @@ class FairPolicy:
         if move.novel:
             self.novel_error += self.config.error_smoothing * (miss - self.novel_error)
 
+    def margin_excess(self, novel: bool = False) -> float:
+        """The relative error that sets a change's margin (``uncertainty``): the measured error
+        above ``error_floor``, or for a ``novel`` change the error of moves beside strangers above
+        ``novel_floor`` where that is larger; 0 for none."""
+        excess = max(0.0, self.error - self.config.error_floor)
+        return max(excess, self.novel_error - self.config.novel_floor) if novel else excess
+
     def novel_margin_matters(self) -> bool:
         """Whether the error of moves beside strangers would raise a change's margin now."""
-        return self.novel_error - self.config.novel_floor > max(0.0, self.error - self.config.error_floor)
+        return self.margin_excess(novel=True) > self.margin_excess()
 
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse: going
