@@ -451,7 +451,6 @@ class _Search:
         self.closing = policy.windows_left(me) < policy.config.closing_windows
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
-        self._users: list[int] | None = None
         self._occupants: list[list[str]] | None = None
         self._compared: dict[tuple, tuple[Mapping[str, float], dict[str, float]]] = {}
         self._sds_of: dict[int, tuple[Mapping[str, float], dict[str, float]]] = {}  # id(times) -> (times, SDs)
@@ -563,10 +562,8 @@ class _Search:
 
     def _fills_idle_gpu(self, changes: Mapping[str, DataRatio]) -> bool:
         """Whether the change puts work on a GPU nobody uses and leaves more GPUs in use."""
-        users = self._users
-        if users is None:  # per GPU, how many apps have a share there now
-            users = self._users = [len(names) for names in self._gpu_occupants()]
-        if 0 not in users:
+        occupants = self._gpu_occupants()
+        if all(occupants):
             return False  # no GPU is idle: none can be taken
         change: dict[int, int] = {}
         for name, ratio in changes.items():
@@ -576,8 +573,8 @@ class _Search:
                     change[gpu] = change.get(gpu, 0) - 1
             for gpu in ratio.used:
                 change[gpu] = change.get(gpu, 0) + 1
-        taken = sum(1 for gpu, delta in change.items() if users[gpu] == 0 and delta > 0)
-        emptied = sum(1 for gpu, delta in change.items() if users[gpu] > 0 and users[gpu] + delta == 0)
+        taken = sum(1 for gpu, delta in change.items() if not occupants[gpu] and delta > 0)
+        emptied = sum(1 for gpu, delta in change.items() if occupants[gpu] and len(occupants[gpu]) + delta == 0)
         return taken > emptied
 
     def _use_idle_gpu(self, candidates: list[dict[str, DataRatio]]) -> tuple[dict[str, DataRatio], float] | None:
