@@ -27,6 +27,9 @@ MEASURE_ITERATIONS = 200
 MEASURE_WARMUP = 10
 """Leading iterations of a solo-run measurement left out of the mean."""
 
+EXIT_GRACE_SECONDS = 60.0
+"""Seconds a job has after SIGTERM to unwind before its session's watchdog ends it (``DRBALANCE_EXIT_GRACE``)."""
+
 # --- the training jobs that ``drbalance launch`` / ``demo`` start --------------------------------------
 EMULATED_TIME_SCALE = 10.0
 """Emulated GPUs: how many times slower than the modelled GPU (so that a small machine keeps up)."""

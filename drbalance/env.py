@@ -121,6 +121,26 @@ def emulated_gpus() -> str | None:
     return value or None
 
 
+def exit_grace() -> float:
+    """``DRBALANCE_EXIT_GRACE``: seconds a job has after SIGTERM to unwind and exit (default 60).
+
+    A session turns SIGTERM into ``SessionTerminated`` so that the script's ``with`` blocks and
+    ``finally`` clauses run. A process still alive this long after the first SIGTERM (a thread
+    that never ends, a blocked write, a hung cleanup) prints its threads' stacks to stderr and
+    exits with status 143. A positive number of seconds.
+    """
+    raw = os.environ.get("DRBALANCE_EXIT_GRACE")
+    if raw is None or raw == "":
+        return defaults.EXIT_GRACE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DRBALANCE_EXIT_GRACE={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"DRBALANCE_EXIT_GRACE={raw!r} must be a positive, finite number of seconds")
+    return value
+
+
 def _positive_int(name: str, default: int, allow_zero: bool = False) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":

@@ -3,6 +3,8 @@ and the command lines all start from the same values."""
 
 import argparse
 
+import pytest
+
 from drbalance import defaults, env
 from drbalance.manager.cli import build_parser as manager_parser
 from drbalance.manager.daemon import ManagerSettings
@@ -43,3 +45,14 @@ def test_command_lines_start_from_the_shared_defaults(monkeypatch):
     monkeypatch.delenv("DRBALANCE_PROFILE_WARMUP", raising=False)
     assert (profiled.iterations, profiled.warmup) == (env.profile_iterations(), env.profile_warmup()) == (
         defaults.MEASURE_ITERATIONS, defaults.MEASURE_WARMUP)
+
+
+def test_the_exit_grace_is_a_positive_finite_number_of_seconds(monkeypatch):
+    monkeypatch.delenv("DRBALANCE_EXIT_GRACE", raising=False)
+    assert env.exit_grace() == defaults.EXIT_GRACE_SECONDS
+    monkeypatch.setenv("DRBALANCE_EXIT_GRACE", "2.5")
+    assert env.exit_grace() == 2.5
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        monkeypatch.setenv("DRBALANCE_EXIT_GRACE", bad)
+        with pytest.raises(ValueError, match="DRBALANCE_EXIT_GRACE"):
+            env.exit_grace()

@@ -17,8 +17,8 @@ from torch import nn
 
 from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel
-from drbalance.client import session as session_module
 from drbalance.client.session import Session, SessionTerminated
+from drbalance.client.termination import Termination
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.layout import Notice, NoticeKind
 from drbalance.ipc.private import write_private
@@ -195,7 +195,7 @@ def test_the_sigterm_handler_only_raises_and_the_session_cleans_up_in_normal_flo
         session.close()  # the normal flow (a with block, finally, atexit) does it
         assert leftovers(ipc_env) == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
-        session_module._Termination.pending = False  # or pytest itself would die of SIGTERM at exit
+        Termination.pending = False  # or pytest itself would die of SIGTERM at exit
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -16,7 +16,7 @@ from drbalance.manager.cli import main as manager_main
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
 from drbalance.manager.nvml import MemoryInfo
 from tests.conftest import leftovers, wait_for
-from tests.helpers.processes import ManagerProcess, drain, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 GIB = 1024 ** 3
 TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} (INFO|WARNING|ERROR|DEBUG) ")  # every manager line
@@ -143,8 +143,7 @@ def test_a_manager_serves_a_running_apps_series_over_loopback_and_drops_them_whe
             (("gpu", "0"),): 4 * GIB, (("gpu", "1"),): 8 * GIB, (("gpu", "2"),): 0, (("gpu", "3"),): 15 * GIB}
         assert set(named(found, "drbalance_gpu_memory_total_bytes").values()) == {16 * GIB}
 
-        app.terminate()
-        app.wait(timeout=120)
+        stop_app(app)
         gone = scrape_until(url, lambda f: named(f, "drbalance_apps") == {(): 0}, timeout=60)
         assert named(gone, "drbalance_app_slowdown") == {}
         assert named(gone, "drbalance_app_dr_share_ratio") == {}

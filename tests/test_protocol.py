@@ -8,6 +8,7 @@ test_manager_daemon.py.
 import json
 import os
 import signal
+import threading
 import time
 
 from tests.conftest import leftovers, python_process
@@ -119,6 +120,46 @@ def test_sigterm_and_exceptions_remove_the_apps_objects(ipc_env):
     failing = python_process("tests.helpers.toy_app", "--app", "crashes", "--fail-after", "2")
     _, err = lines(failing)
     assert failing.returncode == 1 and "failing on purpose" in err
+    assert leftovers(ipc_env) == []
+
+
+def test_an_app_whose_exit_hangs_after_sigterm_still_ends_within_the_grace(ipc_env):
+    # A non-daemon thread that never ends: the interpreter would wait for it at exit for ever.
+    app = python_process("tests.helpers.toy_app", "--app", "stuck", "--epochs", "100000", "--stuck-thread",
+                         env={"DRBALANCE_EXIT_GRACE": "2"})
+    for _ in range(2):  # from iteration 1 on, SIGTERM lands inside the script's `with session:` block
+        app.stdout.readline()
+    drain = threading.Thread(target=app.stdout.read, daemon=True)
+    drain.start()
+    app.send_signal(signal.SIGTERM)
+    app.wait(timeout=120)
+    err = app.stderr.read()
+    assert app.returncode == 128 + signal.SIGTERM, err
+    assert "still running 2 s after SIGTERM" in err and "DRBALANCE_EXIT_GRACE" in err
+    assert "stuck_forever" in err  # the stuck thread's stack says where it waits
+    assert leftovers(ipc_env) == []  # the `with` block closed the session before the interpreter waited
+
+
+def test_a_sigterm_swallowed_by_a_finalizer_still_ends_the_job_at_its_next_step(ipc_env):
+    # Python runs signal handlers in whatever the main thread executes, __del__ too, and ignores
+    # (prints) an exception raised there: the job would train on until the exit grace.
+    app = python_process("tests.helpers.toy_app", "--app", "finalized", "--epochs", "100000",
+                         "--slow-finalizer-at", "2", env={"DRBALANCE_EXIT_GRACE": "600"})
+    for raw in app.stdout:
+        if json.loads(raw).get("finalizing"):
+            break
+    app.send_signal(signal.SIGTERM)  # lands while __del__ sleeps
+    out, err = app.communicate(timeout=120)
+    assert "Exception ignored" in err and "SessionTerminated" in err, err
+    assert app.returncode == -signal.SIGTERM, err
+    assert '"iteration": 2' not in out  # the step right after the finalizer raised it again
+    assert leftovers(ipc_env) == []
+
+
+def test_a_bad_exit_grace_is_a_clear_error_before_anything_is_created(ipc_env):
+    app = python_process("tests.helpers.toy_app", "--app", "graceless", env={"DRBALANCE_EXIT_GRACE": "soon"})
+    _, err = lines(app)
+    assert app.returncode == 1 and "DRBALANCE_EXIT_GRACE='soon' is not a number of seconds" in err
     assert leftovers(ipc_env) == []
 
 

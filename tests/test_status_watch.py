@@ -11,7 +11,7 @@ import pytest
 from drbalance.cli import main as drbalance
 from drbalance.manager.status import CLEAR_SCREEN, StatusError, app_state, format_watch, utilization_bar, watch
 from tests.conftest import python_process, wait_for
-from tests.helpers.processes import ManagerProcess, drain, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 GIB = 1024 ** 3
 
@@ -153,8 +153,7 @@ def test_watch_against_a_real_manager_shows_the_running_app_frame_after_frame(ip
         out, err = interrupted.communicate(timeout=60)
         assert interrupted.returncode == 0 and "Traceback" not in err, err
     finally:
-        app.terminate()
-        app.wait()
+        stop_app(app)
         manager.stop()
 
 

@@ -35,7 +35,6 @@ import atexit
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Sized
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any, Protocol
 
 from drbalance import env
 from drbalance.client.distributed import JobSync
+from drbalance.client.termination import SessionTerminated, Termination
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import MAX_GPUS, AppCommand, AppState, AppStatus, Notice, NoticeKind, SlotStatus
@@ -77,47 +77,6 @@ class MeasurementComplete(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
-
-
-class SessionTerminated(SystemExit):
-    """Raised in the main thread by a session's SIGTERM handler (exit status 143).
-
-    The handler itself does no I/O: it raises, the script unwinds as for any exception (its
-    ``with`` blocks and ``finally`` clauses run, the session closes in normal flow), and at
-    interpreter exit the process re-raises SIGTERM on itself, so it still dies of SIGTERM as
-    it would without drbalance.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
-
-
-class _Termination:
-    """Process-wide: whether SIGTERM was turned into ``SessionTerminated`` (signals are per process)."""
-
-    pending = False
-    armed = False
-
-    @classmethod
-    def arm(cls) -> None:
-        """Register the exit hook once, before any session registers its ``close`` (atexit runs LIFO,
-        so every session closes before the process re-raises SIGTERM)."""
-        if not cls.armed:
-            cls.armed = True
-            atexit.register(cls.die_if_pending)
-
-    @classmethod
-    def die_if_pending(cls) -> None:
-        if not cls.pending:
-            return
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        os._exit(128 + signal.SIGTERM)  # only reached if SIGTERM is blocked
 
 
 def iterations_from(value: int | Sized) -> int:
@@ -161,7 +120,8 @@ class Session:
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
     to wait for the manager's answer, default 0.5), ``send_timeout`` (seconds a notice may wait
     for room in a full inbox, default 0.25), ``handle_sigterm`` (clean up on SIGTERM when
-    no other handler is installed, then die of SIGTERM as before; default True).
+    no other handler is installed, then die of SIGTERM as before, at the latest
+    ``DRBALANCE_EXIT_GRACE`` seconds later; default True; see ``drbalance.client.termination``).
     """
 
     def __init__(
@@ -201,6 +161,7 @@ class Session:
             raise ValueError(f"the model's DR has {len(model.ratio)} entries; the protocol carries at most {MAX_GPUS}")
         self.exchange_timeout = float(exchange_timeout)
         self.send_timeout = float(send_timeout)
+        self.exit_grace = env.exit_grace()  # read before any IPC object exists: a bad value leaves nothing behind
         self.clock = clock or SystemClock()
         self.measurement_output = env.profile_output()
         self.own_ratio = model.ratio
@@ -292,10 +253,10 @@ class Session:
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
             # No I/O here: raise, and let the script's normal flow (with/finally/atexit) close the session.
             if not self._closed:
-                _Termination.pending = True
+                Termination.requested()
                 raise SessionTerminated()
             if self._closing:
-                _Termination.pending = True  # closing right now: let it finish; die of SIGTERM at exit
+                Termination.requested()  # closing right now: let it finish; die of SIGTERM at exit
                 return
             if callable(previous):  # this session is closed; an earlier session's handler decides
                 previous(signum, frame)
@@ -304,13 +265,19 @@ class Session:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         on_sigterm._drbalance_session = True  # type: ignore[attr-defined]
-        _Termination.arm()
+        Termination.arm(self.exit_grace)
         signal.signal(signal.SIGTERM, on_sigterm)
         self._previous_sigterm = (on_sigterm, previous)
 
     # --- what the training loop calls --------------------------------------------------------
     def step(self) -> None:
-        """Call once per iteration, after the optimizer step. Never raises for running past the plan."""
+        """Call once per iteration, after the optimizer step. Never raises for running past the plan.
+
+        Raises ``SessionTerminated`` again after a SIGTERM whose exception did not end the script
+        (raised while a ``__del__`` ran, Python prints "Exception ignored" and goes on).
+        """
+        if Termination.pending and not self._closed:
+            raise SessionTerminated()
         if self._closed:
             if not self._warned_closed:
                 self._warned_closed = True

@@ -72,7 +72,30 @@ class ManagerProcess:
 
 
 def toy_app(name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return python_process("tests.helpers.toy_app", "--app", name, *args, env=env)
+    """The toy app, with ``faulthandler`` on: :func:`stop_app` can have it print its threads' stacks."""
+    return python_process("tests.helpers.toy_app", "--app", name, *args, env={"PYTHONFAULTHANDLER": "1", **(env or {})})
+
+
+def stop_app(app: subprocess.Popen, timeout: float = 90.0) -> int:
+    """SIGTERM ``app`` and wait ``timeout`` seconds for it to exit; its exit status.
+
+    An app that is still alive then has hung on its way out: it is made to print every thread's
+    stack (SIGABRT through ``faulthandler``) and the test fails with them, so the hang can be found.
+    """
+    if app.poll() is None:
+        app.terminate()
+    try:
+        return app.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        app.send_signal(signal.SIGABRT)
+        try:
+            app.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            app.kill()
+            app.wait()
+        err = app.stderr.read() if app.stderr is not None else ""  # stdout may have a drain thread
+        raise AssertionError(f"the app (pid {app.pid}) did not exit within {timeout:.0f} s of SIGTERM; "
+                             f"its threads:\n{err}") from None
 
 
 def drain(process: subprocess.Popen) -> threading.Thread:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 
 import torch
@@ -14,6 +15,18 @@ from torch import nn
 
 from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
+
+
+def stuck_forever() -> None:
+    threading.Event().wait()
+
+
+class SlowFinalizer:
+    """An object whose ``__del__`` takes a while (as a DataLoader iterator's, joining its workers)."""
+
+    def __del__(self) -> None:
+        print(json.dumps({"finalizing": True}), flush=True)
+        time.sleep(5)
 
 
 def main() -> None:
@@ -29,7 +42,13 @@ def main() -> None:
     parser.add_argument("--hang-after", type=int, default=None, help="sleep forever after N iterations")
     parser.add_argument("--fail-after", type=int, default=None, help="raise after N iterations")
     parser.add_argument("--extra-iterations", type=int, default=0, help="iterations past the plan")
+    parser.add_argument("--stuck-thread", action="store_true",
+                        help="start a non-daemon thread that never ends (the interpreter waits for it at exit)")
+    parser.add_argument("--slow-finalizer-at", type=int, default=None,
+                        help="at iteration N, drop an object whose __del__ prints a line and sleeps 5 s")
     args = parser.parse_args()
+    if args.stuck_thread:
+        threading.Thread(target=stuck_forever, name="stuck-forever").start()
     solo = float(args.solo) if args.solo.replace(".", "", 1).isdigit() else args.solo
     torch.manual_seed(0)
     model = BalancedDataParallel(nn.Linear(4, 2), device_ids=list(range(args.gpus)))
@@ -44,6 +63,8 @@ def main() -> None:
             model(torch.randn(8, 4)).pow(2).mean().backward()
             optimizer.step()
             time.sleep(args.sleep)
+            if iteration == args.slow_finalizer_at:
+                SlowFinalizer()  # dropped at once: its __del__ runs here
             session.step()
             print(json.dumps({"iteration": iteration, "ratio": model.ratio.to_list(),
                               "attached": session.attached}), flush=True)
