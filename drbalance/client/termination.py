@@ -73,7 +73,8 @@ class Termination:
     def requested(cls) -> None:
         """SIGTERM arrived: die of it at exit, and at the latest ``grace`` seconds from now."""
         cls.pending = True
-        cls._requested.set()
+        if not cls._requested.is_set():  # a lock-free read: a second SIGTERM handled while the first
+            cls._requested.set()  # is inside ``set()`` (which holds the event's lock) must not wait on it
 
     @classmethod
     def die_if_pending(cls) -> None:
