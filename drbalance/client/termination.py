@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from drbalance import defaults
+
 EXIT_STATUS = 128 + signal.SIGTERM
 """What a process ended by SIGTERM reports to a shell; the watchdog exits with it."""
 
@@ -52,7 +54,7 @@ class Termination:
 
     pending = False
     armed = False
-    grace = 60.0
+    grace = defaults.EXIT_GRACE_SECONDS  # seconds; set again by every ``arm``
     _requested = threading.Event()
 
     @classmethod
