@@ -8,10 +8,10 @@ test_manager_daemon.py.
 import json
 import os
 import signal
-import threading
 import time
 
 from tests.conftest import leftovers, python_process
+from tests.helpers.processes import drain
 
 
 def lines(process, timeout=60):
@@ -129,8 +129,7 @@ def test_an_app_whose_exit_hangs_after_sigterm_still_ends_within_the_grace(ipc_e
                          env={"DRBALANCE_EXIT_GRACE": "2"})
     for _ in range(2):  # from iteration 1 on, SIGTERM lands inside the script's `with session:` block
         app.stdout.readline()
-    drain = threading.Thread(target=app.stdout.read, daemon=True)
-    drain.start()
+    drain(app)
     app.send_signal(signal.SIGTERM)
     app.wait(timeout=120)
     err = app.stderr.read()
