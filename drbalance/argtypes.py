@@ -18,6 +18,32 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number; got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (thresholds such as the paper policy's SD_th)."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}")
+    return value
+
+
+def percent(text: str) -> float:
+    """A number of percentage points within 0..100 (the paper policy's Util_th)."""
+    value = _finite(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be within 0..100 percentage points; got {text}")
+    return value
+
+
 def _integer_at_least(text: str, least: int) -> int:
     try:
         value = int(text)

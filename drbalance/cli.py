@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except Terminated:
         return 128 + signal.SIGTERM
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError, PermissionError) as error:
+    except (ValueError, OSError, KeyError, RuntimeError) as error:  # OSError: a missing file, a full disk, ...
         print(f"drbalance {args.command}: error: {error}", file=sys.stderr)
         return 1
     finally:

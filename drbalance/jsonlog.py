@@ -162,12 +162,22 @@ class JsonLinesWriter:
         if self.keep == 0:
             os.unlink(self.path)
         else:
-            for index in range(self.keep - 1, 0, -1):
-                older = self.path.with_name(f"{self.path.name}.{index}")
-                if os.path.lexists(older):
-                    os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            for index in range(self._rotated_chain(), 0, -1):
+                os.replace(self._rotated(index), self._rotated(index + 1))
+            os.replace(self.path, self._rotated(1))
         self._open()
+
+    def _rotated(self, index: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{index}")
+
+    def _rotated_chain(self) -> int:
+        """How many of x.jsonl.1, .2, ... exist in a row, at most ``keep - 1`` (the ones to shift
+        up; a file at ``keep`` is replaced). Looks at existing files only, so a huge ``keep`` costs
+        nothing."""
+        count = 0
+        while count < self.keep - 1 and os.path.lexists(self._rotated(count + 1)):
+            count += 1
+        return count
 
     def close(self) -> int:
         """Write what is pending (one last try) and close; the number of lines lost (0 normally)."""

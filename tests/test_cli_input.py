@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from drbalance import cli
-from drbalance.workload.scenarios import scenario_from_json
+from drbalance.workload.scenarios import load_scenario, scenario_from_json
 from tests.conftest import python_process
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,6 +38,10 @@ def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus
     (["launch", "e2e-a", "--run-dir", "x", "--real-batch", "0"], "--real-batch: must be an integer >= 1"),
     (["launch", "e2e-a", "--run-dir", "x", "--timeout", "-5"], "--timeout: must be a positive number"),
     (["profile", "x", "--warmup", "-1", "--", "true"], "--warmup: must be an integer >= 0"),
+    (["launch", "e2e-a", "--run-dir", "x", "--sd-threshold", "nan"], "--sd-threshold: must be a finite number"),
+    (["launch", "e2e-a", "--run-dir", "x", "--util-threshold", "101"], "--util-threshold: must be within 0..100"),
+    (["simulate", "e2e-a", "--sd-threshold", "-1"], "--sd-threshold: must be a number >= 0"),
+    (["simulate", "e2e-a", "--dr-total", "0"], "--dr-total: must be an integer >= 1"),
 ])
 def test_numbers_that_would_change_meaning_or_crash_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -77,6 +81,76 @@ def test_a_malformed_scenario_file_names_what_is_wrong(text, message):
     assert message in str(raised.value) and "mine.json" in str(raised.value)
 
 
+def _app(**fields: object) -> dict:
+    return {"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, "iterations_per_epoch": 5, **fields}
+
+
+@pytest.mark.parametrize("app, message", [
+    (_app(name="../../escaped"), "app name '../../escaped' is not valid"),
+    (_app(name="x/y"), "app name 'x/y' is not valid"),
+    (_app(name=""), "app name '' is not valid"),
+    (_app(name=5), "app name 5 is not valid"),
+    (_app(arrival=10**400), "arrival must be a finite number >= 0"),
+    (_app(arrival="1"), "arrival must be a finite number >= 0"),
+    (_app(batch=True), "batch must be a positive integer; got True"),
+    (_app(model=5), "model must be a model name"),
+])
+def test_a_scenario_app_that_would_escape_its_folder_or_crash_is_refused_naming_the_file(app, message):
+    with pytest.raises(ValueError) as raised:
+        scenario_from_json(json.dumps({"name": "x", "gpus": 1, "apps": [app]}), "mine.json")
+    assert message in str(raised.value) and "mine.json" in str(raised.value)
+
+
+def test_a_scenario_of_more_gpus_than_a_record_carries_or_too_deep_is_refused():
+    with pytest.raises(ValueError, match=r"gpus must be 1\.\.32"):
+        scenario_from_json(json.dumps({"name": "x", "gpus": 10**12, "apps": [_app()]}), "mine.json")
+    with pytest.raises(ValueError, match="mine.json: not a valid scenario: JSON nested too deeply"):
+        scenario_from_json("[" * 100_000 + "]" * 100_000, "mine.json")
+
+
+def test_a_scenario_file_that_is_not_a_regular_file_or_not_text_is_refused_without_hanging(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    for path, message in ((fifo, "not a regular file"), (tmp_path, "not a regular file"),
+                          (binary, "not UTF-8 text")):
+        with pytest.raises(ValueError) as raised:
+            load_scenario(str(path))
+        assert f"cannot read scenario file {path}: {message}" in str(raised.value)
+
+
+def test_a_run_the_simulator_could_not_finish_is_refused_at_once(tmp_path, capsys):
+    scenario = tmp_path / "late.json"
+    scenario.write_text(json.dumps({"name": "late", "gpus": 1, "apps": [_app(arrival=2e7)]}))
+    assert cli.main(["simulate", str(scenario), "--policy", "observe"]) == 1
+    assert "app 'a': arriving at 2e+07 s" in capsys.readouterr().err
+
+
+def test_simulate_refuses_an_out_that_holds_an_earlier_run_or_is_a_file_before_simulating(tmp_path, capsys):
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 0
+    before = sorted(path.name for path in (tmp_path / "runs" / "observe" / "apps").iterdir())
+    capsys.readouterr()
+    assert cli.main(["simulate", "e2e-skewed", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 1
+    assert "already holds an earlier run" in capsys.readouterr().err
+    assert sorted(path.name for path in (tmp_path / "runs" / "observe" / "apps").iterdir()) == before
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(afile)]) == 1
+    assert f"--out {afile}: exists and is not a folder" in capsys.readouterr().err
+
+
+def test_an_os_error_of_a_command_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 0
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--out", str(afile / "report")]) == 1
+    assert "drbalance report: error:" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots", "--step", "1e-9"]) == 1
+    assert "use a larger --step" in capsys.readouterr().err
+
+
 def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "3,3", "--solo-time", "1",
                           "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
@@ -94,6 +168,24 @@ def test_report_names_a_file_given_as_a_run_and_a_corrupt_run_json(tmp_path, cap
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots"]) == 1
     assert "run.json: not readable JSON" in capsys.readouterr().err
+    (tmp_path / "runs" / "observe" / "run.json").write_text("[1]")
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots"]) == 1
+    assert "run.json: not a JSON object" in capsys.readouterr().err
+    (tmp_path / "runs" / "observe" / "run.json").write_text('{"started": "x"}')
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots"]) == 1
+    assert "run.json: 'started' must be a number of seconds" in capsys.readouterr().err
+
+
+def test_report_skips_records_without_a_numeric_time_and_says_so(tmp_path, capsys, caplog):
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path)]) == 0
+    log = sorted((tmp_path / "observe" / "apps").iterdir())[0]
+    with log.open("a") as handle:
+        handle.write('{"t": "x", "event": "sd", "sd": 9.0}\n{"event": "sd", "sd": 9.0}\n')
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "observe"), "--no-plots", "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert max(summary["final_sd"].values()) < 9.0  # the two records were not read
+    assert f"{log}: skipped 2 record(s) without a numeric time 't'" in caplog.text
 
 
 def test_a_process_the_launcher_waits_for_that_exits_first_is_named_with_its_last_words(tmp_path):

@@ -226,6 +226,20 @@ def test_the_log_rotates_by_size_and_keeps_n_files_in_order(tmp_path):
     assert numbers == list(range(numbers[0], 400)) and numbers[0] > 0  # in order, oldest dropped, none torn
 
 
+@pytest.mark.timeout(60)
+def test_rotation_with_a_huge_keep_walks_only_the_files_that_exist(tmp_path):
+    """A rotation once stepped through every index up to ``keep`` (a manager with --log-keep 10**9
+    spun there and never saw SIGTERM); it now shifts only the rotated files that exist."""
+    path = tmp_path / "rot.jsonl"
+    writer = JsonLinesWriter(path, max_bytes=4096, keep=10**12)
+    for index in range(400):
+        writer.write({"n": index, "pad": "x" * 16})
+    writer.close()
+    files = rotated_files(path)
+    assert [f.name for f in files] == ["rot.jsonl.3", "rot.jsonl.2", "rot.jsonl.1", "rot.jsonl"]
+    assert [record["n"] for f in files for record in read_json_lines(f)] == list(range(400))
+
+
 def test_the_manager_log_rotates(ipc_env, tmp_path):
     def open_umask() -> None:
         os.umask(0)

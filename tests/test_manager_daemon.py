@@ -187,7 +187,11 @@ def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
     assert process.returncode == 2 and "NVML unavailable" in err
     for args, message in ((["--source", "bogus"], "unknown utilisation source"),
                           (["--source", "scripted:/nonexistent.json"], "No such file"),
-                          (["--sample-period", "0", "--source", "scripted:x"], "sample_period must be"),
+                          (["--sample-period", "0", "--source", "scripted:x"], "--sample-period: must be a positive"),
+                          (["--sample-period", "inf", "--source", "scripted:x"], "--sample-period: must be a positive"),
+                          (["--window", "0", "--source", "scripted:x"], "--window: must be an integer >= 1"),
+                          (["--log-keep", "1000000000", "--source", "scripted:x"],
+                           "(--log-keep) must be an integer 0..1000"),
                           (["--policy", "magic"], "invalid choice")):
         process = python_process("drbalance.manager.cli", *args)
         _, err = process.communicate(timeout=30)

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from drbalance import __version__, env
-from drbalance.argtypes import positive_float
+from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
 from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
@@ -64,34 +64,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "move to lower the largest (docs/policy.md); 'f-sched' = the F-scheduling thesis's "
                         "throughput-under-a-variance-bound rule; 'paper' = the paper's Alg. 1+2; 'observe' = "
                         "never change a DR (baseline)")
-    parser.add_argument("--sd-threshold", type=float, default=defaults.sd_threshold,
+    parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.sd_threshold,
                         help="SD_th (paper policy): no move while max SD - min SD is below this")
-    parser.add_argument("--util-threshold", type=float, default=defaults.util_threshold,
+    parser.add_argument("--util-threshold", type=percent, default=defaults.util_threshold,
                         help="Util_th (paper policy), percentage points: above it the utilisation branch runs, "
                         "else the SD branch")
-    parser.add_argument("--dr-total", type=int, default=defaults.dr_total,
+    parser.add_argument("--dr-total", type=positive_int, default=defaults.dr_total,
                         help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch")
     parser.add_argument("--source", default="nvml",
                         help="utilisation source: 'nvml' (real GPUs), 'emulated[:N[:MEMORY]]' (emulated GPUs; "
                         "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")
     parser.add_argument("--gpus", type=parse_gpus, default=None,
                         help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
-    parser.add_argument("--sample-period", type=float, default=defaults.sample_period,
+    parser.add_argument("--sample-period", type=positive_float, default=defaults.sample_period,
                         help="seconds between utilisation samples")
-    parser.add_argument("--window", type=int, default=defaults.window,
+    parser.add_argument("--window", type=positive_int, default=defaults.window,
                         help="utilisation smoothing window, in samples")
-    parser.add_argument("--util-log-period", type=float, default=defaults.util_log_period,
+    parser.add_argument("--util-log-period", type=positive_float, default=defaults.util_log_period,
                         help="seconds between utilisation records in the manager log")
-    parser.add_argument("--quiet-after", "--stale-after", dest="quiet_after", type=float,
+    parser.add_argument("--quiet-after", "--stale-after", dest="quiet_after", type=positive_float,
                         default=defaults.quiet_after,
                         help="seconds without a record update after which a job is shown as quiet in "
                         "'drbalance status' (a job is removed only when its process is gone, never for being quiet)")
     parser.add_argument("--log", type=Path, default=None,
                         help="manager log, JSON Lines (default: <runtime dir>/<namespace>/manager.jsonl)")
-    parser.add_argument("--log-max-bytes", type=int, default=defaults.log_max_bytes,
+    parser.add_argument("--log-max-bytes", type=non_negative_int, default=defaults.log_max_bytes,
                         help="rotate the manager log when it would grow beyond this many bytes (0 = never)")
-    parser.add_argument("--log-keep", type=int, default=defaults.log_keep,
-                        help="rotated manager logs to keep (manager.jsonl.1 is the newest)")
+    parser.add_argument("--log-keep", type=non_negative_int, default=defaults.log_keep,
+                        help="rotated manager logs to keep, 0-1000 (manager.jsonl.1 is the newest)")
     parser.add_argument("--metrics-port", type=parse_port, default=None, metavar="PORT",
                         help="serve Prometheus metrics at http://ADDRESS:PORT/metrics (0: any free port, "
                         "logged); off when not given (docs/operations.md lists the series)")

@@ -54,6 +54,7 @@ GRACE_SECONDS = 5.0  # an unfinished claim or an unclaimed record younger than t
 FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most this often
 DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_KEEP = 5
+MAX_LOG_KEEP = 1000  # rotated manager logs kept at most
 
 
 class ManagerAlreadyRunning(RuntimeError):
@@ -104,9 +105,12 @@ class ManagerSettings:
             raise ValueError(f"inbox_messages must be 1..10 (Linux's limit for unprivileged users); "
                              f"got {self.inbox_messages}")
         if self.log_max_bytes is not None and (isinstance(self.log_max_bytes, bool) or self.log_max_bytes < 4096):
-            raise ValueError(f"log_max_bytes must be at least 4096 bytes (or None); got {self.log_max_bytes!r}")
-        if isinstance(self.log_keep, bool) or not isinstance(self.log_keep, int) or self.log_keep < 0:
-            raise ValueError(f"log_keep must be an integer >= 0; got {self.log_keep!r}")
+            raise ValueError(f"the log's rotation size (--log-max-bytes) must be at least 4096 bytes, or 0 for "
+                             f"never; got {self.log_max_bytes!r}")
+        keep = self.log_keep
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= MAX_LOG_KEEP:
+            raise ValueError(f"the rotated logs to keep (--log-keep) must be an integer 0..{MAX_LOG_KEEP}; "
+                             f"got {self.log_keep!r}")
 
 
 class ManagerLock:

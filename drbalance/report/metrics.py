@@ -16,6 +16,7 @@ Definitions (docs/report.md):
 from __future__ import annotations
 
 import json
+import logging
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from pathlib import Path
 from statistics import fmean
 
 from drbalance.jsonlog import read_json_lines, rotated_files
+
+logger = logging.getLogger("drbalance.report")
 
 SD_EVENTS = {"report", "boundary", "finish", "update"}
 
@@ -70,18 +73,48 @@ def load_run(path: str | Path) -> RunData:
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
         raise FileNotFoundError(f"run directory {root} {what}")
-    info = {}
-    if (root / "run.json").exists():
-        try:
-            info = json.loads((root / "run.json").read_text())
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{root / 'run.json'}: not readable JSON ({error})") from None
+    info = _read_run_info(root / "run.json")
     logs = sorted((root / "apps").glob("*.sd.jsonl")) if (root / "apps").is_dir() else []
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
-    records = {log.name[: -len(".sd.jsonl")]: list(read_json_lines(log)) for log in logs}
-    manager = [record for log in rotated_files(root / "manager.jsonl") for record in read_json_lines(log)]
-    return run_from_records(info.get("label") or root.name, records, manager, info, root)
+    records = {log.name[: -len(".sd.jsonl")]: _timed_records([log]) for log in logs}
+    manager = _timed_records(rotated_files(root / "manager.jsonl"))
+    return run_from_records(str(info.get("label") or root.name), records, manager, info, root)
+
+
+def _read_run_info(path: Path) -> dict:
+    """``run.json`` as a dict ({} when there is none); ValueError naming the file when it is not
+    a JSON object or its ``started`` is not a finite number of seconds."""
+    if not path.exists():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    started = info.get("started")
+    if started is not None and not _finite_number(started):
+        raise ValueError(f"{path}: 'started' must be a number of seconds; got {started!r}")
+    return info
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _timed_records(paths: list[Path]) -> list[dict]:
+    """The records of the JSON Lines files ``paths`` (in order) that carry a finite time ``t``;
+    others (cut off, hand-edited, of another program) are skipped with a warning naming the file,
+    like the malformed lines ``read_json_lines`` skips."""
+    kept = []
+    for path in paths:
+        records = list(read_json_lines(path))
+        timed = [record for record in records if _finite_number(record.get("t"))]
+        if len(timed) < len(records):
+            logger.warning("%s: skipped %d record(s) without a numeric time 't'", path, len(records) - len(timed))
+        kept.extend(timed)
+    return kept
 
 
 def run_from_records(label: str, app_records: dict[str, list[dict]], manager_records: list[dict],
@@ -120,11 +153,19 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     return series
 
 
+MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
+
+
 def grid_times(run: RunData, step: float) -> list[float]:
+    """0, step, 2 step, ... seconds past the run's last record; ValueError when that would be more
+    than ``MAX_GRID_POINTS`` points (a ``--step`` far finer than the run)."""
     ends = [a.end for a in run.apps.values() if a.end is not None]
     last_sd = max((a.times[-1] for a in run.apps.values() if a.times), default=0.0)
     end = max(ends + [last_sd])
     count = int(end / step) + 1
+    if count > MAX_GRID_POINTS:
+        raise ValueError(f"a time grid of {step:g} s over the {end:.0f} s of run {run.label!r} has more than "
+                         f"{MAX_GRID_POINTS:,} points; use a larger --step (e.g. {end / 2000:.3g})")
     return [i * step for i in range(count + 1)]
 
 

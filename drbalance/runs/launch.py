@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_int, positive_float, positive_int
+from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
@@ -67,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE, help="image side in pixels")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions (default: the policy's own cadence)")
-    parser.add_argument("--sd-threshold", type=float, default=None, help="manager's SD_th")
-    parser.add_argument("--util-threshold", type=float, default=None, help="manager's Util_th (percent points)")
+    parser.add_argument("--sd-threshold", type=non_negative_float, default=None,
+                        help=f"manager's SD_th (paper policy; default {defaults.SD_THRESHOLD})")
+    parser.add_argument("--util-threshold", type=percent, default=None,
+                        help=f"manager's Util_th, percent points (paper policy; default {defaults.UTIL_THRESHOLD:g})")
     parser.add_argument("--timeout", type=positive_float, default=None,
                         help="stop every app after this many seconds (default: run to the end)")
     parser.add_argument("--label", default=None, help="name of this run in reports (default: the policy)")

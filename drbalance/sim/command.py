@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_int
+from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_int
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
+from drbalance.runs.launch import earlier_run
 from drbalance.sim.bound import bounds
 from drbalance.sim.engine import SimConfig, SimResult, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
@@ -59,12 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interference", choices=list(INTERFERENCE_MODELS), default="calibrated",
                         help="how co-located apps slow each other: one fitted capacity for every pair "
                         "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
-    parser.add_argument("--dr-total", type=int, default=None,
+    parser.add_argument("--dr-total", type=positive_int, default=None,
                         help="DR granularity (shares per mini-batch; default: the scenario's, 10)")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions besides epoch ends (default, or 0: the policy's choice)")
-    parser.add_argument("--sd-threshold", type=float, default=defaults.SD_THRESHOLD, help="SD_th (paper policy)")
-    parser.add_argument("--util-threshold", type=float, default=defaults.UTIL_THRESHOLD,
+    parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.SD_THRESHOLD,
+                        help="SD_th (paper policy): no move while max SD - min SD is below this")
+    parser.add_argument("--util-threshold", type=percent, default=defaults.UTIL_THRESHOLD,
                         help="Util_th in percent points (paper policy)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
@@ -95,6 +97,24 @@ def write_run_dir(result: SimResult, label: str, scenario: Scenario, out: Path) 
     return out
 
 
+def run_dir_name(variant: Variant) -> str:
+    """The folder of ``--out`` a variant's logs go to: the first word of its label."""
+    return variant.label.split(" ")[0]
+
+
+def check_out_dirs(out: Path, names: list[str]) -> None:
+    """Before anything is simulated: ``out`` must be a folder (or not exist yet) and none of its
+    run folders may hold an earlier run's logs (they would be mixed into this run's, as
+    ``launch`` refuses too). ValueError naming the path."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    for name in names:
+        found = earlier_run(out / name)
+        if found is not None:
+            raise ValueError(f"--out {out}: {out / name} already holds an earlier run ({found} exists); "
+                             f"give another --out or move it away")
+
+
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     if args.dr_total is not None:
@@ -103,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
                      decide_every=args.decide_every, sd_threshold=args.sd_threshold,
                      util_threshold=args.util_threshold, contention=make_interference(args.interference))
     variants = baselines(base) if args.compare else [Variant(args.scheduler or args.policy, base)]
+    if args.out:
+        check_out_dirs(args.out, [run_dir_name(variant) for variant in variants])
     summaries, report = [], {}
     bar = progress.bar(progress.wanted(args.progress) and len(variants) > 1, len(variants),
                        f"simulate {scenario.name}", "runs")
@@ -119,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
                                  "sd_spread": result.sd_spread, "mean_util": summary.mean_util,
                                  "mean_sd_time_avg": summary.mean_sd, "decisions": result.decisions}
         if args.out:
-            safe = variant.label.split(" ")[0]
-            write_run_dir(result, variant.label, scenario, args.out / safe)
+            write_run_dir(result, variant.label, scenario, args.out / run_dir_name(variant))
         bar.update(1)
     bar.close()
     found = bounds(scenario, base.contention)

@@ -169,6 +169,7 @@ class Simulation:
                 raise ValueError(f"unknown policy {self.config.policy!r}; known: {', '.join(POLICIES)}")
             policy = POLICIES[self.config.policy]()
         self.policy = policy
+        self._check_horizon()
         self.policy_config = PolicyConfig(self.scenario.gpus, self.scenario.dr_total, self.config.sd_threshold,
                                           self.config.util_threshold)
         self.gpus = [_Gpu(g, self.scenario.speed(g)) for g in range(self.scenario.gpus)]
@@ -182,6 +183,18 @@ class Simulation:
         self.processed = 0
         self.manager_records: list[dict[str, Any]] = []
         self._next_util_log = 0.0
+
+    def _check_horizon(self) -> None:
+        """ValueError for an app that could not finish within ``max_time`` even alone on the slowest
+        GPU (a huge arrival, batch or run length, a GPU speed near 0): said at once, not after
+        minutes of simulating towards the horizon."""
+        slowest = min(self.scenario.speed(g) for g in range(self.scenario.gpus))
+        for spec in self.scenario.apps:
+            finish = spec.arrival + spec.solo_time() / slowest
+            if not finish <= self.config.max_time:
+                raise ValueError(f"app {spec.name!r}: arriving at {spec.arrival:g} s and running "
+                                 f"{spec.solo_time():g} s alone on the reference GPU, it would not finish within "
+                                 f"the simulator's horizon of {self.config.max_time:g} s")
 
     # --- the event loop ---------------------------------------------------------------------
     def push(self, time: float, kind: int, a: Any = None, b: Any = None) -> None:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 
+from drbalance.ipc.layout import MAX_GPUS
+from drbalance.ipc.names import check_app_name
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 from drbalance.workload.models import SHORT_NAMES, model_costs
 
@@ -48,15 +52,19 @@ class AppSpec:
     ddp: bool = False
 
     def __post_init__(self) -> None:
+        check_app_name(self.name)  # names become file names and IPC object names: no '/', no '..'
+        if not isinstance(self.model, str):
+            raise ValueError(f"app {self.name!r}: model must be a model name; got {self.model!r}")
         model_costs(self.model)  # raises for an unknown model
         if not isinstance(self.ddp, bool):
             raise ValueError(f"app {self.name!r}: ddp must be true or false; got {self.ddp!r}")
         for what in ("batch", "epochs", "iterations_per_epoch"):
             value = getattr(self, what)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"app {self.name!r}: {what} must be a positive integer; got {value!r}")
-        if not (math.isfinite(self.arrival) and self.arrival >= 0):
-            raise ValueError(f"app {self.name!r}: arrival must be >= 0 seconds; got {self.arrival!r}")
+        if not _finite_non_negative(self.arrival):
+            raise ValueError(f"app {self.name!r}: arrival must be a finite number >= 0 of seconds; "
+                             f"got {self.arrival!r}")
 
     @property
     def iterations(self) -> int:
@@ -79,8 +87,9 @@ class Scenario:
     gpu_speed: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise ValueError(f"scenario {self.name!r}: needs at least one GPU")
+        if not 1 <= self.gpus <= MAX_GPUS:
+            raise ValueError(f"scenario {self.name!r}: gpus must be 1..{MAX_GPUS} (what a job's record "
+                             f"carries); got {self.gpus}")
         if self.gpu_speed is not None:
             speeds = tuple(self.gpu_speed)
             if len(speeds) != self.gpus or not all(
@@ -136,6 +145,17 @@ class Scenario:
         return json.dumps(data, indent=2)
 
 
+def _finite_non_negative(value: object) -> bool:
+    """Whether ``value`` is a JSON number (not a bool) that is finite and >= 0, however large an
+    integer it is (``math.isfinite`` of a 400-digit int raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        return False
+
+
 def _check_keys(data: object, kind: type, what: str) -> dict:
     """``data`` as a dict with every required field of the dataclass ``kind`` and no other key;
     ValueError naming what is wrong."""
@@ -174,8 +194,10 @@ def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
         if data.get("gpu_speed") is not None:
             data["gpu_speed"] = tuple(data["gpu_speed"])
         return Scenario(apps=apps, **data)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise ValueError(f"{source}: not a valid scenario: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{source}: not a valid scenario: JSON nested too deeply") from None
 
 
 def sized_app(name: str, model: str, batch: int, solo_seconds: float, epochs: int, arrival: float = 0.0) -> AppSpec:
@@ -222,13 +244,33 @@ def load_scenario(name_or_path: str) -> Scenario:
         return DEMO_SCENARIOS[name_or_path]
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
-        try:
-            text = path.read_text()
-        except OSError as error:
-            raise ValueError(f"cannot read scenario file {path}: {error}") from None
-        return scenario_from_json(text, str(path))
+        return scenario_from_json(_read_scenario_file(path), str(path))
     known = ", ".join([*SCENARIOS, *DEMO_SCENARIOS])
     raise ValueError(f"unknown scenario {name_or_path!r}: use one of {known}, or a .json file")
+
+
+MAX_SCENARIO_BYTES = 16 * 1024 * 1024  # a scenario of thousands of apps is well under 1 MiB
+
+
+def _read_scenario_file(path: Path) -> str:
+    """The text of a scenario file: a regular file (not a FIFO or a device such as /dev/zero, which
+    would hang or fill memory) of at most ``MAX_SCENARIO_BYTES``, UTF-8. ValueError naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"cannot read scenario file {path}: not a regular file")
+        with open(fd, "rb") as handle:
+            data = handle.read(MAX_SCENARIO_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"cannot read scenario file {path}: {error}") from None
+    if len(data) > MAX_SCENARIO_BYTES:
+        raise ValueError(f"cannot read scenario file {path}: larger than {MAX_SCENARIO_BYTES // (1024 * 1024)} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"cannot read scenario file {path}: not UTF-8 text ({error.reason} at byte "
+                         f"{error.start})") from None
 
 
 DEMO_BATCH = {"densenet121": 32, "resnet50": 32, "alexnet": 128}  # AlexNet's customary batch is 128
