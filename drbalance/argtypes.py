@@ -7,22 +7,23 @@ import argparse
 import math
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (seconds, periods, steps)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, periods, steps)."""
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
     return value
 
 
 def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number; got {text}")
     return value

@@ -205,6 +205,17 @@ def rotated_files(path: str | Path) -> list[Path]:
     return [*reversed(older), *([path] if path.exists() else [])]
 
 
+def finite_number(value: object) -> bool:
+    """Whether a decoded JSON value is a finite number: an int (not a bool) or a float that is
+    not NaN or infinite. An integer too large for a float (JSON allows 400 digits) is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def read_json_lines(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a JSON Lines file; a malformed line (e.g. cut off by a kill) is skipped."""
     with Path(path).open(encoding="utf-8", errors="replace") as handle:

@@ -110,7 +110,7 @@ class ManagerSettings:
         keep = self.log_keep
         if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= MAX_LOG_KEEP:
             raise ValueError(f"the rotated logs to keep (--log-keep) must be an integer 0..{MAX_LOG_KEEP}; "
-                             f"got {self.log_keep!r}")
+                             f"got {keep!r}")
 
 
 class ManagerLock:

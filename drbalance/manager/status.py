@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import signal
 import sys
@@ -22,6 +21,7 @@ from drbalance.argtypes import positive_float, positive_int
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.objects import pid_alive
 from drbalance.ipc.private import read_private
+from drbalance.jsonlog import finite_number
 
 STALE_SECONDS = 10.0
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
@@ -69,10 +69,6 @@ def read_status(names: IpcNames) -> dict[str, Any]:
     return status
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _malformed(status: Any) -> str | None:
     """What is wrong with a decoded status file (None if it has every field the table shows)."""
     if not isinstance(status, dict):
@@ -81,9 +77,9 @@ def _malformed(status: Any) -> str | None:
                       ("apps", list)):
         if not isinstance(status.get(key), kind) or isinstance(status.get(key), bool):
             return f"field {key!r} is missing or not a {kind.__name__}"
-    if not _number(status.get("updated")):
+    if not finite_number(status.get("updated")):
         return "field 'updated' is missing or not a number"
-    if any(u is not None and not _number(u) for u in status["util"]):
+    if any(u is not None and not finite_number(u) for u in status["util"]):
         return "field 'util' holds something other than numbers and nulls"
     for index, app in enumerate(status["apps"]):
         if not isinstance(app, dict):
@@ -92,9 +88,9 @@ def _malformed(status: Any) -> str | None:
                           ("iterations_total", int), ("dr", list)):
             if not isinstance(app.get(key), kind) or isinstance(app.get(key), bool):
                 return f"apps[{index}].{key} is missing or not a {kind.__name__}"
-        if app.get("sd") is not None and not _number(app["sd"]):
+        if app.get("sd") is not None and not finite_number(app["sd"]):
             return f"apps[{index}].sd is not a number"
-        if app.get("quiet_for") is not None and not _number(app["quiet_for"]):
+        if app.get("quiet_for") is not None and not finite_number(app["quiet_for"]):
             return f"apps[{index}].quiet_for is not a number"
     foreign = status.get("foreign", [])
     if not isinstance(foreign, list) or any(not isinstance(f, dict) for f in foreign):
@@ -160,7 +156,7 @@ def utilization_bar(percent: float | None, width: int) -> str:
 
 
 def _memory(entry: Any) -> str:
-    if not isinstance(entry, dict) or not _number(entry.get("used")) or not _number(entry.get("total")):
+    if not isinstance(entry, dict) or not finite_number(entry.get("used")) or not finite_number(entry.get("total")):
         return ""
     gib = 1024 ** 3
     return f"  mem {entry['used'] / gib:5.1f}/{entry['total'] / gib:.1f} GiB"
@@ -174,7 +170,7 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
     """
     now = status["updated"] if now is None else now
     started = status.get("started")
-    uptime = f"  up {_duration(max(0.0, now - started))}" if _number(started) else ""
+    uptime = f"  up {_duration(max(0.0, now - started))}" if finite_number(started) else ""
     lines = [
         f"drbalance  namespace {status['namespace']}  policy {status['policy']}  manager pid {status['pid']}"
         f"{uptime}  decisions {status['decisions']}  {time.strftime('%H:%M:%S', time.localtime(now))}",

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
 
-from drbalance.jsonlog import read_json_lines, rotated_files
+from drbalance.jsonlog import finite_number, read_json_lines, rotated_files
 
 logger = logging.getLogger("drbalance.report")
 
@@ -94,13 +93,9 @@ def _read_run_info(path: Path) -> dict:
     if not isinstance(info, dict):
         raise ValueError(f"{path}: not a JSON object")
     started = info.get("started")
-    if started is not None and not _finite_number(started):
+    if started is not None and not finite_number(started):
         raise ValueError(f"{path}: 'started' must be a number of seconds; got {started!r}")
     return info
-
-
-def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _timed_records(paths: list[Path]) -> list[dict]:
@@ -110,7 +105,7 @@ def _timed_records(paths: list[Path]) -> list[dict]:
     kept = []
     for path in paths:
         records = list(read_json_lines(path))
-        timed = [record for record in records if _finite_number(record.get("t"))]
+        timed = [record for record in records if finite_number(record.get("t"))]
         if len(timed) < len(records):
             logger.warning("%s: skipped %d record(s) without a numeric time 't'", path, len(records) - len(timed))
         kept.extend(timed)
@@ -142,7 +137,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     for record in records:
         event, t = record.get("event"), record["t"] - start
         sd = record.get("sd")
-        if event in SD_EVENTS and isinstance(sd, (int, float)) and math.isfinite(sd):
+        if event in SD_EVENTS and finite_number(sd):
             series.times.append(t)
             series.sds.append(float(sd))
         if event == "finish":

@@ -190,10 +190,10 @@ class Simulation:
         minutes of simulating towards the horizon."""
         slowest = min(self.scenario.speed(g) for g in range(self.scenario.gpus))
         for spec in self.scenario.apps:
-            finish = spec.arrival + spec.solo_time() / slowest
-            if not finish <= self.config.max_time:
+            solo = spec.solo_time()
+            if not spec.arrival + solo / slowest <= self.config.max_time:
                 raise ValueError(f"app {spec.name!r}: arriving at {spec.arrival:g} s and running "
-                                 f"{spec.solo_time():g} s alone on the reference GPU, it would not finish within "
+                                 f"{solo:g} s alone on the reference GPU, it would not finish within "
                                  f"the simulator's horizon of {self.config.max_time:g} s")
 
     # --- the event loop ---------------------------------------------------------------------

@@ -17,7 +17,6 @@ makes GPUs of different speeds: a GPU of speed 0.5 needs twice as long for the s
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from types import MappingProxyType
 
 from drbalance.ipc.layout import MAX_GPUS
 from drbalance.ipc.names import check_app_name
+from drbalance.jsonlog import finite_number
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 from drbalance.workload.models import SHORT_NAMES, model_costs
 
@@ -62,7 +62,7 @@ class AppSpec:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"app {self.name!r}: {what} must be a positive integer; got {value!r}")
-        if not _finite_non_negative(self.arrival):
+        if not (finite_number(self.arrival) and self.arrival >= 0):
             raise ValueError(f"app {self.name!r}: arrival must be a finite number >= 0 of seconds; "
                              f"got {self.arrival!r}")
 
@@ -93,7 +93,7 @@ class Scenario:
         if self.gpu_speed is not None:
             speeds = tuple(self.gpu_speed)
             if len(speeds) != self.gpus or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    finite_number(v) and v > 0
                     for v in speeds):
                 raise ValueError(f"scenario {self.name!r}: gpu_speed must hold {self.gpus} positive numbers; "
                                  f"got {list(speeds)}")
@@ -143,17 +143,6 @@ class Scenario:
             "apps": [{**asdict(app), "ratio": list(app.ratio) if app.ratio is not None else None} for app in self.apps],
         }
         return json.dumps(data, indent=2)
-
-
-def _finite_non_negative(value: object) -> bool:
-    """Whether ``value`` is a JSON number (not a bool) that is finite and >= 0, however large an
-    integer it is (``math.isfinite`` of a 400-digit int raises OverflowError)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(value)) and value >= 0
-    except OverflowError:
-        return False
 
 
 def _check_keys(data: object, kind: type, what: str) -> dict:
