@@ -42,6 +42,8 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Arg
     for name, module, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter,
                                   epilog=environment_epilog())
+        # also after the subcommand ('drbalance simulate a -v'); SUPPRESS keeps a -v given before it
+        sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
             return parser, sub, module

@@ -61,12 +61,16 @@ def runtime_dir() -> Path:
     ``/tmp/drbalance-<uid>``. The first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the
     second when that folder exists (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login
     session, e.g. from cron, then still meet a manager started from one). Jobs and their manager
-    must see the same folder. It is
+    must see the same folder, so a value must be an absolute path (ValueError otherwise: a relative
+    one would name a different folder in each working directory). It is
     created with mode 0700 and checked before use (``drbalance.ipc.private``): never reached
     through another user's symbolic link, never another user's or writable by others.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
     if value:
+        if not os.path.isabs(value):
+            raise ValueError(f"DRBALANCE_RUNTIME_DIR={value!r} is not an absolute path: jobs and their manager "
+                             f"started in different folders would not meet; give e.g. {os.path.abspath(value)!r}")
         return Path(value)
     uid = os.getuid()
     xdg = os.environ.get("XDG_RUNTIME_DIR")

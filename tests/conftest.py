@@ -110,4 +110,5 @@ def python_process(module: str, *args: str, env: dict | None = None, **kwargs) -
         child_env.update(env)
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env, text=True, **kwargs)
+    kwargs.setdefault("cwd", ROOT)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=child_env, text=True, **kwargs)

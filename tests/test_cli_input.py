@@ -74,6 +74,12 @@ def test_report_json_is_json_with_plots_and_a_second_report_over_the_same_glob_w
     ('{"name": "x", "gpus": 2, "apps": null}', "'apps' must be a list"),
     ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '
      '"iterations_per_epoch": 5, "bogus": 1}]}', "app 0: unknown key(s) 'bogus'"),
+    ('{"name": "x", "gpus": 2, "gpu_speed": 2, "apps": []}', "'gpu_speed' must be a list of one speed factor"),
+    ('{"name": "x", "gpus": 2, "paper": [1], "apps": []}', "'paper' must be a JSON object"),
+    ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '
+     '"iterations_per_epoch": 5, "ratio": 10}]}', "app 0: 'ratio' must be a list of shares"),
+    ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '
+     '"iterations_per_epoch": 5, "ratio": [5, 6]}]}', "app 'a': ratio: DR shares [5, 6] sum to 11"),
 ])
 def test_a_malformed_scenario_file_names_what_is_wrong(text, message):
     with pytest.raises(ValueError) as raised:
@@ -255,3 +261,29 @@ def test_the_training_script_refuses_an_empty_batch_in_one_line():
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--batch-size", "0", "--solo-time", "1",
                           env={"DRBALANCE_NO_MANAGER": "1"})
     assert code == 2 and "Traceback" not in err and "--batch-size: must be an integer >= 1" in err, err
+
+
+
+def test_a_built_in_name_wins_over_a_file_of_that_name_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").write_text("{}")
+    with caplog.at_level("WARNING"):
+        assert load_scenario("a").description.startswith("paper (a)")
+    assert "the built-in scenario, not the file a here (write ./a for the file)" in caplog.text
+    with pytest.raises(ValueError, match="a: not a valid scenario"):
+        load_scenario("./a")  # the file, when the user says so
+
+
+def test_simulate_compare_refuses_a_policy_or_scheduler_it_would_ignore(capsys):
+    for chosen in (["--policy", "paper"], ["--scheduler", "themis"]):
+        assert cli.main(["simulate", "e2e-a", "--compare", *chosen]) == 1
+        assert f"{chosen[0]} cannot be combined with it" in capsys.readouterr().err
+
+
+def test_verbose_may_follow_the_subcommand(capsys):
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--json", "-v"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["observe"]["final_sd"]
+    parser, _, _ = cli.build_parser(["simulate", "e2e-a", "-v"])
+    assert parser.parse_args(["simulate", "e2e-a", "-v"]).verbose is True
+    assert parser.parse_args(["-v", "simulate", "e2e-a"]).verbose is True  # not reset by the subcommand
+    assert parser.parse_args(["simulate", "e2e-a"]).verbose is False

@@ -22,7 +22,7 @@ from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
-from tests.conftest import wait_for
+from tests.conftest import python_process, wait_for
 from tests.helpers.neighbour import as_neighbour, needs_second_user, second_user
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
@@ -226,3 +226,26 @@ def test_the_runtime_dir_prefers_xdg_runtime_dir(monkeypatch, tmp_path):
     assert env.runtime_dir() == expected
     monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", str(tmp_path / "mine"))
     assert env.runtime_dir() == tmp_path / "mine"  # an explicit choice wins
+
+
+def test_a_relative_drbalance_runtime_dir_is_refused_not_resolved_per_working_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", "relative/run")
+    with pytest.raises(ValueError, match="DRBALANCE_RUNTIME_DIR='relative/run' is not an absolute path"):
+        env.runtime_dir()
+    process = python_process("drbalance.manager.cli", "--source", "emulated:2", "--duration", "1",
+                             env={"DRBALANCE_RUNTIME_DIR": "relative/run"}, cwd=tmp_path)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and "is not an absolute path" in err, err
+    assert not (tmp_path / "relative").exists()  # nothing made in the working directory
+
+
+def test_a_manager_blames_an_unsafe_runtime_dir_not_its_utilisation_source(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    process = python_process("drbalance.manager.cli", "--source", "emulated:2", "--duration", "1",
+                             env={"DRBALANCE_RUNTIME_DIR": str(open_dir)})
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1 and "unsafe path, nothing started" in err and "writable by group or others" in err
+    assert "utilisation source" not in err, err
+    assert os.listdir(open_dir) == []

@@ -189,6 +189,7 @@ def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
                           (["--source", "scripted:/nonexistent.json"], "No such file"),
                           (["--sample-period", "0", "--source", "scripted:x"], "--sample-period: must be a positive"),
                           (["--sample-period", "inf", "--source", "scripted:x"], "--sample-period: must be a positive"),
+                          (["--sample-period", "1e-9", "--source", "scripted:x"], "--sample-period: must be at least"),
                           (["--window", "0", "--source", "scripted:x"], "--window: must be an integer >= 1"),
                           (["--log-keep", "1000000000", "--source", "scripted:x"],
                            "(--log-keep) must be an integer 0..1000"),

@@ -99,8 +99,13 @@ def test_a_taken_port_is_a_clear_error_not_a_traceback():
         holder.listen()
         port = holder.getsockname()[1]
         metrics = ManagerMetrics("ns3", "fair")
-        with pytest.raises(MetricsServerError, match=f"cannot serve metrics on 127.0.0.1:{port}: .*in use"):
+        with pytest.raises(MetricsServerError, match=f"cannot serve metrics on 127.0.0.1:{port}: .*in use") as taken:
             metrics.serve("127.0.0.1", port)
+    assert "--metrics-port" in taken.value.hint
+    for address in ("999.1.1.1", "192.0.2.1"):  # not an address at all; an address of no interface here
+        with pytest.raises(MetricsServerError, match=f"cannot serve metrics on {address}:0") as wrong:
+            ManagerMetrics("ns3", "fair").serve(address, 0)
+        assert "--metrics-address" in wrong.value.hint and "--metrics-port" not in wrong.value.hint, address
     with pytest.raises(SystemExit) as exit_info:
         manager_main(["--metrics-port", "70000"])
     assert exit_info.value.code == 2  # argparse: "a port is a number 0..65535"

@@ -68,3 +68,19 @@ def test_the_demo_moves_an_earlier_demos_runs_aside_and_keeps_them(tmp_path):
     (out / "report.2").mkdir()  # observe.2 is free, report.2 is not: both go to .3
     assert set_aside_earlier_runs(out, ("observe", "fair")) == [(out / "observe", out / "observe.3"),
                                                                  (out / "report", out / "report.3")]
+
+
+def test_a_launch_that_fails_while_starting_keeps_its_logs_aside_and_a_retry_is_not_refused(ipc_env, tmp_path):
+    run_dir = tmp_path / "run-dir"
+    bad_manager = ["--sample-period", "0"]  # the manager refuses it and exits before any app starts
+    for attempt in (1, 2):
+        options = LaunchOptions(load_scenario("e2e-a"), "observe", run_dir, "emulated", extra_manager_args=bad_manager)
+        with pytest.raises(RuntimeError, match="drbalance-manager: the process exited with status 2"):
+            launch(options)
+        assert earlier_run(run_dir) is None, attempt  # nothing in the way of the next launch
+        aside = run_dir / f"failed-start.{attempt}"
+        recorded = json.loads((aside / "run.json").read_text())
+        assert recorded["failed_at_start"] is True and "started" not in recorded
+        assert recorded["manager_returncode"] == 2
+        assert "--sample-period" in (aside / "manager.out").read_text()  # the reason is kept
+    assert not (run_dir / "run.json").exists() and (run_dir / "failed-start.1").is_dir()

@@ -10,6 +10,7 @@ from pathlib import Path
 from drbalance import __version__, env
 from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
 from drbalance.helptext import HelpFormatter, environment_epilog
+from drbalance.ipc.private import UnsafePath
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
 from drbalance.manager.utilization import UtilizationUnavailable, open_source
@@ -45,6 +46,18 @@ def parse_port(text: str) -> int:
     return port
 
 
+MIN_SAMPLE_PERIOD = 0.01  # seconds; shorter only burns a core (NVML refreshes utilisation every 1/6 to 1 s)
+
+
+def sample_period(text: str) -> float:
+    """``--sample-period``: a number of seconds >= ``MIN_SAMPLE_PERIOD``."""
+    value = positive_float(text)
+    if value < MIN_SAMPLE_PERIOD:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_SAMPLE_PERIOD:g} s (a shorter period only keeps a "
+                                         f"core busy); got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = ManagerSettings()
     parser = argparse.ArgumentParser(
@@ -76,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")
     parser.add_argument("--gpus", type=parse_gpus, default=None,
                         help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
-    parser.add_argument("--sample-period", type=positive_float, default=defaults.sample_period,
-                        help="seconds between utilisation samples")
+    parser.add_argument("--sample-period", type=sample_period, default=defaults.sample_period,
+                        help=f"seconds between utilisation samples, at least {MIN_SAMPLE_PERIOD:g} (NVML itself "
+                        "updates its reading only every 1/6 to 1 s)")
     parser.add_argument("--window", type=positive_int, default=defaults.window,
                         help="utilisation smoothing window, in samples")
     parser.add_argument("--util-log-period", type=positive_float, default=defaults.util_log_period,
@@ -122,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UtilizationUnavailable, ValueError) as error:
         logger.error("drbalance-manager: %s", error)
         return 2
-    except OSError as error:  # e.g. emulated GPUs in an unsafe runtime directory
+    except UnsafePath as error:  # e.g. emulated GPUs in a runtime directory others can write: the path is to blame
+        logger.error("drbalance-manager: unsafe path, nothing started: %s", error)
+        return 1
+    except OSError as error:
         logger.error("drbalance-manager: cannot open the utilisation source %r: %s", args.source, error)
         return 1
     metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.serve(args.metrics_address, args.metrics_port)
             except MetricsServerError as error:
                 manager.request_stop("metrics endpoint unavailable")
-                logger.error("drbalance-manager: %s (choose another --metrics-port, or 0 for any free one)", error)
+                logger.error("drbalance-manager: %s (%s)", error, error.hint)
                 return 1
             manager.log("metrics", url=metrics.url())
             logger.info("drbalance-manager: metrics at %s", metrics.url())

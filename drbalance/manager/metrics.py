@@ -24,6 +24,8 @@ registered in ``prometheus_client``'s global default registry.
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +42,16 @@ EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 clients' exchange timeout range (a flooded or stalled one)."""
 
 
+PORT_HINT = "choose another --metrics-port, or 0 for any free one"
+ADDRESS_HINT = "check --metrics-address: an address of this host, e.g. 127.0.0.1, 0.0.0.0 or ::"
+
+
 class MetricsServerError(RuntimeError):
-    """The metrics endpoint cannot be served (the text says where and why)."""
+    """The metrics endpoint cannot be served (the text says where and why; ``hint`` what to change)."""
+
+    def __init__(self, message: str, hint: str = PORT_HINT) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,9 @@ class ManagerMetrics:
             server, thread = start_http_server(port, addr=address, registry=self.registry)
         except OSError as error:
             reason = error.strerror or str(error)
-            raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: {reason}") from None
+            port_fault = not isinstance(error, socket.gaierror) and error.errno in (errno.EADDRINUSE, errno.EACCES)
+            raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: {reason}",
+                                     PORT_HINT if port_fault else ADDRESS_HINT) from None
         self._server, self._thread = server, thread
         self.address = (address, server.server_address[1])
         return self.address

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,8 @@ from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.workload.scenarios import Scenario, load_scenario
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -312,7 +315,12 @@ def launch(options: LaunchOptions) -> Path:
         for name, process in apps.items():
             info["apps"][name]["returncode"] = process.returncode
         info["manager_returncode"] = manager.returncode
-        _write(run_dir, info)
+        if "started" in info:
+            _write(run_dir, info)
+        else:  # it failed while starting: keep what it wrote, out of the way of a retry
+            aside = set_aside_failed_start(run_dir, info)
+            logger.warning("drbalance launch: the run did not start; what it wrote is in %s, and %s can be used "
+                           "again", aside, run_dir)
         if options.devices == "emulated":
             remove_emulated_gpus(names, scenario.gpus)
     failed = {n: a["returncode"] for n, a in info["apps"].items() if a["returncode"] not in (0, None)
@@ -320,6 +328,27 @@ def launch(options: LaunchOptions) -> Path:
     if failed:
         raise RuntimeError(f"apps failed: {failed}; see {run_dir / 'apps'}/*.out")
     return run_dir
+
+
+FAILED_START_FILES = ("manager.jsonl", "manager.out", "apps", ".gates")
+
+
+def set_aside_failed_start(run_dir: Path, info: dict) -> Path:
+    """Move what a launch that failed while starting wrote (the manager's log and output, the apps'
+    outputs, the start gates, whose ``.ready`` files would fool a retry) into
+    ``run_dir/failed-start.<n>/`` (the first ``n`` >= 1 free), with its ``run.json`` there, so
+    that nothing is lost and ``run_dir`` holds no earlier run: a retry into it is not refused.
+    Returns that folder."""
+    suffix = 1
+    while os.path.lexists(run_dir / f"failed-start.{suffix}"):
+        suffix += 1
+    aside = make_dirs(run_dir / f"failed-start.{suffix}")
+    names = [*FAILED_START_FILES, *sorted(p.name for p in run_dir.glob("manager.jsonl.*"))]
+    for name in names:
+        if os.path.lexists(run_dir / name):
+            (run_dir / name).rename(aside / name)
+    _write(aside, {**info, "failed_at_start": True})
+    return aside
 
 
 def private_output(path: Path):

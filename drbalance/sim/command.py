@@ -50,7 +50,8 @@ def baselines(base: SimConfig) -> list[Variant]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, e2e-skewed, or a scenario .json file")
-    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="DR policy")
+    parser.add_argument("--policy", default=None, choices=list(POLICIES),
+                        help=f"DR policy (default: {DEFAULT_POLICY}); not with --compare, which runs them all")
     parser.add_argument("--scheduler", choices=["themis"], default=None,
                         help="time-slice whole GPUs by finish-time fairness instead of a DR policy")
     parser.add_argument("--placement", choices=PLACEMENTS, default=None,
@@ -115,14 +116,25 @@ def check_out_dirs(out: Path, names: list[str]) -> None:
                              f"give another --out or move it away")
 
 
+def check_compare(args: argparse.Namespace) -> None:
+    """``--compare`` runs every policy and the scheduler itself: a ``--policy`` or ``--scheduler``
+    beside it would be silently ignored, so it is refused (ValueError)."""
+    if args.compare and (args.policy is not None or args.scheduler is not None):
+        given = "--policy" if args.policy is not None else "--scheduler"
+        raise ValueError(f"--compare runs fair, f-sched, paper, observe, DataParallel and themis itself; "
+                         f"{given} cannot be combined with it (drop one of the two)")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_compare(args)
     scenario = load_scenario(args.scenario)
     if args.dr_total is not None:
         scenario = scenario.with_dr_total(args.dr_total)
-    base = SimConfig(policy=args.policy, placement=args.placement, scheduler=args.scheduler,
+    policy = args.policy or DEFAULT_POLICY
+    base = SimConfig(policy=policy, placement=args.placement, scheduler=args.scheduler,
                      decide_every=args.decide_every, sd_threshold=args.sd_threshold,
                      util_threshold=args.util_threshold, contention=make_interference(args.interference))
-    variants = baselines(base) if args.compare else [Variant(args.scheduler or args.policy, base)]
+    variants = baselines(base) if args.compare else [Variant(args.scheduler or policy, base)]
     if args.out:
         check_out_dirs(args.out, [run_dir_name(variant) for variant in variants])
     summaries, report = [], {}

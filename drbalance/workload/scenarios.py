@@ -17,6 +17,7 @@ makes GPUs of different speeds: a GPU of speed 0.5 needs twice as long for the s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -29,6 +30,8 @@ from drbalance.ipc.names import check_app_name
 from drbalance.jsonlog import finite_number
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 from drbalance.workload.models import SHORT_NAMES, model_costs
+
+logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("round-robin", "spread")
 SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res
@@ -105,7 +108,10 @@ class Scenario:
             raise ValueError(f"scenario {self.name!r}: app names must be distinct and non-empty: {names}")
         for app in self.apps:
             if app.ratio is not None:
-                DataRatio(app.ratio, self.dr_total)  # validates
+                try:
+                    DataRatio(app.ratio, self.dr_total)  # validates
+                except ValueError as error:
+                    raise ValueError(f"app {app.name!r}: ratio: {error}") from None
                 if len(app.ratio) != self.gpus:
                     raise ValueError(f"app {app.name!r}: ratio {list(app.ratio)} is not for {self.gpus} GPUs")
 
@@ -167,6 +173,15 @@ def _check_types(data: dict) -> None:
         raise ValueError(f"'gpus' must be an integer, got {data['gpus']!r}")
     if not isinstance(data["apps"], list):
         raise ValueError(f"'apps' must be a list of apps, got {type(data['apps']).__name__}")
+    if data.get("gpu_speed") is not None and not isinstance(data["gpu_speed"], list):
+        raise ValueError(f"'gpu_speed' must be a list of one speed factor per GPU, e.g. [1, 1, 0.5, 0.5]; "
+                         f"got {data['gpu_speed']!r}")
+    if not isinstance(data.get("paper", {}), dict):
+        raise ValueError(f"'paper' must be a JSON object of the paper's reported values; got {data['paper']!r}")
+    for index, app in enumerate(data["apps"]):
+        if isinstance(app, dict) and app.get("ratio") is not None and not isinstance(app["ratio"], list):
+            raise ValueError(f"app {index}: 'ratio' must be a list of shares, one per GPU, e.g. [10, 0]; "
+                             f"got {app['ratio']!r}")
 
 
 def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
@@ -226,11 +241,16 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({
 
 
 def load_scenario(name_or_path: str) -> Scenario:
-    """A built-in scenario by name (a, b, c, demo-a, e2e-a, e2e-skewed), or a JSON file."""
-    if name_or_path in SCENARIOS:
-        return SCENARIOS[name_or_path]
-    if name_or_path in DEMO_SCENARIOS:
-        return DEMO_SCENARIOS[name_or_path]
+    """A built-in scenario by name (a, b, c, demo-a, e2e-a, e2e-skewed), or a JSON file.
+
+    A built-in name wins over a file of that name in the working directory (a warning says so;
+    ``./a`` names the file)."""
+    builtin = SCENARIOS.get(name_or_path) or DEMO_SCENARIOS.get(name_or_path)
+    if builtin is not None:
+        if os.path.lexists(name_or_path):
+            logger.warning("scenario %r: the built-in scenario, not the file %s here (write ./%s for the file)",
+                           name_or_path, name_or_path, name_or_path)
+        return builtin
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         return scenario_from_json(_read_scenario_file(path), str(path))
