@@ -1,6 +1,7 @@
 """The simulator: model invariants, the bound, shared code with the daemon, the command."""
 
 import json
+import re
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -328,3 +329,15 @@ def test_in_the_demos_short_runs_fair_is_not_worse_than_doing_nothing(interferen
         fair = measure(name, "round-robin", "fair", interference, decide_every)
         nothing = measure(name, "round-robin", "observe", interference, decide_every)
         assert not_worse(fair, nothing), (name, decide_every, fair, nothing)
+
+
+def test_a_run_past_the_horizon_names_the_unfinished_apps_and_how_far_they_got():
+    apps = tuple(AppSpec(f"r{i}", "resnet50", 32, 1, 400, (10,)) for i in range(3))  # three share one GPU
+    solo = apps[0].solo_time()
+    config = SimConfig(policy="observe", record=False, max_time=1.5 * solo)  # each fits alone, not shared
+    with pytest.raises(RuntimeError) as raised:
+        simulate(Scenario("crowded", 1, apps), config)
+    message = str(raised.value)
+    assert "horizon" in message and "3 app(s) unfinished" in message and "/400 iterations" in message, message
+    done = [int(count) for count in re.findall(r"r\d (\d+)/400 iterations", message)]
+    assert len(done) == 3 and all(0 < count < 400 for count in done), message  # they ran, but not to the end

@@ -196,6 +196,18 @@ class Simulation:
                                  f"{solo:g} s alone on the reference GPU, it would not finish within "
                                  f"the simulator's horizon of {self.config.max_time:g} s")
 
+    def _past_horizon(self) -> str:
+        """Why the simulation stopped at ``max_time``: the unfinished apps and how far each got
+        (none done: a policy that starves it; most done: a scenario too long for the horizon)."""
+        unfinished = [app for app in self.apps if not app.tracker.finished]
+        shown = ", ".join(f"{app.name} {app.tracker.done}/{app.tracker.plan.total} iterations"
+                          for app in unfinished[:5])
+        if len(unfinished) > 5:
+            shown += f" and {len(unfinished) - 5} more"
+        return (f"simulated time passed the horizon of {self.config.max_time:g} s with {len(unfinished)} app(s) "
+                f"unfinished ({shown}): the scenario's shared runs are too long for the simulator, or the "
+                f"policy starves an app")
+
     # --- the event loop ---------------------------------------------------------------------
     def push(self, time: float, kind: int, a: Any = None, b: Any = None) -> None:
         heapq.heappush(self.events, (time, next(self._seq), kind, a, b))
@@ -223,7 +235,7 @@ class Simulation:
         while events and self.remaining and events[0][0] <= until:
             time, _, kind, a, b = heapq.heappop(events)
             if time > self.config.max_time:
-                raise RuntimeError(f"simulation passed {self.config.max_time} s: a policy starves an app?")
+                raise RuntimeError(self._past_horizon())
             self.now = time
             self.processed += 1
             if kind == GPU_DONE:
