@@ -287,3 +287,15 @@ def test_verbose_may_follow_the_subcommand(capsys):
     assert parser.parse_args(["simulate", "e2e-a", "-v"]).verbose is True
     assert parser.parse_args(["-v", "simulate", "e2e-a"]).verbose is True  # not reset by the subcommand
     assert parser.parse_args(["simulate", "e2e-a"]).verbose is False
+
+
+@pytest.mark.parametrize("policies, message", [
+    ("fair,fair", "--policies names fair twice; each policy runs once"),
+    ("bogus", "--policies takes names from"),
+    (",", "--policies takes names from"),
+])
+def test_the_demo_refuses_a_policy_list_it_could_not_run_before_starting_anything(policies, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--policies", policies, "--out", str(tmp_path / "demo")])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

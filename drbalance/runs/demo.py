@@ -55,6 +55,9 @@ def parse_policies(text: str) -> tuple[str, ...]:
     unknown = [name for name in names if name not in POLICIES]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"--policies takes names from {', '.join(POLICIES)}; got {text!r}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # each policy's run has its own folder: a second run would be refused after the first
+        raise argparse.ArgumentTypeError(f"--policies names {', '.join(repeated)} twice; each policy runs once")
     return names
 
 
