@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -299,3 +300,37 @@ def test_the_demo_refuses_a_policy_list_it_could_not_run_before_starting_anythin
         cli.main(["demo", "--policies", policies, "--out", str(tmp_path / "demo")])
     assert exited.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+def _one_rank_env() -> dict:
+    """torchrun's variables for a job of one rank (the script's checks run as under torchrun)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.mark.parametrize("option, message", [
+    (("--ratio", "1,x", "--solo-time", "10"), "--ratio takes comma-separated integers, e.g. 5,5; got '1,x'"),
+    (("--solo-time", "no-such-profile"), "no-such-profile"),
+])
+def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one_line(ipc_env, option, message):
+    code, _out, err = run("drbalance.runs.train_ddp", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
+                          "--iterations", "1", "--no-progress", *option, env=_one_rank_env())
+    assert code == 2 and "Traceback" not in err, err
+    assert "drbalance.runs.train_ddp: error (rank 0): " in err and message in err, err
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]
+
+
+def test_the_training_script_reports_an_sd_log_it_must_not_open_in_one_line(ipc_env, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "linked.sd.jsonl").symlink_to(tmp_path / "elsewhere")
+    code, _out, err = run("drbalance.runs.train", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
+                          "--iterations", "1", "--solo-time", "10", "--app", "linked", "--no-progress",
+                          env={"DRBALANCE_LOG_DIR": str(logs)})
+    assert code == 2 and "Traceback" not in err and "is a symbolic link" in err, err
+    assert not (tmp_path / "elsewhere").exists()
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]  # nothing left
+    assert not list(ipc_env.runtime_dir().glob("**/*.claim"))  # the app's name is free again

@@ -2,6 +2,9 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from drbalance.client import BalancedDataParallel, Session
 from drbalance.jsonlog import read_json_lines
-from tests.conftest import leftovers
+from tests.conftest import ROOT, leftovers
 from tests.test_manager_daemon import ManagerProcess, toy_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,3 +122,62 @@ def test_past_the_plan_with_a_real_manager_the_job_finishes_and_comes_back(ipc_e
     # plan 6: FINISH at 6, back at 7 (plan 9), FINISH at 9, back at 10 (plan 12), FINISH at close
     assert removed == ["finished"] * 3 and added == ["notice"] * 3
     assert leftovers(ipc_env) == []
+
+
+def test_a_session_that_cannot_start_leaves_no_ipc_object_and_frees_its_name(ipc_env, tmp_path, monkeypatch):
+    linked = tmp_path / "linked.sd.jsonl"
+    linked.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError, match="symbolic link"):  # refused before any IPC object exists
+        Session(model(), "retry", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=linked)
+    assert leftovers(ipc_env) == [] and not list(ipc_env.runtime_dir().glob("**/*.claim"))
+
+    def fails(self, now):
+        raise RuntimeError("registration failed")
+
+    with monkeypatch.context() as patched:  # a fault after the record and the claim were made
+        patched.setattr(Session, "_synchronize", fails)
+        with pytest.raises(RuntimeError, match="registration failed"):
+            Session(model(), "retry", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=False)
+    assert leftovers(ipc_env) == [] and not list(ipc_env.runtime_dir().glob("**/*.claim"))
+    with Session(model(), "retry", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=False) as session:
+        session.step()  # the name is free: no "this process already runs an app named 'retry'"
+    assert leftovers(ipc_env) == []
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, "0.5", True])
+def test_session_timeouts_must_be_finite_seconds(alone, value):
+    for option in ("exchange_timeout", "send_timeout"):
+        with pytest.raises(ValueError, match=f"{option} must be a finite number of seconds >= 0"):
+            Session(model(), "bounded", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=False,
+                    **{option: value})
+
+
+FULL_DISK_JOB = """
+import resource, signal, sys
+import torch
+from torch import nn
+from drbalance.client import BalancedDataParallel, Session
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.RLIM_INFINITY))  # room for a few lines only
+model = BalancedDataParallel(nn.Linear(2, 1), device_ids=[0, 1])
+with Session(model, "full", epochs=1, iterations_per_epoch=40, solo_time=1.0, sd_log=sys.argv[1],
+             report_every=1) as session:
+    for _ in range(40):
+        model(torch.randn(4, 2)).sum().backward()
+        session.step()
+"""
+
+
+def test_an_sd_log_that_stays_full_is_warned_about_once_and_its_lost_lines_counted(alone, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(FULL_DISK_JOB)
+    log = tmp_path / "full.sd.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.run([sys.executable, str(script), str(log)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    err = process.stderr
+    assert process.returncode == 0, err  # training went on
+    assert err.count("cannot write the SD log") == 1, err
+    lost = int(err.split(" line(s) of the SD log")[0].rsplit(" ", 1)[-1])
+    written = len(log.read_text().splitlines())
+    assert lost > 0 and written >= 1 and log.stat().st_size <= 600, (lost, written)

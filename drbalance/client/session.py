@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import signal
 import threading
@@ -155,8 +156,10 @@ class Session:
         self._extended = False
         self.report_every = _positive_int(report_every, "report_every")
         self.decide_every = _positive_int(decide_every, "decide_every", allow_none=True)
-        if not exchange_timeout >= 0 or not send_timeout >= 0:
-            raise ValueError("exchange_timeout and send_timeout must be >= 0 seconds")
+        for what, value in (("exchange_timeout", exchange_timeout), ("send_timeout", send_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{what} must be a finite number of seconds >= 0 (every wait is bounded); "
+                                 f"got {value!r}")
         if len(model.ratio) > MAX_GPUS:
             raise ValueError(f"the model's DR has {len(model.ratio)} entries; the protocol carries at most {MAX_GPUS}")
         self.exchange_timeout = float(exchange_timeout)
@@ -192,24 +195,35 @@ class Session:
         self._attached_pid = 0
         self._warned_absent = False
         self._warned_closed = False
+        self._warned_log = False  # the SD log could not be written (warned once)
         self._last_manager_look = self.clock.monotonic()
         self._closed = False
         self._closing = False
         self._state = AppState.STARTING
         self.names = IpcNames.current(namespace)
         follower = self.job is not None and not self.job.leader
-        self.link = link if link is not None else DetachedLink() if follower else self._default_link()
-        self.log = self._open_log(False if follower else sd_log)
         self._previous_sigterm: Any = None
-        if handle_sigterm:
-            self._install_sigterm_handler()
-        atexit.register(self.close)
-        self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
-                        epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
-                        start_epoch=start_epoch, namespace=self.names.namespace,
-                        measuring=self.measurement_output is not None)
-        self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
-        self._synchronize(self.clock.monotonic())
+        # the log first: a log path that cannot be used (a symbolic link, another user's file) is
+        # refused before any IPC object or name claim exists
+        self.log = self._open_log(False if follower else sd_log)
+        try:
+            self.link = link if link is not None else DetachedLink() if follower else self._default_link()
+        except BaseException:
+            self._close_log()
+            raise
+        try:
+            if handle_sigterm:
+                self._install_sigterm_handler()
+            atexit.register(self.close)
+            self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
+                            epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
+                            start_epoch=start_epoch, namespace=self.names.namespace,
+                            measuring=self.measurement_output is not None)
+            self._exchange(NoticeKind.REGISTER, self.clock.monotonic())
+            self._synchronize(self.clock.monotonic())
+        except BaseException:  # e.g. SIGTERM while registering: leave nothing behind (record, claim)
+            self._abandon()
+            raise
 
     # --- set-up -------------------------------------------------------------------------------
     def _default_link(self) -> ManagerLink:
@@ -228,6 +242,7 @@ class Session:
         path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
         writer = JsonLinesWriter(path, flush_every=64, open_later=True)
         if writer.error is not None:  # e.g. a full disk: training goes on, the lines wait in memory
+            self._warned_log = True
             logger.warning("drbalance: cannot open the SD log %s (%s); its lines are kept in memory and written "
                            "once it can be opened", path, writer.error)
         return writer
@@ -328,10 +343,20 @@ class Session:
                 self._exchange(NoticeKind.FINISH, now, leaving=True)
             self.link.close()
             self._write_log("closed", now)
-            if self.log is not None:
-                self.log.close()
+            self._close_log()
         finally:
             self._closing = False
+            self._restore_sigterm_handler()
+            atexit.unregister(self.close)
+
+    def _abandon(self) -> None:
+        """Undo a set-up that failed part way: the link's IPC objects and name claim, the log,
+        the SIGTERM handler (nothing is sent to the manager: the app never finished registering)."""
+        self._closed = True
+        try:
+            self.link.close()
+        finally:
+            self._close_log()
             self._restore_sigterm_handler()
             atexit.unregister(self.close)
 
@@ -540,6 +565,20 @@ class Session:
         self.log.write(record)
         if event != "report":
             self.log.flush()
+        if self.log.error is not None and not self._warned_log:
+            self._warned_log = True
+            logger.warning("drbalance: cannot write the SD log %s (%s); its lines wait in memory and are written "
+                           "when it can be", self.log.path, self.log.error)
+
+    def _close_log(self) -> None:
+        """Close the SD log (one last write); warn if lines are lost (e.g. the disk is still full)."""
+        if self.log is None:
+            return
+        error = self.log.error
+        lost = self.log.close()
+        if lost:
+            logger.warning("drbalance: %d line(s) of the SD log %s could not be written and are lost (%s)",
+                           lost, self.log.path, self.log.error or error or "no room")
 
     def _measure_step(self, duration: float) -> None:
         self.measured_times.append(duration)

@@ -139,12 +139,20 @@ def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[Data
     return loader, classes
 
 
+def parse_integers(text: str, option: str, example: str) -> list[int]:
+    """``3,3,2,2`` -> [3, 3, 2, 2]; ValueError naming ``option`` for anything else."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, e.g. {example}; got {text!r}") from None
+
+
 def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
-    ratio = DataRatio([int(x) for x in args.ratio.split(",")]) if args.ratio else None
+    ratio = DataRatio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
     if kind == "cuda":
-        gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
+        gpus = parse_integers(args.gpus, "--gpus", "0,1") if args.gpus else list(range(torch.cuda.device_count()))
         return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)
     if kind == "emulated":
         from drbalance.client.emulated import EmulatedBackend
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             pass_start_gate(args.start_gate, args.start_gate_timeout)
         session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
                           report_every=args.report_every, decide_every=args.decide_every or None)
-    except (ValueError, ProfileNotFound) as error:
+    except (ValueError, ProfileNotFound, OSError) as error:  # OSError: e.g. an SD log path that is a symbolic link
         print(f"drbalance.runs.train: error: {error}", file=sys.stderr)
         return 2
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

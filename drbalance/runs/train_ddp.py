@@ -31,7 +31,8 @@ from torchvision import transforms
 from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
-from drbalance.runs.train import MODELS, add_training_options, solo_time
+from drbalance.profiling.store import ProfileNotFound
+from drbalance.runs.train import MODELS, add_training_options, parse_integers, solo_time
 
 PROGRAM = "train_ddp.py"
 
@@ -158,16 +159,26 @@ def main(argv: list[str] | None = None) -> int:
     rank, local_rank, world_size = torchrun_environment()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    try:  # bad input found while setting up is one line per rank, not a traceback from each
+        return train(args, rank, local_rank, world_size)
+    except (ValueError, ProfileNotFound, OSError) as error:
+        print(f"drbalance.runs.train_ddp: error (rank {rank}): {error}", file=sys.stderr)
+        return 2
+
+
+def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int) -> int:
+    """Set up this rank (process group, model, loader, session) and train; ValueError, OSError or
+    ``ProfileNotFound`` for bad input found while setting up."""
     kind, emulated_gpus = choose_devices(args.devices)
     gpu = rank_device(args, kind, local_rank, emulated_gpus)
     timeout = timedelta(seconds=args.timeout)
+    ratio = parse_integers(args.ratio, "--ratio", "5,5") if args.ratio else None
     if kind == "cuda":
         torch.cuda.set_device(gpu)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", gpu))
     else:
         dist.init_process_group("gloo", timeout=timeout)
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes_of(args))
-    ratio = [int(x) for x in args.ratio.split(",")] if args.ratio else None
     emulated = None
     if kind == "cuda":
         model = BalancedDistributedDataParallel(network.cuda(gpu), device_ids=[gpu], ratio=ratio)
