@@ -139,3 +139,46 @@ def test_jobs_killed_while_waiting_for_a_gpu_leave_it_unshared(emu):
         assert time.monotonic() - started >= 0.49  # served alone: no co-location discount
     finally:
         gpu.close()
+
+
+class _Optional(nn.Module):
+    """A module that may be called without a batch tensor (``n`` only), as DataParallel allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor | None = None, n: int = 3) -> torch.Tensor:
+        return self.layer(x) if x is not None else torch.zeros(n)
+
+
+def test_an_empty_batch_or_no_batch_tensor_as_the_first_call_runs_as_on_the_cpu(emu):
+    for first in (lambda model: model(torch.randn(0, 4)), lambda model: model(n=5)):
+        model = BalancedDataParallel(_Optional(), backend=EmulatedBackend(2, None, namespace=emu.namespace))
+        cpu = BalancedDataParallel(_Optional(), device_ids=[0, 1])
+        assert first(model).shape == first(cpu).shape  # (0, 3) and (5,)
+        assert model.backend.costs is None  # nothing to measure on yet
+        model(torch.randn(6, 4)).sum().backward()  # the first batch with samples is measured
+        assert model.backend.costs is not None and model.backend.costs.memory_per_sample > 0
+        model.backend.close()
+
+
+def test_costs_first_estimated_without_gradients_are_measured_again_with_them(emu):
+    x = torch.randn(8, 6)
+
+    def build() -> BalancedDataParallel:
+        torch.manual_seed(0)
+        network = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+        return BalancedDataParallel(network, backend=EmulatedBackend(2, None, namespace=emu.namespace))
+
+    trained = build()
+    trained(x)
+    validated = build()
+    with torch.no_grad():  # a validation pass first: no activations saved, memory would read 0
+        validated(x)
+    assert validated.backend.costs_provisional and validated.backend.costs.memory_per_sample == 0
+    validated(x)
+    assert not validated.backend.costs_provisional
+    assert validated.backend.costs.memory_per_sample == trained.backend.costs.memory_per_sample > 0
+    for model in (trained, validated):
+        model.backend.close()

@@ -79,6 +79,9 @@ class EmulatedBackend(CpuBackend):
             raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
         self.gpu_count = gpu_count
         self.costs = costs
+        # costs estimated from a forward without gradients (a validation pass first) count no saved
+        # activations, so memory would read 0: they stand until the first forward with gradients
+        self.costs_provisional = False
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
@@ -101,7 +104,8 @@ class EmulatedBackend(CpuBackend):
 
     def __getstate__(self) -> dict[str, Any]:
         return {"gpu_count": self.gpu_count, "costs": self.costs, "time_scale": self.time_scale,
-                "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes}
+                "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes,
+                "costs_provisional": self.costs_provisional}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -144,12 +148,18 @@ class EmulatedBackend(CpuBackend):
 
     # --- the forward -----------------------------------------------------------------------------
     def call_chunk(self, module: nn.Module, args: Any, kwargs: dict[str, Any], plan: ChunkPlan, position: int) -> Any:
-        if self.costs is not None:
+        """Run one chunk; the first with samples (and, for memory, the first with gradients) is
+        also measured to estimate the model's costs. An empty chunk, or a call with no batch
+        tensor, just runs: there is nothing to measure on."""
+        with_grad = torch.is_grad_enabled()
+        wanted = self.costs is None or (self.costs_provisional and with_grad)
+        if not wanted or plan.sizes[position] < 1:
             return module(*args, **kwargs)
         from drbalance.client.costs import measure_features
 
         features, output = measure_features(module, args, kwargs, plan.sizes[position])
         self.costs = estimate_costs(type(module).__name__, features)
+        self.costs_provisional = not with_grad
         return output
 
     def after_chunk(self, device_ids: Sequence[int], plan: ChunkPlan, position: int, output: Any) -> None:
@@ -186,6 +196,8 @@ class EmulatedBackend(CpuBackend):
     def apply(self, module: nn.Module, device_ids: Sequence[int], plan: ChunkPlan,
               chunk_inputs: Sequence[Any], chunk_kwargs: Sequence[dict[str, Any]]):
         outputs, cpu_seconds = self.forward_chunks(module, device_ids, plan, chunk_inputs, chunk_kwargs)
+        if self.costs is None:  # no chunk had samples to measure on: no device time can be modelled yet
+            return outputs, self.timings(device_ids, plan, [0.0] * len(plan.slots))
         self._host_phase(plan, sum(cpu_seconds))
         device = [self.time_scale * self.costs.device_seconds(size * self.sample_scale) for size in plan.sizes]
         if self._pool is None:
