@@ -144,6 +144,28 @@ def test_an_oom_in_the_backward_is_undone_and_the_step_rerun_with_train_step(emu
     model.backend.close()
 
 
+def test_a_step_of_two_forwards_then_one_backward_is_undone_and_rerun_too(emu):
+    # the second forward starts before the first one's backward: it must not prove the new DR
+    module = network()
+    model = wrapped(module, [5, 5])
+    for step in range(3):
+        if step == 1:
+            model.set_ratio([6, 4])  # 12 samples of each forward's 20 on GPU 0: the backward does not fit
+        halves = [data(10 * step + half, batch=20) for half in (0, 1)]
+
+        def closure(halves=halves):
+            loss = sum(nn.functional.cross_entropy(model(x), y) for x, y in halves) / 2
+            loss.backward()
+            return loss
+
+        module.zero_grad()
+        assert torch.isfinite(model.train_step(closure))
+    reverts = model.take_reverts()
+    assert [(r.failed_ratio.to_list(), r.phase) for r in reverts] == [([6, 4], "step")]
+    assert model.ratio == DataRatio([5, 5]) and model.max_samples[0] is not None
+    model.backend.close()
+
+
 def test_accumulated_gradients_survive_an_oom_in_a_later_micro_batch(emu):
     module = network()
     model = wrapped(module, [5, 5])

@@ -56,11 +56,13 @@ class _ForwardState:
     starts (its backward has then run) or when ``train_step`` returns; ``fitted``: per slot, the
     largest chunk that completed a training step; ``limits``: per slot, the largest chunk known to
     fit after an out-of-memory error (None = no known limit); ``peak_chunk``: per slot, the
-    largest chunk since memory was last read.
+    largest chunk since memory was last read; ``in_step``: inside ``train_step``'s closure, where
+    a second forward (gradient accumulation, a siamese net) starts before the first one's
+    backward, so it proves nothing: the step proves its DR when the closure returns.
     """
 
     __slots__ = ("ratio", "pending", "plan", "timings", "proven", "unproven", "fitted", "limits",
-                 "peak_chunk", "reverts", "rejected")
+                 "peak_chunk", "reverts", "rejected", "in_step")
 
     def __init__(self, ratio: DataRatio) -> None:
         count = len(ratio)
@@ -75,6 +77,7 @@ class _ForwardState:
         self.peak_chunk = [0] * count
         self.reverts: deque[OomRevert] = deque(maxlen=64)
         self.rejected: set[DataRatio] = set()
+        self.in_step = False
 
     # Pickling (torch.save of the wrapper, deepcopy, AveragedModel): the DRs and what is known
     # about memory travel; per-call records (lazy timings holding CUDA events, plans) do not.
@@ -294,7 +297,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         with torch.autograd.profiler.record_function("BalancedDataParallel.forward"):
             state = self._state
             training = torch.is_grad_enabled()
-            if training and state.unproven is not None:
+            if training and state.unproven is not None and not state.in_step:
                 self._prove()  # a new training forward: the last one's backward has run
             ratio = self._take_ratio()
             self.backend.check_module(self.module, self.device_ids)
@@ -352,6 +355,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         target = state.pending if state.pending is not None else state.ratio
         snapshot = _StepSnapshot(self.module) if state.proven is not None and target != state.proven else None
         try:
+            state.in_step = True
             result = closure()
         except Exception as error:
             failure = self._revertible(error, state.ratio) if snapshot is not None else None
@@ -362,10 +366,16 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
             if state.unproven is not None:
                 self._prove()
             return result
+        finally:
+            state.in_step = False
         state.unproven = None
         snapshot.restore()
         self._revert(failed[0], failed[1], failure[0], "step", failure[1])
-        result = closure()
+        try:
+            state.in_step = True
+            result = closure()
+        finally:
+            state.in_step = False
         if state.unproven is not None:
             self._prove()
         return result
