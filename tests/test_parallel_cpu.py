@@ -8,6 +8,7 @@ from torch import nn
 
 from drbalance import DataRatio
 from drbalance.client import BalancedDataParallel, CpuBackend
+from drbalance.client.parallel import fold_single_samples
 
 RATIOS = [[10, 0, 0, 0], [1, 2, 7, 0], [3, 3, 3, 1], [0, 0, 0, 10], [0, 5, 0, 5]]
 
@@ -207,6 +208,27 @@ def test_batchnorm_in_eval_mode_matches_and_train_mode_uses_per_chunk_statistics
     model.train()
     per_chunk = torch.cat([model(x[:4]), model(x[4:])])
     torch.testing.assert_close(wrapped(x), per_chunk)
+
+
+def test_batchnorm_in_training_never_gets_a_chunk_of_one_sample():
+    # an epoch's last, partial batch of 11 under DR [1, 9] splits 1 + 10: one sample cannot train batch norm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    wrapped = BalancedDataParallel(model, device_ids=[0, 1])
+    wrapped.set_ratio([1, 9])
+    x = torch.randn(11, 3)
+    torch.testing.assert_close(wrapped(x), model(x))  # folded onto one replica: its statistics are the batch's
+    assert wrapped.last_chunk_sizes == (0, 11)
+    wrapped.set_ratio([5, 5])
+    wrapped(torch.randn(3, 3))  # even 2 + 1: nn.DataParallel fails here; folded to 3 + 0
+    assert wrapped.last_chunk_sizes == (3, 0)
+    model.eval()  # running statistics: one sample is fine, the DR's split stands
+    wrapped(torch.randn(3, 3))
+    assert wrapped.last_chunk_sizes == (2, 1)
+    plain = BalancedDataParallel(nn.Linear(3, 4), device_ids=[0, 1], ratio=[1, 9])
+    plain(torch.randn(11, 3))  # no batch norm: nothing folded
+    assert plain.last_chunk_sizes == (1, 10)
+    assert fold_single_samples((1, 1, 1)) == (0, 3, 0) and fold_single_samples((1, 0)) == (1, 0)
 
 
 def test_default_ratio_is_an_exactly_even_split():

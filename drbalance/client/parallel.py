@@ -117,6 +117,23 @@ class _StepSnapshot:
                 buffer.data.copy_(value)
 
 
+def fold_single_samples(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Chunk sizes with every chunk of one sample moved onto the largest chunk (the first of
+    equals), for a batch of two samples or more: a replica training batch norm on one sample
+    raises "Expected more than 1 value per channel when training". A DR's small share meets a
+    small batch (an epoch's last, partial one) this way, as an even split of 3 samples on 2 GPUs
+    does (where ``nn.DataParallel`` fails)."""
+    folded = list(sizes)
+    if sum(folded) < 2:
+        return tuple(folded)
+    for slot, size in enumerate(folded):
+        if size == 1:
+            folded[slot] = 0
+            largest = max(range(len(folded)), key=folded.__getitem__)
+            folded[largest] += 1
+    return tuple(folded)
+
+
 def coerce_ratio(value: DataRatio | Sequence[int] | Any) -> DataRatio:
     """A DataRatio from a DataRatio, a sequence of integers, or a 1-D integer array or tensor."""
     if isinstance(value, DataRatio):
@@ -184,6 +201,8 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         self.module = module
         self.dim = dim
         self.scalar_outputs = scalar_outputs
+        # training batch norm needs two samples or more in each replica's chunk
+        self._batch_norm = any(isinstance(part, nn.modules.batchnorm._BatchNorm) for part in module.modules())
         self.backend = backend if backend is not None else default_backend()
         ratio_value = None if ratio is None else coerce_ratio(ratio)
         self.device_ids = self.backend.resolve_device_ids(
@@ -290,6 +309,8 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         if not batch:
             return ChunkPlan((ratio.used[0],), (batch or 0,), self.dim, self.scalar_outputs, whole=True)
         sizes = ratio.split(batch)
+        if self._batch_norm and 1 in sizes and self.module.training:
+            sizes = fold_single_samples(sizes)
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)
 
