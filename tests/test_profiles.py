@@ -76,3 +76,19 @@ def test_bad_profile_runs_give_clear_errors(ipc_env, tmp_path):
 def test_extrapolation_uses_the_mean_after_warmup():
     solo, mean = extrapolate(Measurement([5.0, 1.0, 2.0, 3.0], 1, 100, "cpu"))
     assert mean == pytest.approx(2.0) and solo == pytest.approx(200.0)
+
+
+def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such(ipc_env):
+    import numpy
+
+    def session(solo_time):
+        return Session(BalancedDataParallel(nn.Linear(2, 2)), "solo", 1, 2, solo_time=solo_time, sd_log=False,
+                       handle_sigterm=False)
+
+    with pytest.raises(ProfileNotFound, match=r"For 12\.5 seconds, give the number \(12\.5\), not a string"):
+        session("12.5")
+    for wrong in (None, [12.5], True):
+        with pytest.raises(ValueError, match="solo_time must be the solo-run time in seconds"):
+            session(wrong)
+    with session(numpy.int64(30)) as accepted:  # a NumPy number is a number
+        assert accepted.tracker.solo_time == 30.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import numbers
 import os
 import socket
 import statistics
@@ -107,10 +108,29 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path:
 
 
 def resolve_solo_time(solo_time: float | str) -> float:
-    """Seconds from a number, or from the stored profile of that name."""
+    """Seconds from a number, or from the stored profile of that name. ``ProfileNotFound`` for a
+    name with no profile (saying so when the name reads as a number: ``"12.5"`` instead of
+    ``12.5``); ValueError for anything that is neither."""
     if isinstance(solo_time, str):
-        return load_profile(solo_time).solo_time_s
+        try:
+            return load_profile(solo_time).solo_time_s
+        except ProfileNotFound as error:
+            if _reads_as_number(solo_time):
+                raise ProfileNotFound(f"{error}. For {solo_time} seconds, give the number ({solo_time}), "
+                                      f"not a string") from None
+            raise
+    if isinstance(solo_time, bool) or not isinstance(solo_time, numbers.Real):
+        raise ValueError(f"solo_time must be the solo-run time in seconds (a number) or the name of a stored "
+                         f"profile; got {solo_time!r}")
     return float(solo_time)
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
