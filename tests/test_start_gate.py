@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from drbalance.runs.launch import _wait_for_setup
+from drbalance.runs.launch import _wait_for_setup, earlier_run
 from drbalance.runs.train import pass_start_gate
 from tests.conftest import python_process
 
@@ -84,7 +84,10 @@ def test_sigterm_to_a_launch_stops_its_manager_and_jobs_and_removes_its_emulated
             launcher.kill()
     assert launcher.returncode == 128 + 15, err
     assert "Traceback" not in err, err
-    info = json.loads((run_dir / "run.json").read_text())
+    # stopped while its jobs set up (as a rule here): what it wrote is set aside and the folder is free
+    started = (run_dir / "run.json").exists()
+    info = json.loads((run_dir / ("run.json" if started else "failed-start.1/run.json")).read_text())
+    assert started or (info["failed_at_start"] and earlier_run(run_dir) is None), info
     assert info["manager_returncode"] is not None  # stopped and waited for
     assert all(app["returncode"] is not None for app in info["apps"].values()), info["apps"]
     namespace = info["namespace"]
