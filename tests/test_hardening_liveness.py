@@ -226,3 +226,25 @@ def test_the_rescan_never_deletes_a_live_jobs_unreadable_record(ipc_env, tmp_pat
         for process, _, _ in apps.values():
             kill(process)
     assert SEGMENT_HEADER.size == 16  # the offsets the corruptions above write to
+
+
+def test_a_claim_that_is_a_folder_or_a_link_stops_no_other_apps_collection(ipc_env, tmp_path):
+    half, _token = idle_app("halfway", "--half")
+    kill(half)  # its record, semaphore and claim are left
+    claims = ipc_env.app_claim("halfway").parent
+    (claims / "folder.claim").mkdir()
+    (claims / "linked.claim").symlink_to("/dev/null")
+    for odd in ("folder.claim", "linked.claim"):  # older than the grace period for unfinished claims
+        os.utime(claims / odd, (time.time() - 60, time.time() - 60), follow_symlinks=False)
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        removed = wait_for(lambda: manager.events("app_removed"))
+        assert removed[0]["app"] == "halfway"
+        wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
+        reported = wait_for(lambda: [e for e in manager.events("invalid") if e.get("what") == "claim"])
+        assert {e["app"] for e in reported} <= {"folder", "linked"} and manager.alive()
+        assert not [e for e in manager.events("fault") if e.get("task") == "rescan"], manager.events("fault")
+    finally:
+        code, err = manager.stop()
+    assert code == 0, err
+    assert (claims / "folder.claim").is_dir() and (claims / "linked.claim").is_symlink()  # left as they are

@@ -191,6 +191,8 @@ def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
                           (["--sample-period", "inf", "--source", "scripted:x"], "--sample-period: must be a positive"),
                           (["--sample-period", "1e-9", "--source", "scripted:x"], "--sample-period: must be at least"),
                           (["--window", "0", "--source", "scripted:x"], "--window: must be an integer >= 1"),
+                          (["--dr-total", "1000000", "--source", "scripted:x"],
+                           "(--dr-total) must be an integer 1..65535"),
                           (["--log-keep", "1000000000", "--source", "scripted:x"],
                            "(--log-keep) must be an integer 0..1000"),
                           (["--policy", "magic"], "invalid choice")):
@@ -199,12 +201,23 @@ def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
         assert process.returncode == 2 and message in err, (args, err)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_clean_shutdown_on_signals(ipc_env, tmp_path, signum):
-    manager = ManagerProcess(tmp_path, ipc_env)
+    # SIGHUP (a closed terminal) as a login shell delivers it: not ignored, as 'nohup' would
+    manager = ManagerProcess(tmp_path, ipc_env, restore_signals=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     manager.process.send_signal(signum)
     # no second signal: one sent while the interpreter finalises (default dispositions back) kills it
     code, err = manager.stop(signal_it=False)
     assert code == 0, err
     assert manager.events("stop")[0]["reason"] == signal.Signals(signum).name
     assert leftovers(ipc_env) == []
+
+
+def test_a_manager_started_under_nohup_keeps_ignoring_sighup(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    manager.process.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert manager.alive(), manager.stderr()
+    code, err = manager.stop()
+    assert code == 0 and manager.events("stop")[0]["reason"] == "SIGTERM", err

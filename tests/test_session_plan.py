@@ -181,3 +181,14 @@ def test_an_sd_log_that_stays_full_is_warned_about_once_and_its_lost_lines_count
     lost = int(err.split(" line(s) of the SD log")[0].rsplit(" ", 1)[-1])
     written = len(log.read_text().splitlines())
     assert lost > 0 and written >= 1 and log.stat().st_size <= 600, (lost, written)
+
+
+def test_a_job_says_why_it_found_no_manager(ipc_env, tmp_path, caplog):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    manager.process.kill()  # its manager.json stays, naming a dead pid
+    manager.process.wait(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="drbalance"):
+        with Session(model(), "why", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=False) as session:
+            session.step()
+    assert f"(the manager named in {ipc_env.manager_info()} (pid {manager.process.pid}) is gone)" in caplog.text
+    assert "none is running" not in caplog.text

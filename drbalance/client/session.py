@@ -484,7 +484,7 @@ class Session:
         self._last_manager_look = now
         beat = self.link.manager()
         if beat is None:
-            self._lost_manager(now)
+            self._lost_manager(now, reason=getattr(self.link, "problem", "") or "none is running")
             self.link.publish(self._status(now))
             return
         self.notice_seq += 1

@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    stop_on = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # a closed terminal; 'nohup' ignores it, and so do we
+        stop_on.append(signal.SIGHUP)
+    for signum in stop_on:
         signal.signal(signum, lambda number, frame: manager.request_stop(signal.Signals(number).name))
     try:
         manager.start()

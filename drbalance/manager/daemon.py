@@ -101,6 +101,9 @@ class ManagerSettings:
                 raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
         if self.window < 1:
             raise ValueError(f"window must be at least 1 sample; got {self.window}")
+        if isinstance(self.dr_total, bool) or not isinstance(self.dr_total, int) or not 1 <= self.dr_total <= 65535:
+            raise ValueError(f"the DR granularity (--dr-total) must be an integer 1..65535 (what a record's "
+                             f"16-bit shares carry); got {self.dr_total!r}")
         if not 1 <= self.inbox_messages <= 10:
             raise ValueError(f"inbox_messages must be 1..10 (Linux's limit for unprivileged users); "
                              f"got {self.inbox_messages}")
@@ -582,7 +585,12 @@ class Manager:
         for app in discovery.claimed_apps(self.names):
             if app in self.table:
                 continue
-            token = self._consider_claim(app, now)
+            try:
+                token = self._consider_claim(app, now)
+            except OSError as error:  # one bad entry (a folder or a link as a claim) stops no other app's
+                self._report_once(("claim", app, str(error)), "invalid", what="claim", app=app,
+                                  error=f"{error}; left as it is")
+                continue
             if token is not None:
                 referenced.add((app, token))
         self._scan_listing(now, referenced)
