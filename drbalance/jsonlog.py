@@ -179,6 +179,24 @@ class JsonLinesWriter:
             count += 1
         return count
 
+    def reopen_if_replaced(self) -> bool:
+        """True if the file was removed or replaced under the open descriptor (an ``rm``, an
+        outside rotation, its folder removed): the descriptor is closed and the next write opens
+        the path anew, so lines stop going to a file nobody can read."""
+        if self._fd is None or self._closed:
+            return False
+        held = os.fstat(self._fd)
+        try:
+            on_disk = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            on_disk = None
+        same = on_disk is not None and (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+        if same:
+            return False
+        os.close(self._fd)
+        self._fd, self._size = None, 0
+        return True
+
     def close(self) -> int:
         """Write what is pending (one last try) and close; the number of lines lost (0 normally)."""
         if self._closed:

@@ -182,3 +182,20 @@ def test_costs_first_estimated_without_gradients_are_measured_again_with_them(em
     assert validated.backend.costs.memory_per_sample == trained.backend.costs.memory_per_sample > 0
     for model in (trained, validated):
         model.backend.close()
+
+
+def test_a_manager_stopping_while_a_job_maps_its_emulated_gpus_says_so_and_leaves_them(emu, tmp_path):
+    from tests.helpers.processes import ManagerProcess
+
+    manager = ManagerProcess(tmp_path, emu, (0, 0), "--source", "emulated:2")
+    held = EmulatedGpu(emu, 1)  # this process uses GPU 1, as a training job would
+    try:
+        code, err = manager.stop()
+        assert code == 0, err
+        stop = manager.events("stop")[0]
+        assert stop["gpus_left_in_use"] == {"1": [os.getpid()]}, stop
+        assert "emulated GPU(s) [1] are still used by pid(s)" in err
+        assert os.path.exists(f"/dev/shm/{emu.emulated_gpu(1).lstrip('/')}")  # not pulled from under the job
+        assert not os.path.exists(f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}")  # unused: removed
+    finally:
+        held.close()

@@ -60,6 +60,19 @@ def test_the_runtime_directory_removed_under_a_running_manager(ipc_env, tmp_path
     assert repaired and discovery.read_manager(ipc_env) is None  # withdrawn at the clean stop
 
 
+def test_the_manager_log_removed_under_a_running_manager_is_written_again(ipc_env, tmp_path):
+    manager = ManagerProcess(tmp_path, ipc_env)
+    try:
+        wait_for(lambda: manager.events("util"))
+        manager.log_path.unlink()  # an rm, or a rotation by another tool: its lines would go to a deleted file
+        repaired = wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "manager log"])
+        assert manager.alive()
+    finally:
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
+    assert repaired and manager.events("stop")  # the stop record is in the file at the log's path
+
+
 def test_the_status_file_replaced_by_a_folder(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = long_app("steady")

@@ -274,7 +274,15 @@ class Manager:
             self._endpoint.close()
             self._endpoint = None
         self._remove_own_status()
-        self.log("stop", reason=reason, decisions=self.decisions)
+        self.source.close()
+        in_use = dict(getattr(self.source, "left_in_use", {}))  # emulated GPUs: jobs still map them
+        if in_use:
+            logger.info("drbalance-manager: emulated GPU(s) %s are still used by pid(s) %s and stay in %s; a "
+                        "manager of namespace %r that stops when no job uses them removes them", sorted(in_use),
+                        sorted({pid for pids in in_use.values() for pid in pids}), objects.SHM_DIR,
+                        self.names.namespace)
+        self.log("stop", reason=reason, decisions=self.decisions,
+                 **({"gpus_left_in_use": {str(gpu): pids for gpu, pids in in_use.items()}} if in_use else {}))
         if self._log is not None:
             lost = self._log.close()
             if lost:
@@ -284,7 +292,6 @@ class Manager:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        self.source.close()
 
     def _remove_own_status(self) -> None:
         path = self.names.manager_status()
@@ -705,7 +712,12 @@ class Manager:
         logger.warning("drbalance-manager: %s", fields.get("error", fields))
 
     def _check_runtime_files(self, now: float) -> None:
-        """Put the lock file and ``manager.json`` back if the runtime directory lost them."""
+        """Put the lock file and ``manager.json`` back if the runtime directory lost them, and
+        reopen the manager log if it was removed or replaced (its lines went to a deleted file)."""
+        if self._log is not None and self._log.reopen_if_replaced():
+            self.log("repaired", what="manager log", error=f"{self._log_path} was removed or replaced; reopened")
+            logger.warning("drbalance-manager: its log %s was removed or replaced; writing to a new one",
+                           self._log_path)
         lock_ok = self._lock.held()
         published = self._endpoint.published()
         if lock_ok and published:
