@@ -248,3 +248,34 @@ def test_a_claim_that_is_a_folder_or_a_link_stops_no_other_apps_collection(ipc_e
         code, err = manager.stop()
     assert code == 0, err
     assert (claims / "folder.claim").is_dir() and (claims / "linked.claim").is_symlink()  # left as they are
+
+
+def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_waiting(ipc_env, tmp_path,
+                                                                                      monkeypatch):
+    from drbalance.ipc import records
+    from drbalance.ipc.names import new_token
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    for index in range(30):  # writers killed mid-write, their claims gone (e.g. with the runtime directory)
+        ghost = AppRecord.create(ipc_env, f"ghost{index}", new_token())
+        ghost.segment.words[ghost.status_area.counter_index] = 1
+        ghost.close()
+    time.sleep(5.5)  # past the grace period for records being created (their ctime cannot be set)
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 2, "steps": [{"at": 0, "util": [0, 0]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    sleeps = []
+    monkeypatch.setattr(records.time, "sleep", lambda seconds: sleeps.append(seconds))
+    try:
+        manager.start()  # its first rescan
+        for _ in range(3):
+            manager._rescan(time.monotonic())  # later rescans
+    finally:
+        manager.stop()
+    assert sleeps == []  # 200-attempt reads used to wait about 20 ms for each, at every rescan
+    reported = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    invalid = [e for e in reported if e["event"] == "invalid" and e.get("app", "").startswith("ghost")]
+    assert len(invalid) == 30 and all("still being written" in e["error"] for e in invalid)  # once each
+    assert len(leftovers(ipc_env)) == 30  # kept: no claim says whose they are

@@ -221,3 +221,17 @@ def test_a_manager_started_under_nohup_keeps_ignoring_sighup(ipc_env, tmp_path):
     assert manager.alive(), manager.stderr()
     code, err = manager.stop()
     assert code == 0 and manager.events("stop")[0]["reason"] == "SIGTERM", err
+
+
+def test_the_lock_owner_is_the_first_line_and_an_empty_file_is_read_again(tmp_path):
+    from drbalance.manager.daemon import _lock_owner
+
+    lock = tmp_path / "manager.lock"
+    lock.write_text("4242\n99\n")  # a new pid written over a longer old one, before the cut
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        assert _lock_owner(fd) == "4242"
+        lock.write_text("")
+        assert _lock_owner(fd, tries=3) == "unknown"
+    finally:
+        os.close(fd)

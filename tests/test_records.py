@@ -22,6 +22,7 @@ from drbalance.ipc.layout import (
     Notice,
     NoticeKind,
     RecordError,
+    SegmentKind,
     SlotStatus,
 )
 from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
@@ -283,3 +284,32 @@ def test_a_second_session_of_one_name_in_the_same_process_is_refused_clearly(ipc
     finally:
         first.release()
     AppClaim.take(ipc_env, "twice").release()  # free again once released
+
+
+def test_a_record_or_heartbeat_whose_header_was_overwritten_is_restored_by_its_writer(ipc_env):
+    from drbalance.ipc.endpoint import ManagerEndpoint
+    from drbalance.ipc.link import PosixManagerLink
+    from drbalance.ipc.records import Segment
+
+    def zero_magic(name: str) -> None:
+        fd = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\0\0\0\0", 0)
+        finally:
+            os.close(fd)
+
+    link = PosixManagerLink(ipc_env, "damaged")
+    endpoint = ManagerEndpoint(ipc_env)
+    try:
+        zero_magic(link.record.name)
+        with pytest.raises(RecordEmpty, match="bad magic"):  # what a manager met: no answer, ever
+            AppRecord.open(ipc_env, "damaged", link.token)
+        link.publish(status_for(3, "damaged"))  # the app's next report puts the header back
+        assert AppRecord.open(ipc_env, "damaged", link.token).read_status().iteration == 3
+        zero_magic(endpoint.heartbeat.segment.name)
+        assert endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic())) is True
+        Segment.open(endpoint.heartbeat.segment.name, SegmentKind.MANAGER).close()  # jobs can read it again
+    finally:
+        link.close()
+        endpoint.close()
+    assert leftovers(ipc_env) == []

@@ -129,6 +129,14 @@ class PosixManagerLink:
                 or not objects.semaphore_listed(self.names.app_signal(self.app, self.token))):
             self._restore_objects()
         try:
+            if self.record.segment.repair():  # truncated, or its header overwritten: a manager refuses it
+                self._report(f"record:{self.record.name}", "drbalance: the record %s was damaged (truncated or "
+                             "its header overwritten); restored it", self.record.name)
+        except OSError as failure:  # e.g. /dev/shm full: this status goes nowhere, the next tries again
+            self._report(f"repair:{self.record.name}", "drbalance: the record %s is damaged and cannot be "
+                         "restored (%s); the status is not published until it can be", self.record.name, failure)
+            return
+        try:
             self.record.write_status(status)
         except SegmentTruncated as error:
             try:

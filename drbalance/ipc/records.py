@@ -192,18 +192,27 @@ class Segment:
         if size < SEGMENT_SIZE:
             raise SegmentTruncated(f"{self.name}: truncated to {size} bytes, expected {SEGMENT_SIZE}")
 
-    def repair(self) -> bool:
-        """Give a truncated segment its size and header back (for its creator); True if it was needed.
+    def header_intact(self) -> bool:
+        """Whether the header still says what ``create`` wrote (call after ``check_size``)."""
+        return SEGMENT_HEADER.unpack_from(self.mapping, 0) == (
+            SEGMENT_MAGIC, LAYOUT_VERSION, int(self.kind), STATUS_OFFSET, COMMAND_OFFSET)
 
-        The areas read as never written until their writers write them again. ``OSError`` (with
-        the segment left as it was found) if /dev/shm has no room for its pages.
+    def repair(self) -> bool:
+        """Give a truncated segment its size and header back, and an overwritten header its
+        values (for its creator: readers refuse a segment whose header is wrong); True if it was
+        needed.
+
+        The areas of a truncated one read as never written until their writers write them again.
+        ``OSError`` (with the segment left as it was found) if /dev/shm has no room for its pages.
         """
         try:
             self.check_size()
-            return False
         except SegmentTruncated:
-            pass
-        objects.back_pages(self.memory.fd, SEGMENT_SIZE)  # grows the file too, or raises
+            objects.back_pages(self.memory.fd, SEGMENT_SIZE)  # grows the file too, or raises
+            self._write_header()
+            return True
+        if self.header_intact():
+            return False
         self._write_header()
         return True
 
@@ -264,13 +273,14 @@ class AppRecord:
     def write_status(self, status: AppStatus) -> None:
         self.status_area.write(status.encode())
 
-    def read_status(self) -> AppStatus:
-        """The app's status; decoded again only when the seqlock counter shows a new write."""
+    def read_status(self, attempts: int = 200) -> AppStatus:
+        """The app's status; decoded again only when the seqlock counter shows a new write.
+        ``attempts``: as for ``SeqlockArea.read`` (20 or fewer never sleep)."""
         area = self.status_area
         counter = area.counter()
         if counter == self._status_counter and counter % 2 == 0:
             return self._status
-        status = AppStatus.decode(area.read(), area.where)
+        status = AppStatus.decode(area.read(attempts), area.where)
         if status.app != self.app:
             raise RecordError(f"{area.where}: record names app {status.app!r}, not {self.app!r}")
         self._status_counter, self._status = area.last_counter, status

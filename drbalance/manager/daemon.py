@@ -50,6 +50,7 @@ from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
 
+UNCLAIMED_READ_ATTEMPTS = 20  # reads of a record no claim names: spins only, never sleeps (SeqlockArea.read)
 GRACE_SECONDS = 5.0  # an unfinished claim or an unclaimed record younger than this is being created
 FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most this often
 DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
@@ -116,6 +117,18 @@ class ManagerSettings:
                              f"got {keep!r}")
 
 
+def _lock_owner(fd: int, tries: int = 10) -> str:
+    """The pid on the first line of a held lock file; a manager that has just taken the lock may
+    not have written it yet, so an empty file is read again a few times (10 ms apart)."""
+    for attempt in range(tries):
+        first = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n")[0].strip()
+        if first:
+            return first
+        if attempt + 1 < tries:
+            time.sleep(0.01)
+    return "unknown"
+
+
 class ManagerLock:
     """An exclusive ``flock`` on the namespace's lock file, released when the process dies.
 
@@ -128,7 +141,7 @@ class ManagerLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            owner = _lock_owner(fd)
             os.close(fd)
             raise ManagerAlreadyRunning(
                 f"a drbalance-manager (pid {owner}) is already running in namespace {path.parent.name!r}; "
@@ -137,8 +150,9 @@ class ManagerLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        mine = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, mine, 0)  # the pid first, then the old tail cut: a reader never finds the file empty
+        os.ftruncate(fd, len(mine))
         self.fd: int | None = fd
 
     def held(self) -> bool:
@@ -184,6 +198,7 @@ class Manager:
         self.stopping: str | None = None
         self.decisions = 0
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
+        self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
         self._reported: set[tuple[str, ...]] = set()
@@ -514,8 +529,10 @@ class Manager:
             self._report_foreign(error.name, error.owner)
             return None
         except (RecordError, OSError, discovery.DiscoveryError, posix_ipc.Error) as error:
-            self.log("invalid", what="record", app=name, error=str(error))
-            logger.warning("drbalance-manager: cannot admit %r: %s", name, error)
+            self.log("invalid", what="record", app=name, error=str(error))  # every time: the log is the record
+            if ("admit", name, str(error)) not in self._reported:  # stderr: once per app and reason
+                self._reported.add(("admit", name, str(error)))
+                logger.warning("drbalance-manager: cannot admit %r: %s", name, error)
             return None
         self._log_added(entry, via)
         return entry
@@ -659,7 +676,9 @@ class Manager:
         """Report foreign objects; deal with this user's app records that no claim names."""
         me = os.geteuid()
         present = set()
+        seen = set()
         for listed in self.names.listed():
+            seen.add(listed.entry)
             if listed.owner != me:
                 present.add(listed.entry)
                 self._report_foreign(listed.entry, listed.owner)
@@ -668,6 +687,8 @@ class Manager:
                 self._unclaimed(listed.app, listed.token, listed.entry, now)
         for gone in set(self.foreign) - present:
             del self.foreign[gone]
+        for gone in set(self._stuck_unclaimed) - seen:
+            del self._stuck_unclaimed[gone]
 
     def _unclaimed(self, app: str, token: str, entry: str, now: float) -> None:
         """A record no claim names (its claim was removed, e.g. with the runtime directory)."""
@@ -681,14 +702,21 @@ class Manager:
             record = AppRecord.open(self.names, app, token)
         except (OSError, RecordError, posix_ipc.Error):
             return
+        area = record.status_area
+        area.stuck_counter = self._stuck_unclaimed.get(entry, -1)  # waited for in vain at an earlier rescan
         try:
-            status = record.read_status()
+            # no sleeping reads: a live writer finishes in microseconds, and records left mid-write by
+            # dead writers (hundreds, maybe) must not hold up the loop at every rescan
+            status = record.read_status(attempts=UNCLAIMED_READ_ATTEMPTS)
         except RecordError as error:
+            if area.stuck_counter >= 0:
+                self._stuck_unclaimed[entry] = area.stuck_counter
             self._report_once(("unclaimed", app, token), "invalid", what="record", app=app,
                               error=f"{error}; no claim names it and its owner is unknown: kept")
             return
         finally:
             record.close()
+        self._stuck_unclaimed.pop(entry, None)
         if objects.process_alive(status.pid, status.start_ticks):
             self._adopt(app, token, now, None)
         elif discovery.remove_app_objects(self.names, app, token):
