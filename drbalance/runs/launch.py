@@ -318,9 +318,14 @@ def launch(options: LaunchOptions) -> Path:
         if "started" in info:
             _write(run_dir, info)
         else:  # it failed while starting: keep what it wrote, out of the way of a retry
-            aside = set_aside_failed_start(run_dir, info)
-            logger.warning("drbalance launch: the run did not start; what it wrote is in %s, and %s can be used "
-                           "again", aside, run_dir)
+            try:
+                aside = set_aside_failed_start(run_dir, info)
+                logger.warning("drbalance launch: the run did not start; what it wrote is in %s, and %s can be "
+                               "used again", aside, run_dir)
+            except OSError as error:  # e.g. a full disk: the record stays where it is (the retry is refused)
+                logger.warning("drbalance launch: the run did not start, and what it wrote could not be set "
+                               "aside (%s)", error)
+                _write(run_dir, info)
         if options.devices == "emulated":
             remove_emulated_gpus(names, scenario.gpus)
     failed = {n: a["returncode"] for n, a in info["apps"].items() if a["returncode"] not in (0, None)
