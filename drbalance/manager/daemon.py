@@ -289,7 +289,10 @@ class Manager:
             self._endpoint.close()
             self._endpoint = None
         self._remove_own_status()
-        self.source.close()
+        try:
+            self.source.close()
+        except Exception as error:  # the stop goes on: its log record, the lock
+            logger.error("drbalance-manager: closing the utilisation source failed: %s", error)
         in_use = dict(getattr(self.source, "left_in_use", {}))  # emulated GPUs: jobs still map them
         if in_use:
             logger.info("drbalance-manager: emulated GPU(s) %s are still used by pid(s) %s and stay in %s; a "
