@@ -1,7 +1,10 @@
 """Emulated GPUs: exclusive slots across processes, kill -9 safety, NVML-like utilisation, the backend."""
 
+import fcntl
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,10 +14,10 @@ from torch import nn
 
 from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
-from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, remove_emulated_gpus
+from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, release_emulated_gpu, remove_emulated_gpus
 from drbalance.manager.utilization import open_source
 from drbalance.workload.models import ModelCosts
-from tests.conftest import python_process
+from tests.conftest import ROOT, python_process
 
 
 @pytest.fixture
@@ -199,3 +202,60 @@ def test_a_manager_stopping_while_a_job_maps_its_emulated_gpus_says_so_and_leave
         assert not os.path.exists(f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}")  # unused: removed
     finally:
         held.close()
+
+
+JOB_THAT_NEVER_CLOSES = """
+import torch
+from torch import nn
+from drbalance.client import BalancedDataParallel
+from drbalance.client.emulated import EmulatedBackend
+model = BalancedDataParallel(nn.Linear(4, 2), backend=EmulatedBackend(2, None))
+model(torch.randn(6, 4)).sum().backward()
+print("trained")
+"""
+
+
+def _emulated_objects(names) -> dict[str, bool]:
+    """Which of emulated GPUs 0 and 1's segments and lock files exist."""
+    found = {}
+    for index in (0, 1):
+        found[f"segment {index}"] = os.path.exists(f"/dev/shm/{names.emulated_gpu(index).lstrip('/')}")
+        found[f"lock {index}"] = names.emulated_lock(index).exists()
+        found[f"wait {index}"] = names.emulated_wait_lock(index).exists()
+    return found
+
+
+def _run_job(code: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr
+
+
+def test_a_job_without_a_manager_removes_its_emulated_gpus_at_exit(emu):
+    _run_job(JOB_THAT_NEVER_CLOSES)  # no manager, backend never closed: the exit releases the GPUs
+    assert not any(_emulated_objects(emu).values()), _emulated_objects(emu)
+
+
+def test_an_emulated_gpu_another_process_still_maps_stays_until_its_last_user_leaves(emu):
+    held = EmulatedGpu(emu, 1)  # this process trains on GPU 1 too
+    _run_job(JOB_THAT_NEVER_CLOSES)
+    left = _emulated_objects(emu)
+    assert left == {"segment 0": False, "lock 0": False, "wait 0": False,
+                    "segment 1": True, "lock 1": True, "wait 1": True}, left
+    assert release_emulated_gpu(held) == []  # the last user: it removes what is left
+    assert not any(_emulated_objects(emu).values()), _emulated_objects(emu)
+
+
+def test_a_gpu_is_not_removed_while_another_process_may_be_opening_it(emu):
+    gpu = EmulatedGpu(emu, 0)
+    opening = os.open(emu.runtime_dir(), os.O_RDONLY | os.O_DIRECTORY)  # as a job stopped in the middle of opening
+    try:
+        fcntl.flock(opening, fcntl.LOCK_SH)
+        started = time.monotonic()
+        assert release_emulated_gpu(gpu) == []
+        assert time.monotonic() - started < 60  # gave up on the guard instead of hanging
+        assert all(_emulated_objects(emu)[name] for name in ("segment 0", "lock 0", "wait 0"))  # left, not pulled
+    finally:
+        os.close(opening)
+    again = EmulatedGpu(emu, 0)
+    assert release_emulated_gpu(again) == [] and not any(_emulated_objects(emu).values())

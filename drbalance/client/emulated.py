@@ -25,9 +25,10 @@ cost is estimated from its first chunk (``drbalance.client.costs`` and ``drbalan
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +36,14 @@ import torch
 from torch import nn
 
 from drbalance.client.backends import ChunkPlan, CpuBackend
-from drbalance.emu.gpus import DEFAULT_MEMORY_BYTES, EmulatedGpu, EmulatedOutOfMemory, emulated_spec
+from drbalance.emu.gpus import (
+    DEFAULT_MEMORY_BYTES,
+    EmulatedGpu,
+    EmulatedOutOfMemory,
+    emulated_spec,
+    release_at_exit,
+    release_emulated_gpu,
+)
 from drbalance.ipc.names import IpcNames
 from drbalance.workload.models import ModelCosts, estimate_costs
 
@@ -96,6 +104,7 @@ class EmulatedBackend(CpuBackend):
 
     def _open_state(self) -> None:
         self._gpus: list[EmulatedGpu] | None = None
+        self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
         self._pool: ThreadPoolExecutor | None = None
         self._last_device_end: float | None = None
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
@@ -117,6 +126,7 @@ class EmulatedBackend(CpuBackend):
         if self._gpus is None:
             names = IpcNames.current(self.namespace)
             self._gpus = [EmulatedGpu(names, index, memory_bytes=self.memory_bytes) for index in range(self.gpu_count)]
+            self._release_at_exit = release_at_exit(self._gpus)
         return self._gpus
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
@@ -222,13 +232,16 @@ class EmulatedBackend(CpuBackend):
             time.sleep(target - spent)
 
     def close(self) -> None:
-        """Release memory reservations and close the emulated GPUs (the backend reopens on use)."""
+        """Release memory reservations and close the emulated GPUs, removing those no other process
+        uses (the backend reopens on use). Done at the process's exit if never called."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._gpus is not None:
             self.release_memory()
+            if self._release_at_exit is not None:
+                atexit.unregister(self._release_at_exit)
             for gpu in self._gpus:
-                gpu.close()
+                release_emulated_gpu(gpu)
         self._open_state()
 
 

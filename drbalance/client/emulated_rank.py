@@ -13,6 +13,7 @@ Times are multiplied by ``time_scale``; each real sample counts as ``sample_scal
 
 from __future__ import annotations
 
+import atexit
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from drbalance.client.scatter_gather import batch_size_of
-from drbalance.emu.gpus import EmulatedGpu
+from drbalance.emu.gpus import EmulatedGpu, release_at_exit, release_emulated_gpu
 from drbalance.ipc.names import IpcNames
 from drbalance.workload.models import ModelCosts
 
@@ -34,6 +35,7 @@ class EmulatedRankDevice:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
         self.index = index
         self.gpu = EmulatedGpu(IpcNames.current(namespace), index)
+        self._release_at_exit = release_at_exit([self.gpu])
         self.costs = costs
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
@@ -68,4 +70,6 @@ class EmulatedRankDevice:
             self._last_device_end = time.monotonic()
 
     def close(self) -> None:
-        self.gpu.close()
+        """Close the emulated GPU, removing it if no other process uses it (done at exit if never called)."""
+        atexit.unregister(self._release_at_exit)
+        release_emulated_gpu(self.gpu)

@@ -24,14 +24,16 @@ the namespace and the index, so the manager's UUID mapping is exercised on CPU-o
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import functools
 import os
 import re
 import struct
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -49,6 +51,7 @@ from drbalance.workload.models import CO_LOCATION_CAPACITY
 
 ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn
+GUARD_PATIENCE = 2.0  # seconds to wait for the namespace guard before going on without it
 YIELD_SECONDS = 0.002  # how long a holder steps aside after its turn when another job waits
 DEFAULT_MEMORY_BYTES = 24 * 2**30  # the paper's Quadro RTX 6000 (24 GB)
 MEMORY_OFFSET = 256  # the reservation table's area in the segment (after the busy-time account)
@@ -123,12 +126,22 @@ class EmulatedGpu:
         lock_path = names.emulated_lock(index)
         objects.ensure_private_dir(lock_path.parent.parent)
         objects.ensure_private_dir(lock_path.parent)
-        self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
-        self.segment = _open_or_create(names.emulated_gpu(index))
+        with _namespace_guard(names, exclusive=False):  # not removed while we open its files and map it
+            self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
+            segment = None
+            try:
+                segment = _open_or_create(names.emulated_gpu(index))
+                self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
+            except BaseException:
+                os.close(self._lock_fd)
+                if segment is not None:
+                    segment.close()
+                raise
+            self.segment = segment
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
-        self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
+        self.closed = False
 
     def read(self) -> Account | None:
         try:
@@ -250,6 +263,10 @@ class EmulatedGpu:
         return False
 
     def close(self) -> None:
+        """Unmap the segment and close the lock files (a second call does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.segment.close()
         os.close(self._wait_fd)
         os.close(self._lock_fd)
@@ -268,6 +285,70 @@ def _open_or_create(name: str) -> Segment:
         except posix_ipc.ExistentialError:
             continue  # removed between our two calls: create it again
     raise RuntimeError(f"could not open emulated GPU segment {name}")
+
+
+@contextmanager
+def _namespace_guard(names: IpcNames, exclusive: bool, patience: float = GUARD_PATIENCE) -> Iterator[bool]:
+    """Hold a ``flock`` on the namespace's runtime folder: shared while a process opens an emulated
+    GPU's files and maps its segment, exclusive while one checks that nobody maps it and removes it,
+    so a GPU is never removed between another process's opening and its mapping (which would leave
+    two jobs on two different copies of "the same" GPU). Yields whether the lock was taken: after
+    ``patience`` seconds (a holder stopped with SIGSTOP) or without the folder it goes on unguarded
+    rather than hang."""
+    try:
+        fd: int | None = os.open(names.runtime_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        fd = None
+    try:
+        yield fd is not None and _flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, patience)
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _flock_within(fd: int, operation: int, patience: float) -> bool:
+    """Take ``flock(fd, operation)``, trying for up to ``patience`` seconds; whether it was taken."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
+def release_emulated_gpu(gpu: EmulatedGpu) -> list[int]:
+    """Close ``gpu`` and, when no other process maps it any more, remove its shared objects (the
+    last user cleans up, whether that is a job or the manager). Returns the pids still using it."""
+    gpu.close()
+    me = os.getpid()
+    with _namespace_guard(gpu.names, exclusive=True) as guarded:
+        users = [pid for pid in objects.shm_users(gpu.names.emulated_gpu(gpu.index)) if pid != me]
+        if not users and guarded:
+            _remove_gpu(gpu.names, gpu.index, ignored=OSError)
+    return users
+
+
+def release_at_exit(gpus: Sequence[EmulatedGpu]) -> Callable[[], None]:
+    """Register the release of ``gpus`` (``release_emulated_gpu``) at this process's exit, so a job
+    that never closes its backend leaves no emulated GPU behind; returns the registered callable,
+    for ``atexit.unregister`` once the GPUs are released earlier. A forked child (a data-loader
+    worker) that reaches its own exit releases nothing: the GPUs are its parent's."""
+    handle = functools.partial(_release_if_owner, tuple(gpus), os.getpid())
+    atexit.register(handle)
+    return handle
+
+
+def _release_if_owner(gpus: tuple[EmulatedGpu, ...], owner: int) -> None:
+    if os.getpid() != owner:
+        return
+    for gpu in gpus:
+        try:
+            release_emulated_gpu(gpu)
+        except OSError:  # the folder or the objects went away: nothing more to do at exit
+            pass
 
 
 def remove_emulated_gpus(names: IpcNames, count: int) -> None:
@@ -367,12 +448,8 @@ class EmulatedSource:
         return tuple(min(100.0, max(0.0, 100.0 * (b - a) / period)) for a, b in zip(last[1], busy))
 
     def close(self) -> None:
-        me = os.getpid()
         for gpu in self.gpus:
-            gpu.close()
-            users = [pid for pid in objects.shm_users(self.names.emulated_gpu(gpu.index)) if pid != me]
+            users = release_emulated_gpu(gpu)
             if users:
                 self.left_in_use[gpu.index] = users
-                continue
-            _remove_gpu(self.names, gpu.index, ignored=OSError)
         self.gpus = []
