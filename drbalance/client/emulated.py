@@ -42,7 +42,7 @@ from drbalance.emu.gpus import (
     EmulatedOutOfMemory,
     emulated_spec,
     release_at_exit,
-    release_emulated_gpu,
+    release_emulated_gpus,
 )
 from drbalance.ipc.names import IpcNames
 from drbalance.workload.models import ModelCosts, estimate_costs
@@ -240,8 +240,7 @@ class EmulatedBackend(CpuBackend):
             self.release_memory()
             if self._release_at_exit is not None:
                 atexit.unregister(self._release_at_exit)
-            for gpu in self._gpus:
-                release_emulated_gpu(gpu)
+            release_emulated_gpus(self._gpus)
         self._open_state()
 
 

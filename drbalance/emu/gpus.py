@@ -319,16 +319,30 @@ def _flock_within(fd: int, operation: int, patience: float) -> bool:
             time.sleep(0.005)
 
 
+def release_emulated_gpus(gpus: Sequence[EmulatedGpu]) -> dict[int, list[int]]:
+    """Close ``gpus`` (of one namespace) and remove the shared objects of each that no other
+    process maps any more: the last user cleans up, whether a job or the manager. Returns, for
+    each GPU index still in use, the pids using it."""
+    if not gpus:
+        return {}
+    for gpu in gpus:
+        gpu.close()
+    names, me = gpus[0].names, os.getpid()
+    with _namespace_guard(names, exclusive=True) as guarded:
+        mapping = objects.shm_users_of([names.emulated_gpu(gpu.index) for gpu in gpus])  # one pass over /proc
+        in_use = {}
+        for gpu in gpus:
+            users = [pid for pid in mapping[names.emulated_gpu(gpu.index)] if pid != me]
+            if users:
+                in_use[gpu.index] = users
+            elif guarded:
+                _remove_gpu(names, gpu.index, ignored=OSError)
+    return in_use
+
+
 def release_emulated_gpu(gpu: EmulatedGpu) -> list[int]:
-    """Close ``gpu`` and, when no other process maps it any more, remove its shared objects (the
-    last user cleans up, whether that is a job or the manager). Returns the pids still using it."""
-    gpu.close()
-    me = os.getpid()
-    with _namespace_guard(gpu.names, exclusive=True) as guarded:
-        users = [pid for pid in objects.shm_users(gpu.names.emulated_gpu(gpu.index)) if pid != me]
-        if not users and guarded:
-            _remove_gpu(gpu.names, gpu.index, ignored=OSError)
-    return users
+    """``release_emulated_gpus`` for one GPU: the pids still using it."""
+    return release_emulated_gpus([gpu]).get(gpu.index, [])
 
 
 def release_at_exit(gpus: Sequence[EmulatedGpu]) -> Callable[[], None]:
@@ -344,11 +358,10 @@ def release_at_exit(gpus: Sequence[EmulatedGpu]) -> Callable[[], None]:
 def _release_if_owner(gpus: tuple[EmulatedGpu, ...], owner: int) -> None:
     if os.getpid() != owner:
         return
-    for gpu in gpus:
-        try:
-            release_emulated_gpu(gpu)
-        except OSError:  # the folder or the objects went away: nothing more to do at exit
-            pass
+    try:
+        release_emulated_gpus(gpus)
+    except OSError:  # the folder or the objects went away: nothing more to do at exit
+        pass
 
 
 def remove_emulated_gpus(names: IpcNames, count: int) -> None:
@@ -448,8 +461,5 @@ class EmulatedSource:
         return tuple(min(100.0, max(0.0, 100.0 * (b - a) / period)) for a, b in zip(last[1], busy))
 
     def close(self) -> None:
-        for gpu in self.gpus:
-            users = release_emulated_gpu(gpu)
-            if users:
-                self.left_in_use[gpu.index] = users
+        self.left_in_use.update(release_emulated_gpus(self.gpus))
         self.gpus = []

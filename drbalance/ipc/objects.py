@@ -16,7 +16,7 @@ import mmap
 import os
 import resource
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import posix_ipc
@@ -310,18 +310,31 @@ def listed_owner(name: str, kind: str = "shared memory") -> int | None:
 
 def shm_users(name: str) -> list[int]:
     """Pids of the processes (that this user may inspect) mapping shared memory ``name``."""
-    needle = " " + str(SHM_DIR / name.lstrip("/"))
-    users = []
+    return shm_users_of([name])[name]
+
+
+def shm_users_of(names: Sequence[str]) -> dict[str, list[int]]:
+    """For each shared-memory name, the pids of the processes (that this user may inspect) mapping
+    it: one pass over /proc for all of them."""
+    paths = {str(SHM_DIR / name.lstrip("/")): name for name in names}
+    users: dict[str, list[int]] = {name: [] for name in names}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
-                if any(line.rstrip("\n").endswith(needle) for line in maps):
-                    users.append(int(entry.name))
+                mapped = {paths[path] for path in map(_mapped_path, maps) if path in paths}
         except OSError:
             continue
+        for name in mapped:
+            users[name].append(int(entry.name))
     return users
+
+
+def _mapped_path(line: str) -> str:
+    """The path of a /proc/<pid>/maps line ("" for an anonymous mapping): what follows the inode."""
+    start = line.find(" /")
+    return line[start + 1:].rstrip("\n") if start >= 0 else ""
 
 
 # --- processes ---------------------------------------------------------------------------------
