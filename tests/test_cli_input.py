@@ -314,6 +314,8 @@ def _one_rank_env() -> dict:
 @pytest.mark.parametrize("option, message", [
     (("--ratio", "1,x", "--solo-time", "10"), "--ratio takes comma-separated integers, e.g. 5,5; got '1,x'"),
     (("--solo-time", "no-such-profile"), "no-such-profile"),
+    (("--ratio", "1,1", "--solo-time", "10"), "--ratio: DR shares [1, 1] sum to 2, but the DR total is 10"),
+    (("--ratio", "4,6", "--solo-time", "10"), "--ratio [4, 6]/10 has 2 entries but the job has 1 rank(s)"),
 ])
 def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one_line(ipc_env, option, message):
     code, _out, err = run("drbalance.runs.train_ddp", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from drbalance.client.distributed import MAX_EXCHANGE_INTERVAL, exchange_interval
+from drbalance.client.distributed import MAX_EXCHANGE_DELAY, MAX_EXCHANGE_INTERVAL, exchange_interval
 from drbalance.jsonlog import read_json_lines
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
@@ -125,8 +125,9 @@ def check_counting(ranks: list[dict]) -> None:
     agreed = [[(s["exchanged"], s["plan"]) for s in found["agreed"]] for found in ranks]
     assert all(other == agreed[0] for other in agreed[1:])  # the same K, from the same values, everywhere
     plans = {tuple(plan) for _, plan in agreed[0]}
-    for _, interval, step_seconds, cost_seconds in plans:
-        assert interval == exchange_interval(step_seconds, cost_seconds) and 1 <= interval <= MAX_EXCHANGE_INTERVAL
+    for _, interval, step_seconds, cost_seconds, wall_seconds in plans:
+        assert interval == exchange_interval(step_seconds, cost_seconds, wall_seconds)
+        assert 1 <= interval <= MAX_EXCHANGE_INTERVAL
     # step 0 and 1 always exchange (nothing measured yet); then every exchange is K steps after the one before
     exchanges = [index for index, (exchanged, _) in enumerate(agreed[0]) if exchanged]
     assert exchanges[:2] == [0, 1]
@@ -301,3 +302,38 @@ def test_drbalance_profile_refuses_a_job_of_several_ranks_on_every_rank(tmp_path
     for found in ranks:
         assert found["refused"] is not None and "single rank" in found["refused"], found
         assert "nproc_per_node 1" in found["refused"] and not found["written"]
+
+
+def test_a_bad_proposal_or_mixed_loss_reductions_are_refused_on_every_rank_and_the_ranks_stay_in_step(tmp_path):
+    ranks = spawn("refused_inputs", 2, tmp_path)
+    for found in ranks:
+        assert "loss_reduction='sum' but rank" in found["reduction"] or "loss_reduction='mean'" in found["reduction"]
+        assert "same loss_reduction" in found["reduction"]
+        assert found["agreed"] == [[3, 7], 0]  # the valid proposal after the refused one reached every rank
+        assert found["counts"] == [3, 7]  # and a training step ran: no rank was left inside a collective
+    assert "agree_ratio's proposal" in ranks[0]["proposal"] and "less than 1 unit" in ranks[0]["proposal"]
+    assert "refused on rank 0" in ranks[1]["proposal"] and "keeps" in ranks[1]["proposal"]
+
+
+def test_a_slow_rank_does_not_stretch_the_exchange_interval_past_about_a_second_of_steps(tmp_path):
+    # rank 1 starts each step 20 ms late: rank 0's measured exchange cost includes that wait, and the
+    # cost rule alone (cost / (0.5% of a ~1 ms compute step)) asked for K = 256 steps, over 5 s
+    ranks = spawn("straggler", 2, tmp_path)
+    assert ranks[0]["plans"] == ranks[1]["plans"]  # every rank agreed on the same K from the same values
+    measured = [plan for plan in ranks[0]["plans"] if plan[4] > 0]
+    assert measured, ranks[0]["plans"]
+    for _step, interval, step_seconds, cost_seconds, wall_seconds in measured:
+        assert wall_seconds >= 0.02  # rank 0's steps last as long as the late rank makes them
+        assert interval == exchange_interval(step_seconds, cost_seconds, wall_seconds)
+        assert interval <= max(1, MAX_EXCHANGE_DELAY / wall_seconds)  # K steps of rank 0 last at most ~1 s
+        assert interval <= 50
+
+
+def test_the_exchange_interval_rule_by_hand():
+    assert exchange_interval(0.0, 0.004) == 1 and exchange_interval(0.004, 0.0) == 1  # unknown: every step
+    assert exchange_interval(0.8, 0.004) == 1  # a 0.8 s step: 4 ms is 0.5% of it
+    assert exchange_interval(0.004, 0.004) == 200  # a 4 ms step and a 4 ms exchange: 0.5% budget
+    assert exchange_interval(0.004, 0.004, wall_seconds=0.004) == 200  # 200 steps of 4 ms: 0.8 s
+    assert exchange_interval(0.002, 0.024) == MAX_EXCHANGE_INTERVAL  # a straggler's wait counted as cost
+    assert exchange_interval(0.002, 0.024, wall_seconds=0.022) == 45  # ... bounded by 1 s of 22 ms steps
+    assert exchange_interval(0.002, 0.024, wall_seconds=2.0) == 1  # steps over a second: every step

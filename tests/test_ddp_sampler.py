@@ -6,6 +6,7 @@ state, exactly as in separate processes, so agreement between them comes only fr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -167,6 +168,23 @@ def test_bad_ratios_and_sizes_are_rejected_with_the_rule():
     with pytest.raises(ValueError, match="less than 1 unit"):
         sampler.set_ratio([10, 0])
     assert sampler.ratio == DataRatio([5, 5])  # unchanged after a rejected DR (the even default, in tenths)
+    # arguments of the wrong type are named, never truncated or read as true
+    with pytest.raises(TypeError, match=r"from_batch must be an integer; got 2\.7"):
+        sampler.set_ratio([3, 7], from_batch=2.7)
+    with pytest.raises(TypeError, match="from_batch must be an integer; got 'x'"):
+        sampler.set_ratio([3, 7], from_batch="x")
+    with pytest.raises(TypeError, match=r"epoch must be an integer; got 1\.5"):
+        sampler.set_epoch(1.5)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        BalancedBatchSampler(100, 10, rank=0, world_size=2, seed="x")
+    with pytest.raises(TypeError, match="shuffle must be True or False; got the string 'no'"):
+        BalancedBatchSampler(100, 10, rank=0, world_size=2, shuffle="no")
+    assert sampler.ratio == DataRatio([5, 5])
+    assert sampler.set_ratio([3, 7], from_batch=np.int64(2)) == 2  # NumPy integers are whole numbers
+    with pytest.raises(ValueError, match=r"^DR: DR shares \[1, 1\] sum to 2"):
+        check_rank_ratio([1, 1], 2)  # the rule of DataRatio itself, prefixed with where it was given
+    with pytest.raises(ValueError, match=r"^--ratio: DR shares"):
+        check_rank_ratio([1, 1], 2, where="--ratio")
 
 
 def test_the_schedule_never_resplits_a_produced_batch():

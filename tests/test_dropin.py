@@ -95,11 +95,14 @@ def run_script(path, tmp_path, *args, emulated="2"):
 
 def test_item8_a_one_line_swap_runs_an_imagenet_style_script_on_emulated_gpus(emu, tmp_path):
     path = swapped_script(tmp_path, "model = BalancedDataParallel(model)")
+    watched = [EmulatedGpu(emu, i) for i in range(2)]  # held open as a manager would: the job leaves them at exit
     result = run_script(path, tmp_path, "--epochs", "2")
     assert result.returncode == 0, result.stderr
     assert "epoch 1 acc1" in result.stdout
     assert "model BalancedDataParallel keys module.conv1.weight" in result.stdout  # DataParallel's state dict keys
-    assert all(EmulatedGpu(emu, i).read().acquisitions >= 6 for i in range(2))  # both emulated GPUs ran chunks
+    assert all(gpu.read().acquisitions >= 6 for gpu in watched)  # both emulated GPUs ran chunks
+    for gpu in watched:
+        gpu.close()
     # resume and evaluate from the checkpoint the wrapper saved
     resumed = run_script(path, tmp_path, "--epochs", "3", "--resume", str(tmp_path / "ck.pth"))
     assert resumed.returncode == 0, resumed.stderr

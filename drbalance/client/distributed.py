@@ -89,23 +89,41 @@ FLOAT32_COUNT_LIMIT = 2**22
 """Counts ride in float32 buckets only while the last global batch is below this (exact up to 2**24)."""
 
 
+REFUSED_PROPOSAL = 2
+"""``agree_ratio``'s flag (reduced by MAX) for a proposal rank 0 found invalid: every rank raises."""
+
+
+MAX_EXCHANGE_DELAY = 1.0
+"""Seconds of rank 0's steps that K may span at most: how long a manager's DR change waits at most
+(about), even when a slow rank makes the measured exchange cost large."""
+
+
 class RatioSyncError(RuntimeError):
     """A collective of the job's control group failed (typically: another rank died)."""
 
 
-def exchange_interval(step_seconds: float, cost_seconds: float, budget: float = EXCHANGE_BUDGET,
-                      most: int = MAX_EXCHANGE_INTERVAL) -> int:
-    """Synchronising steps until the next control exchange: ``clamp(ceil(cost / (budget * step)), 1, most)``.
+def exchange_interval(step_seconds: float, cost_seconds: float, wall_seconds: float = 0.0,
+                      budget: float = EXCHANGE_BUDGET, most: int = MAX_EXCHANGE_INTERVAL,
+                      delay: float = MAX_EXCHANGE_DELAY) -> int:
+    """Synchronising steps until the next control exchange: ``clamp(ceil(cost / (budget * step)), 1, most)``,
+    and at most ``floor(delay / wall)`` (at least 1).
 
     ``step_seconds``: rank 0's mean compute seconds per synchronising step (forward start to
     the last gradient bucket ready) since the exchange before; ``cost_seconds``: rank 0's latency
     of that exchange (start to completion, which includes waiting for the slowest rank: an upper
-    bound of what it costs the step). 1 when either is unknown (0). Every rank computes it from
-    the same float64 values read from the same all-reduce, so every rank gets the same K.
+    bound of what it costs the step); ``wall_seconds``: rank 0's mean seconds from one
+    synchronising forward to the next over the same steps (waits for other ranks included), so
+    that K steps last at most about ``delay`` seconds even when a slow rank inflates the measured
+    cost (0: unknown, no such bound). 1 when the step or the cost is unknown (0). Every rank
+    computes it from the same float64 values read from the same all-reduce, so every rank gets
+    the same K.
     """
     if step_seconds <= 0 or cost_seconds <= 0:
         return 1
-    return max(1, min(most, math.ceil(cost_seconds / (budget * step_seconds))))
+    interval = max(1, min(most, math.ceil(cost_seconds / (budget * step_seconds))))
+    if wall_seconds > 0:
+        interval = max(1, min(interval, math.floor(delay / wall_seconds)))
+    return interval
 
 
 @dataclass(frozen=True)
@@ -113,15 +131,16 @@ class ExchangePlan:
     """What the last control exchange agreed (the same on every rank).
 
     ``step``: index of its synchronising step (0 = the first); ``interval``: K, synchronising
-    steps until the next exchange; ``step_seconds`` and ``cost_seconds``: rank 0's measurements
-    K was derived from (see :func:`exchange_interval`; 0 when unknown, or when ``exchange_every``
-    pinned K).
+    steps until the next exchange; ``step_seconds``, ``cost_seconds`` and ``wall_seconds``: rank
+    0's measurements K was derived from (see :func:`exchange_interval`; 0 when unknown, or when
+    ``exchange_every`` pinned K).
     """
 
     step: int
     interval: int
     step_seconds: float
     cost_seconds: float
+    wall_seconds: float = 0.0
 
     @property
     def next_step(self) -> int:
@@ -135,37 +154,39 @@ class _Exchanged(NamedTuple):
     next_batch: int
     step_seconds: float
     cost_seconds: float
+    wall_seconds: float
     proposal: DataRatio | None
 
 
 class _StepExchange:
-    """The control exchange: one float64 all-reduce of ``4 * world + 4`` entries.
+    """The control exchange: one float64 all-reduce of ``4 * world + 5`` entries.
 
     Each rank fills its own slots, so a sum gives everyone every rank's values:
     ``counts`` (samples of this step), ``times`` (compute seconds of the previous step),
-    ``next_batch`` (the rank's sampler's next global batch index), then rank 0's step seconds and
-    exchange latency (for K), and rank 0's DR proposal (``flag``, ``total``, ``shares``; zeros from
-    every other rank). Integers are exact in float64, and a value plus zeros is the value.
+    ``next_batch`` (the rank's sampler's next global batch index), then rank 0's step seconds,
+    exchange latency and wall seconds per step (for K), and rank 0's DR proposal (``flag``,
+    ``total``, ``shares``; zeros from every other rank). Integers are exact in float64, and a
+    value plus zeros is the value.
     """
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.size = 4 * world + 4
+        self.size = 4 * world + 5
 
-    def message(self, rank: int, samples: int, seconds: float, next_batch: int, step_seconds: float,
-                cost_seconds: float, proposal: DataRatio | None) -> torch.Tensor:
+    def message(self, rank: int, samples: int, seconds: float, next_batch: int,
+                measured: tuple[float, float, float], proposal: DataRatio | None) -> torch.Tensor:
+        """This rank's slots; ``measured`` is rank 0's (step, cost, wall) seconds for K (ignored elsewhere)."""
         world = self.world
         vector = torch.zeros(self.size, dtype=torch.float64)
         vector[rank] = samples
         vector[world + rank] = seconds
         vector[2 * world + rank] = next_batch
         if rank == 0:
-            vector[3 * world] = step_seconds
-            vector[3 * world + 1] = cost_seconds
+            vector[3 * world:3 * world + 3] = torch.tensor(measured, dtype=torch.float64)
             if proposal is not None:
-                vector[3 * world + 2] = 1.0
-                vector[3 * world + 3] = proposal.total
-                vector[3 * world + 4:] = torch.tensor(proposal.shares, dtype=torch.float64)
+                vector[3 * world + 3] = 1.0
+                vector[3 * world + 4] = proposal.total
+                vector[3 * world + 5:] = torch.tensor(proposal.shares, dtype=torch.float64)
         return vector
 
     def read(self, vector: torch.Tensor) -> _Exchanged:
@@ -176,10 +197,11 @@ class _StepExchange:
         times = tuple(values[world:2 * world])
         next_batch = int(round(max(values[2 * world:3 * world])))
         proposal = None
-        if values[3 * world + 2] >= 0.5:
-            shares = [int(round(v)) for v in values[3 * world + 4:]]
-            proposal = DataRatio(shares, int(round(values[3 * world + 3])))
-        return _Exchanged(counts, times, next_batch, values[3 * world], values[3 * world + 1], proposal)
+        if values[3 * world + 3] >= 0.5:
+            shares = [int(round(v)) for v in values[3 * world + 5:]]
+            proposal = DataRatio(shares, int(round(values[3 * world + 4])))
+        step_seconds, cost_seconds, wall_seconds = values[3 * world:3 * world + 3]
+        return _Exchanged(counts, times, next_batch, step_seconds, cost_seconds, wall_seconds, proposal)
 
 
 class _Step:
@@ -312,14 +334,15 @@ class _BalanceState:
 
     def _start_exchange(self, index: int, samples: int) -> None:
         now = time.perf_counter()
-        step_seconds = cost_seconds = 0.0
+        step_seconds = cost_seconds = wall_seconds = 0.0
         if self.rank == 0 and self.pinned is None and self.compute_steps:
             step_seconds = self.compute_total / self.compute_steps
             cost_seconds = self.exchange_latency
+            wall_seconds = (now - self.exchange_forward_at) / (index - self.exchange_index)  # steps since the last
         self.compute_total, self.compute_steps = 0.0, 0
         carried = self.proposal if self.rank == 0 else None
         self.vector = self.exchange.message(self.rank, samples, self.compute_seconds, self.schedule.next_batch,
-                                            step_seconds, cost_seconds, carried)
+                                            (step_seconds, cost_seconds, wall_seconds), carried)
         self.carried = carried
         self.exchange_index = index
         self.exchange_forward_at = now
@@ -359,8 +382,9 @@ class _BalanceState:
         if self.pinned is not None:
             self.plan = ExchangePlan(self.exchange_index, self.pinned, 0.0, 0.0)
         else:
-            interval = exchange_interval(found.step_seconds, found.cost_seconds)
-            self.plan = ExchangePlan(self.exchange_index, interval, found.step_seconds, found.cost_seconds)
+            interval = exchange_interval(found.step_seconds, found.cost_seconds, found.wall_seconds)
+            self.plan = ExchangePlan(self.exchange_index, interval, found.step_seconds, found.cost_seconds,
+                                     found.wall_seconds)
 
     def _read_device_counts(self) -> None:
         pending, self.device_counts = self.device_counts, None
@@ -643,17 +667,20 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """Exchange every rank's device and initial DR; raise on every rank if a DR is bad or they differ."""
         state = self._balance
         peers: list[Any] = [None] * state.world_size
-        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride)
+        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride, state.reduction)
         try:
             dist.all_gather_object(peers, mine, group=state.control)
         except RuntimeError as error:
             raise RatioSyncError(
                 f"drbalance: rank {state.rank} could not reach the job's other ranks: {error}"
             ) from error
-        for rank, (_, _, _, _, trouble, _, _) in enumerate(peers):
+        troubles = [peer[4] for peer in peers]
+        if troubles[0] and all(trouble == troubles[0] for trouble in troubles):
+            raise ValueError(f"every rank of the job: {troubles[0]}")
+        for rank, trouble in enumerate(troubles):
             if trouble:
                 raise ValueError(f"rank {rank} of the job: {trouble}")
-        for rank, (_, _, shares, total, _, pinned, ride) in enumerate(peers):
+        for rank, (_, _, shares, total, _, pinned, ride, reduction) in enumerate(peers):
             if (tuple(shares), total) != (ratio.shares, ratio.total):
                 raise ValueError(
                     f"rank {rank} was given ratio {list(shares)}/{total} but rank {state.rank} {ratio}; give every "
@@ -663,6 +690,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
                 raise ValueError(
                     f"rank {rank} was given exchange_every={pinned} but rank {state.rank} {state.pinned}; give every "
                     f"rank of a BalancedDistributedDataParallel the same exchange_every"
+                )
+            if reduction != state.reduction:
+                raise ValueError(
+                    f"rank {rank} was given loss_reduction={reduction!r} but rank {state.rank} {state.reduction!r}; "
+                    f"give every rank the same loss_reduction (the gradient weights would not add up)"
                 )
             if ride != state.counts_ride:
                 raise ValueError(
@@ -739,10 +771,14 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         state = self._balance
         world = state.world_size
         message = torch.zeros(world + 3, dtype=torch.int64)
+        problem = ""
         if state.rank == 0 and proposal is not None and proposal != self.ratio:
-            checked = check_rank_ratio(proposal, world)
-            message[0], message[1] = 1, checked.total
-            message[2:2 + world] = torch.tensor(checked.shares, dtype=torch.int64)
+            try:  # a bad proposal is raised on every rank after the collective, not on rank 0 alone before it
+                checked = check_rank_ratio(proposal, world, where="agree_ratio's proposal")
+                message[0], message[1] = 1, checked.total
+                message[2:2 + world] = torch.tensor(checked.shares, dtype=torch.int64)
+            except (ValueError, TypeError) as error:
+                message[0], problem = REFUSED_PROPOSAL, str(error)
         message[2 + world] = self.ratio_schedule.next_batch
         try:
             dist.all_reduce(message, op=dist.ReduceOp.MAX, group=state.control)
@@ -752,6 +788,9 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
                 f"another rank of the job probably died"
             ) from error
         values = message.tolist()
+        if values[0] == REFUSED_PROPOSAL:
+            raise ValueError(problem or f"rank 0's proposal to agree_ratio was refused on rank 0 (its error says why); "
+                                        f"every rank keeps {self.ratio}")
         if not values[0]:
             return self.ratio, None
         ratio = check_rank_ratio(DataRatio(values[2:2 + world], values[1]), world, where="agreed DR")

@@ -42,7 +42,10 @@ def check_rank_ratio(ratio: DataRatio | Sequence[int], world_size: int, where: s
     of a DDP job cannot be left out of a step: it would have nothing to contribute to the
     gradient all-reduce that every rank must join).
     """
-    value = job_ratio(as_ratio(ratio))
+    try:
+        value = job_ratio(as_ratio(ratio))
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{where}: {error}") from None
     if len(value) != world_size:
         raise ValueError(
             f"{where} {value} has {len(value)} entries but the job has {world_size} rank(s); give one share per rank"
@@ -55,6 +58,20 @@ def check_rank_ratio(ratio: DataRatio | Sequence[int], world_size: int, where: s
             f"{MIN_SAMPLES_PER_RANK} sample each step)"
         )
     return value
+
+
+def whole_number(value: object, name: str) -> int:
+    """``value`` as an int if it is a whole number (Python or NumPy integer, not bool); TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` as a bool; a string (``"no"`` would read as True) is a TypeError naming ``name``."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be True or False; got the string {value!r}")
+    return bool(value)
 
 
 def job_ratio(ratio: DataRatio) -> DataRatio:
@@ -125,8 +142,9 @@ class RatioSchedule:
         A ``from_batch`` before the next batch to be produced (already produced with another DR)
         is moved to the next batch: produced batches are never re-split.
         """
+        wanted = None if from_batch is None else whole_number(from_batch, "from_batch")
         with self._lock:
-            start = self._produced if from_batch is None else max(int(from_batch), self._produced)
+            start = self._produced if wanted is None else max(wanted, self._produced)
             while self._entries and self._entries[-1][0] >= start:
                 self._entries.pop()
             self._entries.append((start, ratio))
@@ -235,9 +253,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
             self.rank, self.world_size = _rank_and_size(rank, world_size)
             initial = even_ratio(self.world_size) if ratio is None else ratio
             self.schedule = RatioSchedule(check_rank_ratio(initial, self.world_size))
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
+        self.shuffle = flag(shuffle, "shuffle")
+        self.seed = whole_number(seed, "seed")
+        self.drop_last = flag(drop_last, "drop_last")
         self.epoch = 0
         if self.batch_size < self.world_size:
             raise ValueError(f"batch_size {self.batch_size} is smaller than the {self.world_size} ranks: every rank "
@@ -247,7 +265,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch's order (seeded with ``seed + epoch``); call it on every rank before each epoch."""
-        self.epoch = int(epoch)
+        self.epoch = whole_number(epoch, "epoch")
 
     def set_ratio(self, ratio: DataRatio | Sequence[int], from_batch: int | None = None) -> int:
         """Split global batches from ``from_batch`` (default: the next one) by ``ratio``; returns that index.

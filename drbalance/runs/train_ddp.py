@@ -31,6 +31,7 @@ from torchvision import transforms
 from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
+from drbalance.client.sampler import check_rank_ratio
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.runs.train import MODELS, add_training_options, parse_integers, solo_time
 
@@ -173,6 +174,8 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
     gpu = rank_device(args, kind, local_rank, emulated_gpus)
     timeout = timedelta(seconds=args.timeout)
     ratio = parse_integers(args.ratio, "--ratio", "5,5") if args.ratio else None
+    if ratio is not None:
+        check_rank_ratio(ratio, world_size, where="--ratio")  # every rank refuses it alike, before any collective
     if kind == "cuda":
         torch.cuda.set_device(gpu)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", gpu))

@@ -246,7 +246,7 @@ def count_and_compare(rank: int, world: int, out: str, device: torch.device) -> 
         functional.cross_entropy(reference(x[whole]), y[whole]).backward()
         plan = model.exchange_plan
         return {"sizes": sizes, "counts": list(model.last_chunk_sizes), "exchanged": model.last_step_exchanged,
-                "plan": [plan.step, plan.interval, plan.step_seconds, plan.cost_seconds],
+                "plan": [plan.step, plan.interval, plan.step_seconds, plan.cost_seconds, plan.wall_seconds],
                 "error": max_difference(grads(model.module), grads(reference)),
                 "scale": max(float(g.abs().max()) for g in grads(reference))}
 
@@ -306,3 +306,52 @@ def profile_refused(rank: int, world: int, out: str) -> None:
         found["refused"] = str(error)
     found["written"] = output.exists()
     write(out, "profile", rank, found)
+
+
+def refused_inputs(rank: int, world: int, out: str) -> None:
+    """Bad input refused on every rank alike, with the ranks still in step afterwards.
+
+    First each rank is given its own ``loss_reduction`` (rank 0 "mean", the others "sum"); then
+    rank 0 alone proposes a DR that starves rank 1 to ``agree_ratio``; then a valid proposal and
+    a training step, which only run if no rank was left waiting in a collective.
+    """
+    init(rank, world, out)
+    found: dict = {}
+    try:
+        BalancedDistributedDataParallel(small_net(), loss_reduction="mean" if rank == 0 else "sum")
+    except ValueError as error:
+        found["reduction"] = str(error)
+    model = BalancedDistributedDataParallel(small_net())
+    try:
+        model.agree_ratio(DataRatio([10, 0]) if rank == 0 else None)
+    except ValueError as error:
+        found["proposal"] = str(error)
+    ratio, start = model.agree_ratio(DataRatio([3, 7]) if rank == 0 else None)
+    found["agreed"] = [list(ratio.shares), start]
+    x, y = dataset(10)
+    sizes = [3, 7]
+    mine = list(range(sum(sizes[:rank]), sum(sizes[:rank + 1])))
+    functional.cross_entropy(model(x[mine]), y[mine]).backward()
+    found["counts"] = list(model.last_chunk_sizes)
+    write(out, "refused", rank, found)
+    dist.destroy_process_group()
+
+
+def straggler(rank: int, world: int, out: str) -> None:
+    """Rank 1 starts every step 20 ms late (slow data loading): rank 0's exchange latency includes
+    that wait. Every exchange plan (K and what it came from) is recorded after each step."""
+    import time
+
+    init(rank, world, out)
+    model = BalancedDistributedDataParallel(small_net())
+    x, y = dataset(8)
+    plans = []
+    for _ in range(60):
+        if rank == 1:
+            time.sleep(0.02)
+        mine = list(range(4 * rank, 4 * rank + 4))
+        functional.cross_entropy(model(x[mine]), y[mine]).backward()
+        plan = model.exchange_plan
+        plans.append([plan.step, plan.interval, plan.step_seconds, plan.cost_seconds, plan.wall_seconds])
+    write(out, "straggler", rank, {"plans": plans})
+    dist.destroy_process_group()
