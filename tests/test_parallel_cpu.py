@@ -437,3 +437,94 @@ def test_item6_arrays_that_are_not_drs_get_clear_errors():
     with pytest.raises(ValueError, match="sum to 9, but the DR total is 10"):
         wrapped.set_ratio(numpy.array([4, 5]))
     assert wrapped.ratio == DataRatio([5, 5])  # a rejected DR changes nothing
+
+
+# --- the drop-in review of 2026-11-24 ----------------------------------------------------------
+
+class ReassignedBuffers(nn.Module):
+    """Buffers updated by assignment, not in place (an EMA and a step count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.ema = 0.5 * self.ema + 0.5 * x.mean(0)
+            self.steps = self.steps + 1
+        return x + self.ema
+
+
+@pytest.mark.parametrize("shares", [[5, 5], [3, 7], [10, 0]])
+def test_buffers_a_forward_reassigns_advance_once_per_step(shares):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    bare, module = ReassignedBuffers(), ReassignedBuffers()
+    wrapped = BalancedDataParallel(module, device_ids=[0, 1], ratio=shares)
+    for _ in range(2):
+        bare(x)
+        wrapped(x)
+    assert int(module.steps) == int(bare.steps) == 2  # once per step, not once per chunk
+    torch.testing.assert_close(module.ema, bare.ema)  # the chunks' means weighted by size: the batch's mean
+    torch.testing.assert_close(wrapped.state_dict()["module.ema"], bare.ema)  # what a checkpoint saves
+
+
+def test_per_sample_lists_of_different_lengths_are_refused_not_cut_short():
+    class PerSample(nn.Module):
+        def forward(self, x):
+            return [row for row in x]  # one tensor per sample
+
+    with pytest.raises(ValueError, match=r"lists of different lengths \[3, 2\] as output"):
+        BalancedDataParallel(PerSample(), device_ids=[0, 1], ratio=[6, 4])(torch.ones(5, 3))
+    same = BalancedDataParallel(PerSample(), device_ids=[0, 1], ratio=[5, 5])(torch.ones(4, 3))
+    assert len(same) == 2  # equal lengths are gathered entry by entry, as nn.DataParallel does
+
+
+def test_integer_and_bool_scalar_outputs_keep_their_type():
+    class Counts(nn.Module):
+        def forward(self, x):
+            return (x > 0).sum(), (x > 100).any(), x.mean()
+
+    x = torch.tensor([[1.0], [-1.0], [2.0], [3.0], [-4.0]])
+    count, flag, mean = BalancedDataParallel(Counts(), device_ids=[0, 1], ratio=[4, 6])(x)
+    assert count.dtype == torch.int64 and count.tolist() == [1, 2] and int(count.sum()) == 3  # one per replica
+    assert flag.dtype == torch.bool and not bool(flag.any())
+    torch.testing.assert_close(mean, x.mean())  # a float scalar is still the weighted mean
+    alone, _, _ = BalancedDataParallel(Counts(), device_ids=[0, 1], ratio=[10, 0])(x)
+    assert alone.dtype == torch.int64 and int(alone) == 3  # one chunk: the module's own output
+
+
+def test_a_batch_norm_layer_added_after_wrapping_still_never_gets_one_sample():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    wrapped = BalancedDataParallel(model, device_ids=[0, 1])
+    model.append(nn.BatchNorm1d(4))  # e.g. a new head for fine-tuning
+    wrapped(torch.randn(3, 4))  # 2 + 1 would fail in batch norm: folded
+    assert wrapped.last_chunk_sizes == (3, 0)
+
+
+def test_a_split_along_a_dim_a_tensor_does_not_have_is_named():
+    wrapped = BalancedDataParallel(Echo(), device_ids=[0, 1], dim=1)
+    with pytest.raises(ValueError, match=r"tensor inputs\[1\] has shape \(4,\), which has no dim 1"):
+        wrapped(torch.ones(2, 4), torch.ones(4))
+
+
+def test_a_replica_error_keeps_the_original_exceptions_attributes():
+    class CodedError(Exception):
+        def __init__(self, message: str, code: int = 0) -> None:
+            super().__init__(message)
+            self.code = code
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise CodedError("boom", code=7)
+
+    with pytest.raises(CodedError, match="in replica 0") as caught:
+        BalancedDataParallel(Fails(), device_ids=[0, 1])(torch.ones(4, 1))
+    assert caught.value.code == 7 and caught.value.__cause__.code == 7
+
+
+def test_output_devices_are_read_as_data_parallel_reads_them():
+    from drbalance.client.backends import output_target
+
+    assert output_target(-1) == torch.device("cpu") and output_target(2) == torch.device("cuda", 2)
+    assert output_target(torch.device("cuda", 1)) == torch.device("cuda", 1) and output_target("cpu").type == "cpu"

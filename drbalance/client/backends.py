@@ -81,6 +81,11 @@ def reraise_in_replica(error: BaseException, where: str, slot: int | None = None
         wrapped = type(error)(message)
     except Exception:  # exception types whose constructor wants other arguments
         wrapped = RuntimeError(message)
+    try:
+        for name, value in vars(error).items():  # the original's attributes (an error code, say) come along
+            setattr(wrapped, name, value)
+    except (AttributeError, TypeError):  # an exception without a __dict__ (slots) or read-only attributes
+        pass
     wrapped.drbalance_slot = slot  # type: ignore[attr-defined]
     raise wrapped from error
 
@@ -415,10 +420,13 @@ class CudaBackend(DeviceBackend):
             raise
         if merge is not None and merge.targets:
             self._merge_buffers(merge, replicas, plan, torch.device("cuda", source))
+        target = output_target(output_device)
         if len(outputs) == 1 and devices == [source]:
             check_gatherable(outputs[0])
-            return outputs[0], timings
-        target = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
+            if len(device_ids) == 1 or target == torch.device("cuda", source):
+                return outputs[0], timings  # as nn.DataParallel with one device: the module's own output
+            # with several device ids nn.DataParallel always gathers to output_device: so must one chunk
+            return _to_device(outputs[0], target), timings
         output = gather_outputs(
             outputs, plan.sizes, plan.dim, plan.scalar_mode,
             concat=cuda_concat(output_device, plan.dim),
@@ -485,6 +493,14 @@ def _cuda_timing(slot: int, device: str, samples: int, start: Any, end: Any) -> 
         return ReplicaTiming(slot, device, samples, start.elapsed_time(end) / 1000.0)
 
     return resolve
+
+
+def output_target(output_device: int | torch.device | str) -> torch.device:
+    """Where gathered outputs go: ``cuda:N`` for an index N, the CPU for -1 (as ``nn.DataParallel``
+    reads it), else the device given."""
+    if isinstance(output_device, int):
+        return torch.device("cpu") if output_device == -1 else torch.device("cuda", output_device)
+    return torch.device(output_device)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -37,13 +37,22 @@ def tracked_buffers(module: nn.Module) -> list[torch.Tensor]:
     return buffers
 
 
+def buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every (submodule, name, buffer) of ``module``: where a forward that reassigns a buffer
+    (``self.steps = self.steps + 1``) puts the new tensor."""
+    return [(owner, name, buffer) for owner in module.modules() for name, buffer in owner._buffers.items()
+            if buffer is not None]
+
+
 class BufferMerge:
     """Snapshot the buffers before a multi-chunk forward, collect each chunk's change, merge."""
 
     __slots__ = ("targets", "floats", "others", "float_data", "other_data", "start_floats", "start_others",
-                 "delta", "first_others")
+                 "delta", "first_others", "slots")
 
-    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor],
+                 slots: Sequence[tuple[nn.Module, str, torch.Tensor]] = ()) -> None:
+        self.slots = list(slots)  # the sequential path: buffers a chunk's forward may have replaced
         self.targets = list(buffers)
         self.floats = [b for b in self.targets if b.is_floating_point()]
         self.others = [b for b in self.targets if not b.is_floating_point()]
@@ -62,7 +71,7 @@ class BufferMerge:
         if chunks < 2 or not module.training:
             return None
         buffers = tracked_buffers(module)
-        return cls(buffers) if buffers else None
+        return cls(buffers, buffer_slots(module)) if buffers else None
 
     def add(self, floats: Sequence[torch.Tensor], others: Sequence[torch.Tensor], weight: float) -> None:
         """Record one replica's buffer values (same order as ``self.floats`` / ``self.others``)."""
@@ -79,10 +88,26 @@ class BufferMerge:
 
     def add_module_values(self, weight: float) -> None:
         """Record the values the module itself holds now (the sequential CPU path)."""
+        self._take_back_replaced()
         self.add(self.floats, self.others, weight)
+
+    def _take_back_replaced(self) -> None:
+        """A forward that assigned a new tensor to a buffer (``self.ema = 0.9 * self.ema + ...``)
+        left it in the module, where the next chunk would start from it: copy its value into the
+        original buffer and put the original back, so that every chunk starts from the same values
+        and the merge sees each chunk's change. A replacement of another shape or dtype is left as is."""
+        with torch.no_grad():
+            for owner, name, original in self.slots:
+                current = owner._buffers.get(name)
+                if current is None or current is original:
+                    continue
+                if current.shape == original.shape and current.dtype == original.dtype:
+                    original.data.copy_(current.detach())
+                    owner._buffers[name] = original
 
     def restore(self) -> None:
         """Put every buffer back to its value before the forward."""
+        self._take_back_replaced()
         self._write(self.start_floats, self.start_others)
 
     def finish(self) -> None:

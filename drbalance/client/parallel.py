@@ -117,6 +117,11 @@ class _StepSnapshot:
                 buffer.data.copy_(value)
 
 
+def _has_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` holds a batch-norm layer (which cannot train on one sample)."""
+    return any(isinstance(part, nn.modules.batchnorm._BatchNorm) for part in module.modules())
+
+
 def fold_single_samples(sizes: Sequence[int]) -> tuple[int, ...]:
     """Chunk sizes with every chunk of one sample moved onto the largest chunk (the first of
     equals), for a batch of two samples or more: a replica training batch norm on one sample
@@ -202,7 +207,6 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         self.dim = dim
         self.scalar_outputs = scalar_outputs
         # training batch norm needs two samples or more in each replica's chunk
-        self._batch_norm = any(isinstance(part, nn.modules.batchnorm._BatchNorm) for part in module.modules())
         self.backend = backend if backend is not None else default_backend()
         ratio_value = None if ratio is None else coerce_ratio(ratio)
         self.device_ids = self.backend.resolve_device_ids(
@@ -309,7 +313,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         if not batch:
             return ChunkPlan((ratio.used[0],), (batch or 0,), self.dim, self.scalar_outputs, whole=True)
         sizes = ratio.split(batch)
-        if self._batch_norm and 1 in sizes and self.module.training:
+        if 1 in sizes and self.module.training and _has_batch_norm(self.module):  # layers added after wrapping too
             sizes = fold_single_samples(sizes)
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)

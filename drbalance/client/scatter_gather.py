@@ -79,6 +79,12 @@ def scatter_by_sizes(
         if isinstance(item, torch.Tensor):
             if item.dim() == 0:
                 return list(broadcast_tensor(item)) if broadcast_tensor is not None else [item] * count
+            if item.dim() <= dim:
+                raise ValueError(
+                    f"BalancedDataParallel: tensor {path} has shape {tuple(item.shape)}, which has no dim {dim} "
+                    f"to split the batch along; every tensor argument with dimensions is split along dim {dim} "
+                    f"(pass a 0-dim tensor to give it whole to every replica)"
+                )
             if item.size(dim) != batch:
                 shape = tuple(item.shape)
                 raise ValueError(
@@ -135,10 +141,12 @@ def gather_outputs(
 ) -> Any:
     """Combine per-replica outputs (in replica order = sample order) into one output.
 
-    Tensors are concatenated along ``dim`` by ``concat``. A 0-dim tensor (a per-replica scalar
-    such as a mean loss) becomes the chunk-size-weighted mean in ``weighted_mean`` mode, so it
-    equals the same reduction over the whole batch for any DR; in ``stack`` mode it becomes a
-    vector with one entry per replica, as ``nn.DataParallel`` returns. Anything that is not a
+    Tensors are concatenated along ``dim`` by ``concat``. A floating-point 0-dim tensor (a
+    per-replica scalar such as a mean loss) becomes the chunk-size-weighted mean in
+    ``weighted_mean`` mode, so it equals the same reduction over the whole batch for any DR; in
+    ``stack`` mode, and for integer or bool 0-dim tensors in either mode, it becomes a vector with
+    one entry per replica, as ``nn.DataParallel`` returns. Lists and tuples must have the same
+    length in every replica (``ValueError`` naming them: a per-sample list cannot be joined). Anything that is not a
     tensor, ``None`` or a container of them raises ``TypeError`` naming it.
     """
     batch = sum(sizes)
@@ -147,13 +155,19 @@ def gather_outputs(
     def gather_map(items: Sequence[Any], path: str) -> Any:
         first = items[0]
         if isinstance(first, torch.Tensor):
-            if first.dim() == 0 and scalar_mode == "weighted_mean":
+            if first.dim() == 0 and scalar_mode == "weighted_mean" and _has_mean(first):
                 return sum(move(item) * weight for item, weight in zip(items, weights))
             if first.dim() == 0:
                 return concat([item.reshape(1) for item in items])
             return concat(items)
         if first is None:
             return None
+        if isinstance(first, (list, tuple)) and not is_namedtuple(first) and any(len(i) != len(first) for i in items):
+            raise ValueError(
+                f"BalancedDataParallel: replicas returned {type(first).__name__}s of different lengths "
+                f"{[len(item) for item in items]} as {path} (one entry per sample?); outputs are gathered entry by "
+                f"entry, so a per-sample list cannot be joined: return a tensor with the batch along dim {dim}"
+            )
         if isinstance(first, dict):
             if any(len(item) != len(first) for item in items):
                 raise ValueError(f"BalancedDataParallel: replicas returned dicts with different keys in {path}")
@@ -188,6 +202,13 @@ def check_gatherable(output: Any, path: str = "output") -> None:
             check_gatherable(value, f"{path}[{index}]")
     else:
         raise _not_gatherable(output, path)
+
+
+def _has_mean(scalar: torch.Tensor) -> bool:
+    """Whether a 0-dim output can be gathered as a weighted mean: a floating-point or complex one.
+    An integer or bool one (a count, a flag) is stacked instead, as ``nn.DataParallel`` does, so
+    that it keeps its type (its mean would turn a count into a fraction)."""
+    return scalar.is_floating_point() or scalar.is_complex()
 
 
 def _not_gatherable(value: Any, path: str) -> TypeError:
