@@ -23,7 +23,7 @@ from torch import nn
 from benchmarks.timing import add_no_write, interleaved_medians, save, summary
 from drbalance import DataRatio
 from drbalance.client import BalancedDataParallel
-from drbalance.client.buffers import BufferMerge
+from drbalance.client.buffers import BufferMerge, tracked_buffers
 
 
 def build(model_name: str) -> nn.Module:
@@ -75,8 +75,7 @@ def fixed_costs(args: argparse.Namespace, repeats: int = 200) -> dict:
     model = build(args.model)
     model.train()
 
-    def merge() -> None:
-        state = BufferMerge.for_forward(model, 4)
+    def run_merge(state: BufferMerge | None) -> None:
         if state is None:
             return
         for chunk in range(4):
@@ -85,11 +84,18 @@ def fixed_costs(args: argparse.Namespace, repeats: int = 200) -> dict:
                 state.restore()
         state.finish()
 
+    def merge() -> None:
+        run_merge(BufferMerge.for_forward(model, 4))
+
+    def merge_without_take_back() -> None:  # the merge before reassigned buffers were taken back (2026-11-24)
+        buffers = tracked_buffers(model)
+        run_merge(BufferMerge(buffers) if buffers else None)
+
     wrapped = BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 1, 2, 3], ratio=[1, 2, 3, 4])
     wrapped(torch.randn(8, 2)).sum().backward()
     wrapped.train_step(lambda: None)  # the DR is proven now
-    samples = interleaved_medians({"buffer_merge": merge, "train_step_call": lambda: wrapped.train_step(lambda: None)},
-                                  repeats=repeats)
+    samples = interleaved_medians({"buffer_merge": merge, "buffer_merge_without_take_back": merge_without_take_back,
+                                   "train_step_call": lambda: wrapped.train_step(lambda: None)}, repeats=repeats)
     return {name: summary(values)["median"] * 1e6 for name, values in samples.items()}
 
 
@@ -129,16 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
     parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument("--repeats", type=int, default=30, help="timed repeats per candidate (default 30)")
+    parser.add_argument("--fixed-costs-only", action="store_true",
+                        help="measure only the per-step fixed costs (buffer merge, train_step call), not whole steps")
     add_no_write(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args), "fixed_costs_us": fixed_costs(args)}
+    costs = fixed_costs(args)
+    print(f"fixed costs ({args.model}): buffer merge of a 4-chunk forward {costs['buffer_merge']:.1f} us "
+          f"({costs['buffer_merge_without_take_back']:.1f} us without taking back reassigned buffers), "
+          f"train_step call {costs['train_step_call']:.2f} us (medians)")
+    if args.fixed_costs_only:
+        return 0
+    payload: dict = {"args": vars(args), "cpu_path": bench_cpu(args), "fixed_costs_us": costs}
     print(f"CPU path ({args.model}, batch {args.batch}): BalancedDataParallel / bare module on the same chunks "
           f"= {payload['cpu_path']['median_ratio']:.4f} (overhead {payload['cpu_path']['overhead_percent']:+.2f}%, "
           f"target <= 5%); through train_step: {payload['cpu_path']['train_step_median_ratio']:.4f}")
-    costs = payload["fixed_costs_us"]
-    print(f"fixed costs ({args.model}): buffer merge of a 4-chunk forward {costs['buffer_merge']:.1f} us, "
-          f"train_step call {costs['train_step_call']:.2f} us (medians)")
     if torch.cuda.is_available():
         payload["gpu"] = bench_gpu(args)
         gpu = payload["gpu"]
