@@ -31,7 +31,7 @@ GIB = 2**30
 
 
 def status(ratio, slots=(), batch=0):
-    ratio = DataRatio(ratio)
+    ratio = ratio if isinstance(ratio, DataRatio) else DataRatio(ratio)
     return AppStatus(pid=os.getpid(), app="job", state=AppState.RUNNING, ratio=ratio, epoch=0, epochs=1,
                      iteration=3, iterations_total=10, iterations_per_epoch=10, notice_seq=1, slowdown=1.5,
                      iteration_time=0.2, solo_time=10.0, start_wall=0.0, updated_wall=0.0, updated_mono=0.0,
@@ -97,6 +97,30 @@ def test_memory_caps_come_from_oom_limits_and_free_memory():
     assert max_share_for(10, 40, 10) == 2 and max_share_for(10, 40, 100) == 25 and max_share_for(99, 10, 10) == 10
     assert max_share_for(2, 8, 10, keeps=3) == 3  # rounding never caps a share the app already holds within the limit
     assert entry([2, 3, 5, 0], slots, batch=0).view(10, server).max_share is None  # batch unknown: no caps
+
+
+def test_a_held_share_rescaled_to_the_managers_total_is_kept_only_if_its_chunk_still_fits():
+    # a job on its own total 7: [2, 5]/7 of 70 samples, slot 0 out of memory above 20 samples; the manager
+    # counts in twentieths, where the held 2/7 rounds up to 6/20 = 21 samples: more than the limit
+    server = ServerGpus(2, UUIDS[:2])
+    slots = [SlotStatus(UUIDS[0], 0.1, 20.0, None, 20), SlotStatus(UUIDS[1], 0.1, 50.0)]
+    view = entry(DataRatio([2, 5], 7), slots, batch=70).view(20, server)
+    assert view.max_share[0] == 5  # floor(20 x 20 / 70): 20 samples at most
+    assert violations(view, DataRatio([6, 14], 20), PolicyConfig(2, 20))  # 21 samples on slot 0: refused
+    assert DataRatio([5, 15], 20).split(70)[0] <= 20 and not violations(view, DataRatio([5, 15], 20),
+                                                                          PolicyConfig(2, 20))
+
+
+def test_slots_with_and_without_uuids_are_mapped_by_uuid_never_by_position():
+    # a DDP job with a CPU rank (no UUID) among GPU ranks started with CUDA_VISIBLE_DEVICES=3,2,_,0
+    server = ServerGpus(4, UUIDS)
+    job = entry([0, 10, 0, 0], [SlotStatus(UUIDS[3]), SlotStatus(UUIDS[2]), SlotStatus(""), SlotStatus(UUIDS[0])])
+    view = job.view(10, server)
+    assert view.ratio == DataRatio([0, 0, 10, 0]) and view.allowed == (0, 2, 3)  # slot 1 is server GPU 2
+    assert job.to_app_ratio(DataRatio([0, 0, 0, 10]), server) == DataRatio([10, 0, 0, 0])  # GPU 3 is slot 0
+    with pytest.raises(Unmapped, match="does not see: slot 2"):
+        entry([5, 0, 5, 0], [SlotStatus(UUIDS[3]), SlotStatus(UUIDS[2]), SlotStatus(""),
+                             SlotStatus(UUIDS[0])]).view(10, server)  # a share on the slot without a GPU
 
 
 def test_a_tiny_memory_per_sample_caps_nothing_instead_of_overflowing():

@@ -1,5 +1,6 @@
 """Protocol v2: what a record carries beyond SD and DR, and the constraints every decision respects."""
 
+import json
 import os
 from contextlib import contextmanager
 
@@ -234,3 +235,31 @@ def test_a_push_that_reaches_an_exchange_first_is_applied_once_and_the_answer_st
         manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), a.notice_seq, "a", 0.0))  # the answer, late
         train(model_a, a)  # not a report, not a boundary: the signal brings it
         assert model_a.ratio == DataRatio([0, 0, 0, 10]) and a._cadence == 7.0 and a._awaiting is None
+
+
+class BadPushes:
+    """b's decision pushes a list (not a DR) to a, and a DR to b itself: a buggy joint decision."""
+
+    name = "bad-pushes"
+
+    def decide(self, app, trigger, snapshot):
+        from types import MappingProxyType
+
+        from drbalance.policy import Decision
+
+        if app != "b":
+            return Decision(app, snapshot.app(app).ratio, "keep")
+        pushed = MappingProxyType({"a": [10, 0, 0, 0], "b": DataRatio([10, 0, 0, 0])})
+        return Decision(app, DataRatio([0, 0, 0, 10]), "swap", others=pushed)
+
+
+def test_a_malformed_push_or_one_to_the_deciding_app_is_refused_and_logged_the_answer_stands(ipc_env, tmp_path):
+    with two_registered_apps(ipc_env, tmp_path, BadPushes(), report_every=5) as (manager, models, sessions):
+        session_b = sessions["b"]
+        command = session_b.link.poll_command(session_b.notice_seq)
+        assert command is not None and command.ratio == DataRatio([0, 0, 0, 10]) and not command.pushed
+        assert manager.table.get("a").assigned == DataRatio([0, 5, 5, 0])  # its own answer; nothing pushed
+    pushes = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
+    assert {push["app"] for push in pushes} == {"a", "b"} and all("refused" in push for push in pushes), pushes
+    assert "not a DataRatio" in next(p for p in pushes if p["app"] == "a")["refused"]
+    assert "deciding app itself" in next(p for p in pushes if p["app"] == "b")["refused"]

@@ -483,6 +483,9 @@ class Manager:
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
                  decide_us=spent * 1e6)
         for other, other_ratio in pushes.items():
+            if other == entry.name:  # the deciding app's own DR is the answer above, never a push
+                self.log("push", app=other, branch=branch, refused="a push to the deciding app itself")
+                continue
             self._push(other, other_ratio, branch, snapshot)
         return sent
 
@@ -492,11 +495,14 @@ class Manager:
         try:
             if entry is None:
                 raise ValueError(f"app {name!r} is not in the table")
+            if not isinstance(ratio, DataRatio):
+                raise TypeError(f"policy pushed {ratio!r}, not a DataRatio")
             view = snapshot.app(name)
             self._check_ratio(ratio, view.ratio, view)
             sent = entry.to_app_ratio(ratio, self.server)
-        except (ValueError, KeyError, Unmapped) as error:
-            self.log("push", app=name, branch=branch, new_dr=ratio.to_list(), refused=str(error))
+        except Exception as error:  # one bad push is refused and logged; the decision's other pushes go on
+            shown = ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
+            self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))
             return
         generation = entry.status.notice_seq
         entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True))

@@ -133,15 +133,16 @@ class AppEntry:
     def slot_map(self, server: ServerGpus) -> tuple[int | None, ...]:
         """The server GPU of each of the app's slots (None: not among the manager's GPUs).
 
-        By UUID when the app published them and the server knows its own; else slot g = GPU g
-        when the counts agree. A slot that is not found may not hold a share (:class:`Unmapped`).
+        By UUID when the app published any and the server knows its own (a slot without one is on
+        no server GPU); else slot g = GPU g when the counts agree. A slot that is not found may not
+        hold a share (:class:`Unmapped`).
         """
         status = self.status
         count = len(status.ratio)
         uuids = [normalize_uuid(slot.uuid) for slot in status.slots] if status.slots else [""] * count
         index = server.index()
-        if index and all(uuids):
-            mapping: list[int | None] = [index.get(uuid) for uuid in uuids]
+        if index and any(uuids):  # a slot without a UUID (a CPU rank, say) is then on no server GPU
+            mapping: list[int | None] = [index.get(uuid) if uuid else None for uuid in uuids]
             placed = [gpu for gpu in mapping if gpu is not None]
             if len(set(placed)) != len(placed):
                 raise Unmapped(f"app {self.name!r} names one GPU for two of its slots ({status.slots})")
@@ -187,7 +188,9 @@ class AppEntry:
                 fits = chunks[slot] + (math.floor(room) if room < batch else batch)  # a whole batch caps nothing
                 limit = fits if limit is None else min(limit, fits)
             if limit is not None:
-                caps[gpu] = max_share_for(limit, batch, total, current[slot] if chunks[slot] <= limit else 0)
+                held = current[slot]  # kept only if its chunk fits at the manager's total too (rescaling rounds)
+                fits_now = chunks[slot] <= limit and math.ceil(held * batch / total) <= limit
+                caps[gpu] = max_share_for(limit, batch, total, held if fits_now else 0)
         return tuple(caps) if any(cap is not None for cap in caps) else None
 
 
