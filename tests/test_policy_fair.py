@@ -83,6 +83,22 @@ def test_a_move_that_turned_out_worse_is_undone_and_the_predictor_corrected():
     assert third.ratio == DataRatio([0, 10])
 
 
+def test_a_move_the_job_never_ran_holds_no_gpu_and_no_protected_period():
+    def scene(iteration, cap=None):
+        moved = app("a", [0, 10], [0, 0.2], 0.25, iteration=iteration)
+        return snapshot(moved if cap is None else replace(moved, max_share=cap),
+                        app("b", [0, 10], [0, 0.2], 0.25, iteration=iteration))
+
+    policy = FairPolicy()
+    assert policy.decide("a", "boundary", scene(100)).ratio == DataRatio([10, 0])  # a takes the idle GPU 0
+    # the job ran out of memory on GPU 0 and went back: its record shows [0, 10], GPU 0 capped at 0
+    reverted = scene(130, cap=(0, None))
+    policy.decide("a", "boundary", reverted)
+    assert not policy.protected("a")  # the move is dropped: nothing to judge
+    decided = policy.decide("b", "boundary", reverted)
+    assert decided.ratio == DataRatio([10, 0]) and decided.branch != "keep"  # GPU 0 is not held for a's move
+
+
 def test_swaps_rotate_the_lone_gpu_to_the_most_slowed_app():
     policy = FairPolicy()
     # GPU 0: a and b together (0.2 s chunks instead of 0.1); GPU 1: c alone. Half-way through the

@@ -400,7 +400,11 @@ class FairPolicy:
         back pays by the policy's judgement, or lowers the SDs of the apps it affects by
         ``min_gain`` in sum (a move meant to be fair that turned out to cost everyone)."""
         move = track.last_move
-        if move is None or move.checked or ratio != move.after or me.iteration <= move.iteration:
+        if move is None or move.checked or me.iteration <= move.iteration:
+            return None
+        if ratio != move.after:
+            if ratio == move.before:  # the job never ran it (an out-of-memory revert, a refused or lost command):
+                track.last_move = None  # nothing to judge, and no GPU to hold or period to protect for it
             return None
         move.checked = True
         measured = me.iteration_time
