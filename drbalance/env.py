@@ -37,8 +37,12 @@ def log_dir() -> Path:
     value = os.environ.get("DRBALANCE_LOG_DIR")
     if value:
         return Path(value)
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "drbalance" / "logs"
+    return _state_home() / "drbalance" / "logs"
+
+
+def _state_home() -> Path:
+    """``$XDG_STATE_HOME``, else ``~/.local/state``."""
+    return Path(os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state"))
 
 
 def profiles_path() -> Path:
@@ -58,13 +62,14 @@ def runtime_dir() -> Path:
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
     Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
-    ``/tmp/drbalance-<uid>``. The first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the
-    second when that folder exists (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login
-    session, e.g. from cron, then still meet a manager started from one). Jobs and their manager
-    must see the same folder, so a value must be an absolute path (ValueError otherwise: a relative
-    one would name a different folder in each working directory). It is
-    created with mode 0700 and checked before use (``drbalance.ipc.private``): never reached
-    through another user's symbolic link, never another user's or writable by others.
+    ``/tmp/drbalance-<uid>`` (see ``tmp_runtime_dir`` for when another user took that name). The
+    first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
+    (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login session, e.g. from cron, then
+    still meet a manager started from one). Jobs and their manager must see the same folder, so a
+    value must be an absolute path (ValueError otherwise: a relative one would name a different
+    folder in each working directory). It is created with mode 0700 and checked before use
+    (``drbalance.ipc.private``): never reached through another user's symbolic link, never another
+    user's or writable by others.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
     if value:
@@ -77,13 +82,48 @@ def runtime_dir() -> Path:
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "drbalance"
     login_dir = Path(f"/run/user/{uid}")
-    try:
-        info = login_dir.lstat()
-    except OSError:
-        info = None
-    if info is not None and info.st_uid == uid and stat.S_ISDIR(info.st_mode):
+    if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"
-    return Path(f"/tmp/drbalance-{uid}")
+    return tmp_runtime_dir(Path(f"/tmp/drbalance-{uid}"), squat_runtime_dir(), uid)
+
+
+def squat_runtime_dir() -> Path:
+    """Where the runtime directory goes when another user took ``/tmp/drbalance-<uid>``:
+    ``$XDG_STATE_HOME/drbalance/run-<host>`` (``~/.local/state/drbalance/run-<host>``).
+
+    The host's name keeps managers of one user on several machines that share a home folder
+    (NFS) apart: each has its own lock, claims and pids.
+    """
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", os.uname().nodename) or "host"
+    return _state_home() / "drbalance" / f"run-{host}"
+
+
+def tmp_runtime_dir(tmp: Path, squat: Path, uid: int) -> Path:
+    """The default runtime directory where no login folder exists: ``tmp`` (``/tmp/drbalance-<uid>``)
+    unless another user could hold it, then ``squat`` (``squat_runtime_dir``).
+
+    Any user may create a name in /tmp first. ``tmp`` is used when it is a folder of ``uid`` (not a
+    link), or when it does not exist and ``squat`` does not either (it is then created). When
+    ``tmp`` is anything else (another user's folder, a link, a file) the folder is ``squat``, and
+    ``squat`` stays chosen while it exists and ``tmp`` is not ``uid``'s: a neighbour who removes
+    the planted name later does not split a manager and its jobs between two folders.
+    """
+    try:
+        tmp.lstat()
+    except FileNotFoundError:
+        return squat if _owned_folder(squat, uid) else tmp
+    except OSError:
+        return squat
+    return tmp if _owned_folder(tmp, uid) else squat
+
+
+def _owned_folder(path: Path, uid: int) -> bool:
+    """Whether ``path`` is a folder of ``uid`` itself, not a symbolic link to one."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return info.st_uid == uid and stat.S_ISDIR(info.st_mode)
 
 
 def profile_output() -> Path | None:
