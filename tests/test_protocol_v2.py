@@ -144,8 +144,9 @@ class SwapPolicy:
 
 
 @contextmanager
-def two_registered_apps(ipc_env, tmp_path, policy, **session_options):
-    """A manager with ``policy`` and apps "a" then "b" (DR [0, 5, 5, 0]), both registered with it."""
+def two_registered_apps(ipc_env, tmp_path, policy, model_class=BalancedDataParallel, **session_options):
+    """A manager with ``policy`` and apps "a" then "b" (DR [0, 5, 5, 0], models of ``model_class``),
+    both registered with it."""
     from drbalance.ipc.layout import Notice, NoticeKind
     from drbalance.manager.daemon import Manager, ManagerSettings
     from drbalance.manager.utilization import ScriptedSource
@@ -155,7 +156,7 @@ def two_registered_apps(ipc_env, tmp_path, policy, **session_options):
     manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
                       ScriptedSource(script), policy=policy)
     manager.start()
-    models = {name: BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
+    models = {name: model_class(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
               for name in ("a", "b")}
     sessions = {name: Session(model, app=name, epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
                               exchange_timeout=0.0, **session_options) for name, model in models.items()}
@@ -263,3 +264,25 @@ def test_a_malformed_push_or_one_to_the_deciding_app_is_refused_and_logged_the_a
     assert {push["app"] for push in pushes} == {"a", "b"} and all("refused" in push for push in pushes), pushes
     assert "not a DataRatio" in next(p for p in pushes if p["app"] == "a")["refused"]
     assert "deciding app itself" in next(p for p in pushes if p["app"] == "b")["refused"]
+
+
+class NoGpuZero(BalancedDataParallel):
+    """A job that refuses any share of GPU 0, as a DDP rank refuses a DR below its minimum share."""
+
+    def set_ratio(self, ratio):
+        if DataRatio(ratio)[0] > 0:
+            raise ValueError("GPU 0 is not this job's")
+        super().set_ratio(ratio)
+
+
+def test_a_refused_dr_is_published_at_once_so_the_manager_stops_taking_it_as_current(ipc_env, tmp_path):
+    with two_registered_apps(ipc_env, tmp_path, SwapPolicy(), NoGpuZero,
+                             report_every=50) as (manager, models, sessions):
+        entry = manager.table.get("a")
+        assert entry.effective_ratio() == DataRatio([10, 0, 0, 0])  # pushed with b's decision, taken as a's DR
+        train(models["a"], sessions["a"])  # not a report: the signal brings the push, which a refuses
+        assert models["a"].ratio == DataRatio([0, 5, 5, 0])
+        manager._refresh_all(manager.clock.monotonic())
+        # used to stay [10, 0, 0, 0] until a's next report, 49 iterations later: decisions for other
+        # apps counted a on GPU 0
+        assert entry.effective_ratio() == DataRatio([0, 5, 5, 0])

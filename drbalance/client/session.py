@@ -517,19 +517,25 @@ class Session:
         if len(command.ratio) != len(current):
             logger.warning("drbalance: manager sent %r a DR of %d GPUs, the model has %d; ignored",
                            self.app, len(command.ratio), len(current))
-            self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list())
+            self._refuse(command, now)
             return
         if command.ratio != current:
             try:
                 target.set_ratio(command.ratio)
             except ValueError as error:  # e.g. a DDP rank left below its minimum share
                 logger.warning("drbalance: %r ignored the manager's DR %s: %s", self.app, command.ratio, error)
-                self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list(),
-                                error=str(error))
+                self._refuse(command, now, error=str(error))
                 return
             self._write_log("update", now, generation=command.generation, branch=command.branch,
                             old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late,
                             pushed=command.pushed)
+
+    def _refuse(self, command: AppCommand, now: float, **extra: Any) -> None:
+        """Log a DR the job did not take and publish at once: the manager counts the DR it sent as
+        the app's until the app publishes a newer status, and would go on deciding for other apps
+        with this one where it is not."""
+        self._write_log("rejected", now, generation=command.generation, new_dr=command.ratio.to_list(), **extra)
+        self.link.publish(self._status(now))
 
     def _synchronize(self, now: float) -> None:
         """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""
