@@ -24,7 +24,8 @@ def run(module: str, *args: str, env: dict | None = None) -> tuple[int, str, str
     return process.returncode, out, err
 
 
-@pytest.mark.parametrize("option", [("--dr-total", "0"), ("--sd-threshold", "-1"), ("--util-threshold", "200")])
+@pytest.mark.parametrize("option", [("--dr-total", "0"), ("--sd-threshold", "-1"), ("--util-threshold", "200"),
+                                    ("--window", "99999999999999999999")])  # was an OverflowError traceback
 def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus(ipc_env, option):
     code, _out, err = run("drbalance.manager.cli", "--source", "emulated:2", *option)
     assert code == 2 and "Traceback" not in err and "drbalance-manager:" in err, err

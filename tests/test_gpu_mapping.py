@@ -288,3 +288,30 @@ def test_nvml_uuids_and_memory_go_through_the_one_nvml_function(monkeypatch):
     assert source.gpu_uuids() == ("GPU-1234", None)  # an NVML error is "unknown", not a crash
     assert source.memory() == (MemoryInfo(8 * GIB, GIB, 7 * GIB), MemoryInfo(8 * GIB, GIB, 7 * GIB))
     source.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_nvml_counts_but_cannot_open_is_a_clear_error_not_a_traceback(ipc_env, monkeypatch, caplog):
+    """nvmlDeviceGetHandleByIndex fails for a GPU that fell off the bus (GPU_IS_LOST) or whose device
+    node this user may not open (NO_PERMISSION): the real nvidia-ml-py exception types, raised from
+    the real module's functions (no driver here), must end in UtilizationUnavailable and exit 2."""
+    import pynvml
+    shutdowns = []
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: shutdowns.append(True))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+
+    def handle_by_index(index: int) -> int:
+        if index == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return index
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", handle_by_index)
+    with pytest.raises(UtilizationUnavailable, match="GPU 1: NVML nvmlDeviceGetHandleByIndex failed: GPU is lost"):
+        NvmlSource(nvml=Nvml())
+    assert shutdowns == [True]  # the NVML session is not left open
+    assert NvmlSource([0], nvml=Nvml()).gpu_count() == 1  # --gpus can leave the lost one out
+    from drbalance.manager.cli import main as manager_main
+
+    assert manager_main(["--source", "nvml", "--duration", "0.1"]) == 2
+    assert "GPU is lost" in caplog.text and "--gpus" in caplog.text

@@ -22,6 +22,8 @@ from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
+from drbalance.manager.daemon import Manager, ManagerSettings
+from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import python_process, wait_for
 from tests.helpers.neighbour import as_neighbour, needs_second_user, second_user
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
@@ -307,3 +309,35 @@ def test_a_manager_blames_an_unsafe_runtime_dir_not_its_utilisation_source(tmp_p
     assert process.returncode == 1 and "unsafe path, nothing started" in err and "writable by group or others" in err
     assert "utilisation source" not in err, err
     assert os.listdir(open_dir) == []
+
+
+@needs_second_user
+@pytest.mark.timeout(180)
+def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp_path, capsys, caplog):
+    """Every foreign object used to be listed in status.json: 4000 long-named empty objects made it
+    larger than the 1 MiB that ``drbalance status`` reads, which then failed ("not JSON") for the
+    manager's user, however long the neighbour kept them."""
+    planted = [ipc_env.prefix + "z" * 200 + str(index) for index in range(4000)]
+    results = as_neighbour([["shm", name, 0o600] for name in planted], timeout=120)
+    assert set(results) == {"ok"}
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    try:
+        manager.start()  # its first rescan finds them
+        assert len(manager.foreign) == len(planted)
+        manager._write_status(time.monotonic())
+        assert drbalance(["status"]) == 0, capsys.readouterr().err
+        table = capsys.readouterr().out
+        status = json.loads(ipc_env.manager_status().read_text())
+        listed = len(status["foreign"])
+        assert status["foreign_total"] == len(planted) and 0 < listed <= 100
+        assert table.count("belongs to") == listed  # a screenful, then how many more
+        assert f"and {len(planted) - listed} more objects of other users" in table
+        named = [r for r in caplog.records if "belongs to" in r.getMessage()]
+        assert 0 < len(named) <= 100 and "only the manager log" in caplog.text  # not 4000 lines on stderr
+        assert len([line for line in (tmp_path / "m.jsonl").read_text().splitlines()
+                    if '"event":"foreign"' in line]) == len(planted)  # the log names every one
+    finally:
+        manager.stop()

@@ -64,6 +64,15 @@ def test_a_message_queue_limit_names_the_limit_and_how_to_raise_it(ipc_env, tmp_
                 "updated": time.time(), "apps": [{"name": 3}]}).encode(),
     json.dumps({"pid": os.getpid(), "namespace": "x", "policy": "p", "decisions": 0, "util": ["high"],
                 "updated": time.time(), "apps": []}).encode(),
+    # these three used to end in a traceback (OverflowError, TypeError) or a bare "error: 0"
+    json.dumps({"pid": 2 ** 70, "namespace": "x", "policy": "p", "decisions": 0, "util": [1],
+                "updated": time.time(), "apps": []}).encode(),
+    json.dumps({"pid": os.getpid(), "namespace": "x", "policy": "p", "decisions": 0, "util": [1],
+                "updated": time.time(), "apps": [{"name": "a", "pid": 1, "epoch": 0, "epochs": 1, "iteration": 0,
+                                                  "iterations_total": 1, "dr": [1], "quiet_for": 5.0,
+                                                  "updated_ago": "long"}]}).encode(),
+    json.dumps({"pid": os.getpid(), "namespace": "x", "policy": "p", "decisions": 0, "util": [1],
+                "updated": time.time(), "apps": [], "memory": {"0": {"used": 1, "total": 2}}}).encode(),
 ])
 def test_status_of_a_malformed_status_file_is_a_clear_error(ipc_env, capsys, content):
     ipc_env.private_runtime_dir()
@@ -71,6 +80,8 @@ def test_status_of_a_malformed_status_file_is_a_clear_error(ipc_env, capsys, con
     assert drbalance(["status"]) == 1
     err = capsys.readouterr().err
     assert "drbalance status: error:" in err and ("malformed" in err or "not JSON" in err), err
+    assert drbalance(["status", "--watch", "--count", "1"]) == 0  # an error frame; the view watches on
+    assert "(watching; Ctrl-C to stop)" in capsys.readouterr().out
     ipc_env.manager_status().unlink()
     ipc_env.manager_status().mkdir()
     assert drbalance(["status"]) == 1

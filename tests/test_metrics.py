@@ -179,3 +179,37 @@ def test_a_manager_whose_metrics_port_is_taken_exits_with_a_clear_error(ipc_env,
     assert lines and all(TIMESTAMPED.match(line) for line in lines), lines  # errors too: time and level
     assert not ipc_env.manager_status().exists()
     assert leftovers(ipc_env) == []
+
+
+@pytest.mark.timeout(60)
+def test_an_address_the_resolver_cannot_even_encode_is_a_clear_error_not_a_traceback(ipc_env, caplog):
+    """A typo like '127.0.0..1' (an empty label) or a label over 63 characters makes getaddrinfo
+    raise UnicodeError (a ValueError), not OSError: it used to end the manager with a traceback."""
+    for address in ("127.0.0..1", "a" * 64):
+        with pytest.raises(MetricsServerError, match="cannot serve metrics on .*not a host name or address") as bad:
+            ManagerMetrics("ns4", "fair").serve(address, 0)
+        assert "--metrics-address" in bad.value.hint, address
+    assert manager_main(["--source", "emulated:1", "--metrics-port", "0", "--metrics-address", "127.0.0..1",
+                         "--duration", "5"]) == 1
+    assert "not a host name or address" in caplog.text and "--metrics-address" in caplog.text
+    assert leftovers(ipc_env) == []
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monkeypatch, capfd):
+    """Any local user can connect and send nothing: each connection held a server thread for ever."""
+    from drbalance.manager import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "IDLE_CONNECTION_SECONDS", 0.5)
+    server = ManagerMetrics("ns5", "fair")
+    host, port = server.serve("127.0.0.1", 0)
+    try:
+        idle = socket.create_connection((host, port), timeout=30)
+        idle.settimeout(30)
+        assert idle.recv(1) == b""  # closed by the server (it used to wait for a request for ever)
+        idle.close()
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as reply:
+            assert reply.status == 200 and b"drbalance" in reply.read()
+    finally:
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err  # a timed-out connection is not an error to print

@@ -173,3 +173,19 @@ def test_ctrl_c_ends_the_watch_even_when_sigint_was_inherited_ignored(ipc_env):
         if watcher.poll() is None:
             watcher.kill()
             watcher.wait()
+
+
+@pytest.mark.timeout(30)
+def test_a_planted_objects_name_reaches_the_terminal_escaped():
+    """/dev/shm names are the neighbour's choice: any bytes but '/' and NUL. Printed raw, an escape
+    sequence rewrote the victim's terminal (erased the very warning about it, hid what followed),
+    and a byte that is not UTF-8 (a surrogate after os.scandir) made a strict UTF-8 stdout (the
+    en_US.UTF-8 locale) refuse the table: 'drbalance status' failed."""
+    from drbalance.manager.status import format_table
+
+    planted = "drb.1000.lab.\x1b[2K\x1b[1A\rAPP (no apps)\x1b[8m\udcff"
+    table = format_table(status(foreign=[{"object": planted, "owner_uid": 65534, "owner": "nobody (uid 65534)"}]))
+    warning = next(line for line in table.splitlines() if "belongs to nobody" in line)
+    assert "\x1b" not in table and "\r" not in table
+    assert "/dev/shm/drb.1000.lab.\\x1b[2K\\x1b[1A\\rAPP (no apps)\\x1b[8m\\udcff belongs to" in warning
+    table.encode("utf-8")  # strict: what a UTF-8 locale's stdout does

@@ -13,7 +13,7 @@ from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.ipc.private import UnsafePath
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
-from drbalance.manager.utilization import UtilizationUnavailable, open_source
+from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
 logger = logging.getLogger("drbalance.manager")
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"seconds between utilisation samples, at least {MIN_SAMPLE_PERIOD:g} (NVML itself "
                         "updates its reading only every 1/6 to 1 s)")
     parser.add_argument("--window", type=positive_int, default=defaults.window,
-                        help="utilisation smoothing window, in samples")
+                        help=f"utilisation smoothing window, in samples (1..{MAX_WINDOW})")
     parser.add_argument("--util-log-period", type=positive_float, default=defaults.util_log_period,
                         help="seconds between utilisation records in the manager log")
     parser.add_argument("--quiet-after", "--stale-after", dest="quiet_after", type=positive_float,

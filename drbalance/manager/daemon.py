@@ -43,6 +43,7 @@ from drbalance.ipc.private import UnsafePath, open_private, read_private, user_n
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
+from drbalance.manager.status import printable
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
@@ -56,6 +57,10 @@ FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most thi
 DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_KEEP = 5
 MAX_LOG_KEEP = 1000  # rotated manager logs kept at most
+MAX_FOREIGN_LISTED = 20
+"""Other users' objects named in the status file and on stderr; the rest are only counted
+(``foreign_total``) and named in the manager log: a neighbour can plant thousands, and a status
+file over ``MAX_PRIVATE_FILE`` could not be read back."""
 
 
 class ManagerAlreadyRunning(RuntimeError):
@@ -198,6 +203,7 @@ class Manager:
         self.stopping: str | None = None
         self.decisions = 0
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
+        self._foreign_warned = 0  # foreign objects named on stderr (MAX_FOREIGN_LISTED at most)
         self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
@@ -738,8 +744,13 @@ class Manager:
         self.foreign[entry] = owner if owner is not None else -1
         who = user_name(owner) if owner is not None else "an unknown user"
         self.log("foreign", object=entry, owner_uid=owner, owner=who)
-        logger.warning("drbalance-manager: /dev/shm/%s is under this namespace's prefix but belongs to %s: "
-                       "ignored, never trusted", entry, who)
+        self._foreign_warned += 1
+        if self._foreign_warned <= MAX_FOREIGN_LISTED:
+            logger.warning("drbalance-manager: /dev/shm/%s is under this namespace's prefix but belongs to %s: "
+                           "ignored, never trusted", printable(entry), printable(who))
+        if self._foreign_warned == MAX_FOREIGN_LISTED:
+            logger.warning("drbalance-manager: more objects of other users may follow; only the manager log "
+                           "(event 'foreign') names them")
 
     def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
         if key in self._reported:
@@ -836,7 +847,8 @@ class Manager:
             "memory": [None if m is None else {"used": m.used, "total": m.total}
                        for m in (self.server.memory or (None,) * self.gpu_count)],
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
-                        for entry, uid in sorted(self.foreign.items())],
+                        for entry, uid in sorted(self.foreign.items())[:MAX_FOREIGN_LISTED]],
+            "foreign_total": len(self.foreign),
             "faults": dict(self.faults),
             "metrics": self.metrics.url() if self.metrics is not None else None,
         }

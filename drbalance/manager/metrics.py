@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -36,6 +38,12 @@ from prometheus_client.registry import Collector
 
 from drbalance import __version__
 from drbalance.manager.nvml import MemoryInfo
+
+IDLE_CONNECTION_SECONDS = 10.0
+"""A connection to the metrics endpoint that sends no request for this long is closed. The server
+runs a thread per connection: without a limit, idle connections that any local user can open
+(1,000 of them made 127 threads in 18 s) would hold threads, which count against the manager's
+user's process limit, for ever."""
 
 EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets of the exchange latency, seconds: sub-millisecond (an idle manager) to the
@@ -169,6 +177,10 @@ class ManagerMetrics:
             port_fault = not isinstance(error, socket.gaierror) and error.errno in (errno.EADDRINUSE, errno.EACCES)
             raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: {reason}",
                                      PORT_HINT if port_fault else ADDRESS_HINT) from None
+        except ValueError as error:  # e.g. UnicodeError from the resolver: '127.0.0..1', a 64-character label
+            raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: not a host name or "
+                                     f"address ({error})", ADDRESS_HINT) from None
+        _close_idle_connections(server)
         self._server, self._thread = server, thread
         self.address = (address, server.server_address[1])
         return self.address
@@ -192,3 +204,17 @@ class ManagerMetrics:
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
+
+def _close_idle_connections(server: Any) -> None:
+    """Give every connection of ``server`` (a socketserver) a socket timeout of
+    ``IDLE_CONNECTION_SECONDS``, and drop the timed-out ones without the traceback socketserver
+    would print to the manager's stderr for each."""
+    handler = server.RequestHandlerClass
+    server.RequestHandlerClass = type("IdleClosingHandler", (handler,), {"timeout": IDLE_CONNECTION_SECONDS})
+    report = server.handle_error
+
+    def handle_error(request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], TimeoutError):
+            report(request, client_address)
+
+    server.handle_error = handle_error

@@ -26,6 +26,7 @@ from drbalance.jsonlog import finite_number
 STALE_SECONDS = 10.0
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
 MIN_BAR = 10  # utilisation bars are at least this many characters wide
+MAX_PID = 2 ** 31  # a pid is a C int: a larger one made pid_alive's os.kill raise OverflowError
 
 
 class StatusError(RuntimeError):
@@ -77,8 +78,13 @@ def _malformed(status: Any) -> str | None:
                       ("apps", list)):
         if not isinstance(status.get(key), kind) or isinstance(status.get(key), bool):
             return f"field {key!r} is missing or not a {kind.__name__}"
+    if not 0 < status["pid"] < MAX_PID:
+        return f"field 'pid' is not a process id (1..{MAX_PID - 1})"
     if not finite_number(status.get("updated")):
         return "field 'updated' is missing or not a number"
+    memory = status.get("memory", [])
+    if not isinstance(memory, list) or any(m is not None and not isinstance(m, dict) for m in memory):
+        return "field 'memory' is not a list of objects and nulls"
     if any(u is not None and not finite_number(u) for u in status["util"]):
         return "field 'util' holds something other than numbers and nulls"
     for index, app in enumerate(status["apps"]):
@@ -90,11 +96,15 @@ def _malformed(status: Any) -> str | None:
                 return f"apps[{index}].{key} is missing or not a {kind.__name__}"
         if app.get("sd") is not None and not finite_number(app["sd"]):
             return f"apps[{index}].sd is not a number"
-        if app.get("quiet_for") is not None and not finite_number(app["quiet_for"]):
-            return f"apps[{index}].quiet_for is not a number"
+        for key in ("quiet_for", "updated_ago"):
+            if app.get(key) is not None and not finite_number(app[key]):
+                return f"apps[{index}].{key} is not a number"
     foreign = status.get("foreign", [])
     if not isinstance(foreign, list) or any(not isinstance(f, dict) for f in foreign):
         return "field 'foreign' is not a list of objects"
+    total = status.get("foreign_total", len(foreign))
+    if not isinstance(total, int) or isinstance(total, bool) or total < len(foreign):
+        return "field 'foreign_total' is not a count of at least the objects in 'foreign'"
     if not isinstance(status.get("faults", {}), dict):
         return "field 'faults' is not an object"
     return None
@@ -106,6 +116,12 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f}m"
     return f"{seconds / 3600:.1f}h"
+
+
+def printable(text: object) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences) and undecodable bytes
+    (surrogates, which a strict UTF-8 stdout refuses) written as Python escapes, e.g. ``\\x1b``."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
 
 
 def format_table(status: dict[str, Any]) -> str:
@@ -129,8 +145,12 @@ def format_table(status: dict[str, Any]) -> str:
     if not status["apps"]:
         lines.append("(no apps)")
     for item in status.get("foreign", []):
-        lines.append(f"WARNING: /dev/shm/{item.get('object')} belongs to {item.get('owner')}: another user's "
-                     f"object under this namespace's names (ignored, never trusted)")
+        lines.append(f"WARNING: /dev/shm/{printable(item.get('object'))} belongs to {printable(item.get('owner'))}: "
+                     f"another user's object under this namespace's names (ignored, never trusted)")
+    unlisted = status.get("foreign_total", 0) - len(status.get("foreign", []))
+    if unlisted > 0:
+        lines.append(f"WARNING: and {unlisted} more objects of other users under this namespace's names "
+                     f"(the manager log names each)")
     for task, error in sorted(status.get("faults", {}).items()):
         lines.append(f"WARNING: the manager's {task} is failing: {error}")
     return "\n".join(lines)

@@ -67,8 +67,17 @@ class NvmlSource:
         if bad:
             raise UtilizationUnavailable(f"GPU indices {bad} do not exist (NVML sees {count} GPUs)")
         self.indices = indices
-        self.handles = [self.nvml.call("nvmlDeviceGetHandleByIndex", g) for g in indices]
+        self.handles = [self._handle(g) for g in indices]
         self._uuids: tuple[str | None, ...] | None = None
+
+    def _handle(self, gpu: int) -> object:
+        """NVML's handle of GPU ``gpu``; ``UtilizationUnavailable`` (NVML shut down) when NVML
+        counts the GPU but cannot open it (fallen off the bus, no permission on its device node)."""
+        try:
+            return self.nvml.call("nvmlDeviceGetHandleByIndex", gpu)
+        except NvmlUnavailable as error:
+            self.nvml.shutdown()
+            raise UtilizationUnavailable(f"GPU {gpu}: {error} (leave it out with --gpus)") from None
 
     def gpu_count(self) -> int:
         return len(self.handles)
@@ -206,12 +215,18 @@ def _is_bytes(value: object) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
+MAX_WINDOW = 10_000
+"""Samples a smoothing window holds at most (83 minutes at the default 0.5 s period): every status
+write and every decision averages the whole window, and a size past ``sys.maxsize`` crashed the
+manager with OverflowError."""
+
+
 class UtilizationWindow:
     """Mean of the last ``size`` readings per GPU, ignoring unavailable ones (None if none)."""
 
     def __init__(self, gpu_count: int, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"the smoothing window must hold at least 1 sample; got {size}")
+        if not 1 <= size <= MAX_WINDOW:
+            raise ValueError(f"the smoothing window (--window) must hold 1..{MAX_WINDOW} samples; got {size}")
         self.gpu_count = gpu_count
         self._history: deque[tuple[float | None, ...]] = deque(maxlen=size)
 
