@@ -315,3 +315,28 @@ def test_a_gpu_nvml_counts_but_cannot_open_is_a_clear_error_not_a_traceback(ipc_
 
     assert manager_main(["--source", "nvml", "--duration", "0.1"]) == 2
     assert "GPU is lost" in caplog.text and "--gpus" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_uuid_unknown_at_start_up_is_read_again_while_the_manager_runs(ipc_env, tmp_path):
+    """The UUIDs were read once, when the manager started: a GPU whose UUID failed to read then
+    (None) left every job on it unmapped (its DR kept) for the manager's whole life."""
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 2, "uuids": [null, "GPU-b"], "steps": [{"at": 0, "util": [10, 20]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    manager.start()
+    try:
+        assert manager.server.uuids == (None, "GPU-b")
+        script.write_text('{"gpus": 2, "uuids": ["GPU-a", "GPU-b"], "steps": [{"at": 0, "util": [10, 20]}]} ')
+        now = time.monotonic()
+        manager._sample(now)
+        assert manager.server.uuids == ("GPU-a", "GPU-b")  # read again now that one is known
+        assert sorted(manager.server.index().values()) == [0, 1]  # jobs on either GPU are mapped
+        script.write_text('{"gpus": 2, "uuids": [null, null], "steps": [{"at": 0, "util": [10, 20]}]}  ')
+        manager._sample(now + 60)
+        assert manager.server.uuids == ("GPU-a", "GPU-b")  # all known: never read again, never lost
+    finally:
+        manager.stop()
+    events = [e for e in read_json_lines(tmp_path / "m.jsonl") if e["event"] == "gpu_uuids"]
+    assert [e["uuids"] for e in events] == [["GPU-a", "GPU-b"]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -57,6 +58,7 @@ FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most thi
 DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_KEEP = 5
 MAX_LOG_KEEP = 1000  # rotated manager logs kept at most
+UUID_RETRY_SECONDS = 10.0  # how often GPU UUIDs that could not be read are tried again
 MAX_FOREIGN_LISTED = 20
 """Other users' objects named in the status file and on stderr; the rest are only counted
 (``foreign_total``) and named in the manager log: a neighbour can plant thousands, and a status
@@ -204,6 +206,7 @@ class Manager:
         self.decisions = 0
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
         self._foreign_warned = 0  # foreign objects named on stderr (MAX_FOREIGN_LISTED at most)
+        self._uuids_retry_at = -math.inf  # when GPU UUIDs unknown at start-up are read again
         self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
@@ -582,7 +585,21 @@ class Manager:
             reading = (None,) * self.gpu_count
         self.last_sample = tuple(reading)
         self.window.add(reading)
-        self.server = ServerGpus(self.gpu_count, self.server.uuids, _gpu_memory(self.source, self.gpu_count))
+        self.server = ServerGpus(self.gpu_count, self._known_uuids(now), _gpu_memory(self.source, self.gpu_count))
+
+    def _known_uuids(self, now: float) -> tuple[str | None, ...]:
+        """The GPUs' UUIDs, read again every ``UUID_RETRY_SECONDS`` while any is unknown: one that
+        failed to read at start-up would otherwise leave the jobs on that GPU unmapped (their DRs
+        kept) for the manager's life."""
+        uuids = self.server.uuids
+        if (uuids and None not in uuids) or not hasattr(self.source, "gpu_uuids") or now < self._uuids_retry_at:
+            return uuids
+        self._uuids_retry_at = now + UUID_RETRY_SECONDS
+        found = _gpu_uuids(self.source, self.gpu_count, quiet=True)
+        if found != uuids and sum(u is not None for u in found) >= sum(u is not None for u in uuids):
+            self.log("gpu_uuids", uuids=list(found), before=list(uuids))
+            return found
+        return uuids
 
     def _log_utilization(self, now: float) -> None:
         self.log("util", util=list(self.last_sample), smoothed=list(self.window.values()))
@@ -893,12 +910,14 @@ class Manager:
             logger.warning("drbalance-manager: the manager log works again (after: %s)", previous)
 
 
-def _gpu_uuids(source: UtilizationSource, count: int) -> tuple[str | None, ...]:
-    """The source's GPU UUIDs, or () when it cannot tell (slots then map to GPUs by index)."""
+def _gpu_uuids(source: UtilizationSource, count: int, quiet: bool = False) -> tuple[str | None, ...]:
+    """The source's GPU UUIDs, or () when it cannot tell (slots then map to GPUs by index).
+    ``quiet``: no warning when they cannot be read (a retry)."""
     try:
         uuids = tuple(source.gpu_uuids()) if hasattr(source, "gpu_uuids") else ()
     except Exception as error:  # a flaky driver: map by index
-        logger.warning("drbalance-manager: GPU UUIDs unavailable (%s); jobs' slots map to GPUs by index", error)
+        if not quiet:
+            logger.warning("drbalance-manager: GPU UUIDs unavailable (%s); jobs' slots map to GPUs by index", error)
         return ()
     return uuids if len(uuids) == count else ()
 
