@@ -337,3 +337,20 @@ def test_the_training_script_reports_an_sd_log_it_must_not_open_in_one_line(ipc_
     assert not (tmp_path / "elsewhere").exists()
     assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]  # nothing left
     assert not list(ipc_env.runtime_dir().glob("**/*.claim"))  # the app's name is free again
+
+
+def test_report_takes_a_run_json_without_a_start_and_skips_utilisation_that_is_not_a_list_of_numbers(
+        tmp_path, capsys):
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path)]) == 0
+    run_dir = tmp_path / "observe"
+    info = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**info, "started": None}))  # accepted by the check: null
+    with (run_dir / "manager.jsonl").open("a") as log:
+        for util in ("null", "42", '{"0": 50}', "[NaN, true, 50]"):  # Python's json reads NaN
+            log.write(f'{{"t": 1.0, "event": "util", "util": {util}}}\n')
+    capsys.readouterr()
+    assert cli.main(["report", str(run_dir), "--no-plots", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    summary = json.loads(captured.out)[0]
+    assert summary["makespan"] > 0 and 0 < summary["mean_util"] <= 100

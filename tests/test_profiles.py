@@ -73,6 +73,19 @@ def test_bad_profile_runs_give_clear_errors(ipc_env, tmp_path):
         load_profile("any")
 
 
+def test_a_profiles_file_that_could_not_take_the_result_is_refused_before_the_command_runs(tmp_path):
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    store = tmp_path / "profiles.json"
+    store.write_text('{"version": 1, "profiles": {')  # cut off: an editor, a full disk of an older release
+    with pytest.raises(ValueError, match="is not readable JSON"):
+        run_profile("x", command, 20, 5, path=store)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):  # its folder cannot be made: a file is in the way
+        run_profile("x", command, 20, 5, path=tmp_path / "file" / "profiles.json")
+    assert not marker.exists()  # nothing was measured only to be lost
+
+
 def test_extrapolation_uses_the_mean_after_warmup():
     solo, mean = extrapolate(Measurement([5.0, 1.0, 2.0, 3.0], 1, 100, "cpu"))
     assert mean == pytest.approx(2.0) and solo == pytest.approx(200.0)
@@ -92,3 +105,32 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
             session(wrong)
     with session(numpy.int64(30)) as accepted:  # a NumPy number is a number
         assert accepted.tracker.solo_time == 30.0
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie nobody reaped does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+
+@pytest.mark.timeout(60)
+def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_processes_behind(tmp_path):
+    import os
+    import signal
+
+    from tests.conftest import wait_for
+
+    pidfile = tmp_path / "trainer.pid"
+    script = f"sleep 300 & echo $! > {pidfile}; wait"  # a wrapper script: the trainer is its child
+    try:
+        with pytest.raises(RuntimeError, match="did not finish within --timeout 2 s"):
+            run_profile("x", ["sh", "-c", script], 20, 5, path=tmp_path / "profiles.json", timeout=2)
+        trainer = int(pidfile.read_text())
+        assert wait_for(lambda: not _running(trainer), timeout=30)
+    finally:
+        if pidfile.exists() and _running(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)

@@ -84,3 +84,24 @@ def test_a_launch_that_fails_while_starting_keeps_its_logs_aside_and_a_retry_is_
         assert recorded["manager_returncode"] == 2
         assert "--sample-period" in (aside / "manager.out").read_text()  # the reason is kept
     assert not (run_dir / "run.json").exists() and (run_dir / "failed-start.1").is_dir()
+
+
+def test_run_json_is_replaced_whole_or_not_at_all_when_the_disk_fills_up(tmp_path):
+    import resource
+
+    from drbalance.report.metrics import _read_run_info
+    from drbalance.runs.launch import _write
+
+    info = {"label": "observe", "started": 1700000000.0, "apps": {f"app{i}": {"command": ["x"] * 50} for i in range(6)}}
+    _write(tmp_path, info)  # when every app has set up
+    size = (tmp_path / "run.json").stat().st_size
+    info["ended"] = 1700000100.0  # at the end the record is larger, and the disk is full
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))  # no file may grow past `size` bytes (EFBIG)
+    try:
+        with pytest.raises(OSError):
+            _write(tmp_path, info)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert _read_run_info(tmp_path / "run.json")["started"] == 1700000000.0  # the earlier record, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temporary file left behind

@@ -14,6 +14,7 @@ import json
 import math
 import numbers
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -95,7 +96,7 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path:
     """Add or replace ``profile`` in the store (locked, atomically replaced)."""
     path = path or env.profiles_path()
     make_dirs(path.parent)  # missing folders get mode 0700, whatever the umask
-    lock, _ = open_private(path.with_suffix(path.suffix + ".lock"), os.O_RDWR | os.O_CREAT)
+    lock, _ = open_private(_lock_path(path), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = _read_store(path)
@@ -105,6 +106,23 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path:
     finally:
         os.close(lock)  # releases the flock
     return path
+
+
+def check_store(path: Path | None = None) -> Path:
+    """The profiles file (``path`` or the default), checked before anything is measured: its folder
+    and lock file must be there or be created (``OSError`` otherwise: a file in the way, no write
+    permission) and an existing file must be a readable profiles file (``ValueError`` otherwise),
+    so that a measurement is never taken only to be lost."""
+    path = path or env.profiles_path()
+    make_dirs(path.parent)
+    os.close(open_private(_lock_path(path), os.O_RDWR | os.O_CREAT)[0])
+    _read_store(path)
+    return path
+
+
+def _lock_path(path: Path) -> Path:
+    """The lock file that writers of the profiles file ``path`` take."""
+    return path.with_suffix(path.suffix + ".lock")
 
 
 def resolve_solo_time(solo_time: float | str) -> float:
@@ -165,6 +183,50 @@ def extrapolate(measurement: Measurement) -> tuple[float, float]:
     return mean * measurement.iterations_total, mean
 
 
+STOP_GRACE = 10.0  # seconds the profiled command's processes get after SIGTERM before SIGKILL
+
+
+def run_command_group(command: list[str], env: dict[str, str], timeout: float | None) -> int:
+    """Run ``command`` in a process group of its own and return its exit status. When it runs
+    past ``timeout`` seconds (``subprocess.TimeoutExpired``) or this process is interrupted
+    (Ctrl-C, SIGTERM), the whole group is stopped first (``stop_group``): a shell script's or
+    torchrun's children too, not only the process started here."""
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except BaseException:
+        stop_group(process)
+        raise
+
+
+def stop_group(process: subprocess.Popen, grace: float = STOP_GRACE) -> None:
+    """SIGTERM to ``process``'s process group; SIGKILL to what is left of it after ``grace`` seconds."""
+    group = process.pid  # the leader of its own session and group
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader: a zombie still counts as a member of its group
+        if not _group_alive(group):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def run_profile(
     name: str, command: Sequence[str], iterations: int, warmup: int, path: Path | None = None,
     timeout: float | None = None,
@@ -175,6 +237,7 @@ def run_profile(
         raise ValueError("give the training command after '--', e.g. drbalance profile NAME -- python train.py")
     if iterations <= warmup:
         raise ValueError(f"--iterations ({iterations}) must be larger than --warmup ({warmup})")
+    path = check_store(path)  # before the measurement: a store that cannot take it would lose it
     with tempfile.TemporaryDirectory(prefix="drbalance-profile-") as scratch:
         output = Path(scratch) / "measurement.json"
         child_env = dict(os.environ)
@@ -185,14 +248,14 @@ def run_profile(
         })
         started = time.monotonic()
         try:
-            completed = subprocess.run(list(command), env=child_env, timeout=timeout)
+            returncode = run_command_group(list(command), child_env, timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the profiled command did not finish within --timeout {timeout:g} s and was "
                                f"stopped: {list(command)}; nothing was stored") from None
         except OSError as error:
             raise RuntimeError(f"cannot run the profiled command {list(command)}: {error}") from None
-        if completed.returncode != 0:
-            raise RuntimeError(f"the profiled command exited with status {completed.returncode}: {list(command)}")
+        if returncode != 0:
+            raise RuntimeError(f"the profiled command exited with status {returncode}: {list(command)}")
         if not output.exists():
             raise RuntimeError(
                 "the profiled command finished without writing a measurement: does it create a "
@@ -206,7 +269,11 @@ def run_profile(
         warmup_iterations=measurement.warmup, device=measurement.device, command=list(command),
         host=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
-    save_profile(profile, path)
+    try:
+        save_profile(profile, path)
+    except (OSError, ValueError) as error:  # the store changed since check_store: say what was measured
+        raise RuntimeError(f"profile {name!r} (solo-run time {solo:.3f} s, {mean:.6f} s/iteration) could not be "
+                           f"stored: {error}") from None
     print(f"profile {name!r}: {mean * 1000:.1f} ms/iteration x {measurement.iterations_total} iterations "
           f"= solo-run time {solo:.1f} s (measured in {time.monotonic() - started:.0f} s on {measurement.device})",
           file=sys.stderr)

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from drbalance.argtypes import positive_float
+from drbalance.ipc.private import write_private
 from drbalance.report.metrics import Summary, load_run, summarise
 
 
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
         out = args.out or (args.runs[0].resolve().parent / "report")
         paths = plot_runs(runs, out, args.step)
-        (out / "report.md").write_text("```\n" + format_table(summaries) + "\n```\n\n" +
-                                       "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
+        markdown = ("```\n" + format_table(summaries) + "\n```\n\n" +
+                    "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
+        write_private(out / "report.md", markdown.encode("utf-8"))  # never through a planted symbolic link
         print(f"plots: {', '.join(str(p) for p in paths)}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -9,8 +9,8 @@ Definitions (docs/report.md):
 - Utilisation: the manager's raw samples, averaged over GPUs; ``util(t)`` = the latest sample.
 - Summary: final SD per app (its SD at finish; the last known one if it did not finish),
   makespan (last finish - start), final SD_max^diff (max - min of the final SDs), time averages
-  over the run of SD_max^diff, mean SD and mean utilisation, and SD_max^diff at the start (the
-  first time every app has an SD).
+  over the run (from its start to the makespan) of SD_max^diff, mean SD and mean utilisation, and
+  SD_max^diff at the start (the first time every app has an SD).
 """
 
 from __future__ import annotations
@@ -117,13 +117,15 @@ def run_from_records(label: str, app_records: dict[str, list[dict]], manager_rec
     """A run from SD-log records per app and manager-log records (files or the simulator's memory)."""
     info = info or {}
     first = min((r[0]["t"] for r in app_records.values() if r), default=0.0)
-    start = float(info.get("started", first))
+    started = info.get("started")  # null: not recorded (a run that did not start, a hand-made run.json)
+    start = float(started) if finite_number(started) else first
     apps = {name: _series(name, recs, start) for name, recs in app_records.items() if recs}
     util_times, util_means = [], []
     for record in manager_records:
         if record.get("event") != "util":
             continue
-        known = [u for u in record.get("util", []) if isinstance(u, (int, float))]
+        samples = record.get("util")
+        known = [u for u in samples if finite_number(u)] if isinstance(samples, list) else []
         if known:
             util_times.append(record["t"] - start)
             util_means.append(fmean(known))
@@ -218,7 +220,8 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
                 start_diff = diff
                 break
     end = makespan if makespan is not None else (times[-1] if times else 0.0)
-    util = [u for t, u in zip(run.util_times, run.util_means) if t <= end]
+    # samples over the run only: the manager runs (idle GPUs) while the apps set up, before the start
+    util = [u for t, u in zip(run.util_times, run.util_means) if 0 <= t <= end]
     return Summary(
         label=run.label, final_sd=finals, makespan=makespan,
         final_sd_diff=max(known) - min(known) if len(known) >= 2 else None,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import Any
 
+from drbalance.ipc.private import make_dirs, write_private
 from drbalance.report.metrics import RunData, sd_views, util_view
 
 VIEWS = (
@@ -25,10 +28,18 @@ def _pyplot():
     return plt
 
 
+def save_png(figure: Any, path: Path, dpi: int) -> None:
+    """Write ``figure`` (a matplotlib Figure) to ``path`` as a PNG of ``dpi`` dots per inch: a new private file renamed
+    over ``path`` (``write_private``), never written through a symbolic link someone planted there."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    write_private(path, buffer.getvalue())
+
+
 def plot_runs(runs: list[RunData], out_dir: Path, step: float = 1.0) -> list[Path]:
     """Write sd_max_diff.png, mean_sd.png, mean_util.png and summary.png (all three) to ``out_dir``."""
     plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(out_dir)
     series = []
     for run in runs:
         times, diffs, means = sd_views(run, step)
@@ -55,12 +66,12 @@ def plot_runs(runs: list[RunData], out_dir: Path, step: float = 1.0) -> list[Pat
                 axis.set_ylim(bottom=0)
         single.tight_layout()
         path = out_dir / filename
-        single.savefig(path, dpi=110)
+        save_png(single, path, dpi=110)
         plt.close(single)
         written.append(path)
     figure.tight_layout()
     path = out_dir / "summary.png"
-    figure.savefig(path, dpi=100)
+    save_png(figure, path, dpi=100)
     plt.close(figure)
     written.append(path)
     return written

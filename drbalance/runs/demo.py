@@ -18,6 +18,7 @@ from pathlib import Path
 
 from drbalance import progress
 from drbalance.argtypes import non_negative_int, positive_float
+from drbalance.ipc.private import write_private
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
 from drbalance.runs.launch import LaunchOptions, earlier_run, launch, resolve_devices
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     data = [load_run(path) for path in runs]
     table = format_table([summarise(run_data) for run_data in data])
     plots = plot_runs(data, args.out / "report")
-    (args.out / "report" / "report.md").write_text("```\n" + table + "\n```\n")
+    write_private(args.out / "report" / "report.md", ("```\n" + table + "\n```\n").encode("utf-8"))
     print("\n" + table)
     print(f"\nplots: {', '.join(str(p) for p in plots)}")
     print(f"total {time.monotonic() - started:.0f} s")

@@ -315,24 +315,32 @@ def launch(options: LaunchOptions) -> Path:
         for name, process in apps.items():
             info["apps"][name]["returncode"] = process.returncode
         info["manager_returncode"] = manager.returncode
-        if "started" in info:
-            _write(run_dir, info)
-        else:  # it failed while starting: keep what it wrote, out of the way of a retry
-            try:
-                aside = set_aside_failed_start(run_dir, info)
-                logger.warning("drbalance launch: the run did not start; what it wrote is in %s, and %s can be "
-                               "used again", aside, run_dir)
-            except OSError as error:  # e.g. a full disk: the record stays where it is (the retry is refused)
-                logger.warning("drbalance launch: the run did not start, and what it wrote could not be set "
-                               "aside (%s)", error)
-                _write(run_dir, info)
-        if options.devices == "emulated":
-            remove_emulated_gpus(names, scenario.gpus)
+        try:
+            _record_run(run_dir, info)
+        finally:  # a record that cannot be written (a full disk) still leaves no emulated GPUs behind
+            if options.devices == "emulated":
+                remove_emulated_gpus(names, scenario.gpus)
     failed = {n: a["returncode"] for n, a in info["apps"].items() if a["returncode"] not in (0, None)
               and a.get("stopped") != "timeout"}
     if failed:
         raise RuntimeError(f"apps failed: {failed}; see {run_dir / 'apps'}/*.out")
     return run_dir
+
+
+def _record_run(run_dir: Path, info: dict) -> None:
+    """Write the final ``run.json``; for a run that failed while starting, set what it wrote aside
+    first (``set_aside_failed_start``), out of the way of a retry."""
+    if "started" in info:
+        _write(run_dir, info)
+        return
+    try:
+        aside = set_aside_failed_start(run_dir, info)
+        logger.warning("drbalance launch: the run did not start; what it wrote is in %s, and %s can be "
+                       "used again", aside, run_dir)
+    except OSError as error:  # e.g. a full disk: the record stays where it is (the retry is refused)
+        logger.warning("drbalance launch: the run did not start, and what it wrote could not be set "
+                       "aside (%s)", error)
+        _write(run_dir, info)
 
 
 FAILED_START_FILES = ("manager.jsonl", "manager.out", "apps", ".gates")
@@ -408,4 +416,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _write(run_dir: Path, info: dict) -> None:
-    (run_dir / "run.json").write_text(json.dumps(info, indent=2))
+    """Replace ``run_dir/run.json`` with ``info`` atomically (``write_private``): a full disk or a
+    crash while writing leaves the earlier ``run.json`` whole (its ``started`` is what a report
+    measures time from), and a symbolic link planted there is replaced, never followed."""
+    write_private(run_dir / "run.json", json.dumps(info, indent=2).encode("utf-8"))
