@@ -354,3 +354,15 @@ def test_report_takes_a_run_json_without_a_start_and_skips_utilisation_that_is_n
     assert "Traceback" not in captured.err
     summary = json.loads(captured.out)[0]
     assert summary["makespan"] > 0 and 0 < summary["mean_util"] <= 100
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
+def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
+    """'--devices cuda:1' used to train on every CUDA GPU: the ':1' was dropped without a word."""
+    from importlib import import_module
+
+    choose_devices = import_module(module).choose_devices
+    for spec, hint in (("cuda:1", "--gpus 1"), ("cpu:2", "--gpus 2")):
+        with pytest.raises(SystemExit, match=f"takes nothing after it; choose GPUs with --gpus.*{hint}"):
+            choose_devices(spec)

@@ -104,7 +104,10 @@ def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
             return "cuda", None
         emulated = env.emulated_gpus()
         spec = f"emulated:{emulated}" if emulated else "cpu"
-    kind, _, count = spec.partition(":")
+    kind, colon, count = spec.partition(":")
+    if kind in ("cuda", "cpu") and colon:  # 'cuda:1' used to mean every CUDA GPU, without a word
+        raise SystemExit(f"train.py: --devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with "
+                         f"--gpus (e.g. --devices cuda --gpus {count or '0,1'})")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("train.py: --devices cuda, but CUDA is not available; try --devices emulated:4")
