@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,4 +92,54 @@ def test_sigterm_to_a_launch_stops_its_manager_and_jobs_and_removes_its_emulated
     assert info["manager_returncode"] is not None  # stopped and waited for
     assert all(app["returncode"] is not None for app in info["apps"].values()), info["apps"]
     namespace = info["namespace"]
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped, as orphans in a container may stay, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc's children lists)."""
+    found: set[int] = set()
+    queue = [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            queue.extend(children - found)
+            found |= children
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_outright_takes_its_manager_and_jobs_with_it(tmp_path):
+    """SIGKILL (the out-of-memory killer, kill -9) gives the launcher no chance to stop anything:
+    the manager, which never ends by itself, ran on for good, and the jobs trained on without it."""
+    run_dir = tmp_path / "run"
+    launcher = python_process("drbalance", "launch", "e2e-a", "--devices", "emulated", "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 120
+        while len(_descendants(launcher.pid)) < 2:  # the manager and at least one job
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        while not list((run_dir / ".runtime").glob("*/status.json")):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        children = _descendants(launcher.pid)
+        namespace = next((run_dir / ".runtime").glob("*/status.json")).parent.name
+    finally:
+        launcher.kill()
+        launcher.communicate(timeout=60)
+    deadline = time.monotonic() + 180
+    while any(_running(pid) for pid in children):  # used to run on: the manager for good
+        assert time.monotonic() < deadline, [pid for pid in children if _running(pid)]
+        time.sleep(0.2)
     assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]

@@ -14,6 +14,7 @@ stored profiles named after the models (``drbalance profile resnet50 -- python -
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +166,31 @@ def _wait_for_setup(apps: dict[str, subprocess.Popen], gates: dict[str, Path], t
             time.sleep(0.05)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stopped_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` after which the kernel sends the child SIGTERM when the launcher dies, even
+    by SIGKILL or the out-of-memory killer (Linux ``prctl(PR_SET_PDEATHSIG)``): the manager, which
+    never ends by itself, and the jobs would run on without it. None where libc has no ``prctl``.
+
+    The signal follows the thread that started the child: the launcher starts every child from
+    its main thread, which lives as long as the launcher.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def arm() -> None:  # runs in the child between fork and exec: no imports, no locks
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the request was made
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -261,7 +288,9 @@ def launch(options: LaunchOptions) -> Path:
         "namespace": namespace, "apps": {}, "scenario_json": json.loads(scenario.to_json()),
     }
     manager_out = private_output(run_dir / "manager.out")
-    manager = subprocess.Popen(manager_command, env=child_env, stdout=manager_out, stderr=subprocess.STDOUT)
+    with_launcher = stopped_with_launcher()
+    manager = subprocess.Popen(manager_command, env=child_env, stdout=manager_out, stderr=subprocess.STDOUT,
+                               preexec_fn=with_launcher)
     names = IpcNames(namespace, os.getuid())
     apps: dict[str, subprocess.Popen] = {}
     outputs = []
@@ -273,7 +302,8 @@ def launch(options: LaunchOptions) -> Path:
         command = app_command(options, index, devices_arg)
         if gate is not None:
             command += ["--start-gate", str(gate)]
-        apps[app.name] = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT)
+        apps[app.name] = subprocess.Popen(command, env=child_env, stdout=out, stderr=subprocess.STDOUT,
+                                          preexec_fn=with_launcher)
         info["apps"][app.name] = {"model": app.model, "command": command, "pid": apps[app.name].pid,
                                   "initial_dr": scenario.initial_ratio(index).to_list()}
 
