@@ -62,7 +62,7 @@ def runtime_dir() -> Path:
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
     Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
-    ``/tmp/drbalance-<uid>`` (see ``tmp_runtime_dir`` for when another user took that name). The
+    ``/tmp/drbalance-<uid>`` (see ``_tmp_runtime_dir`` for when another user took that name). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
     (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login session, e.g. from cron, then
     still meet a manager started from one). Jobs and their manager must see the same folder, so a
@@ -84,10 +84,10 @@ def runtime_dir() -> Path:
     login_dir = Path(f"/run/user/{uid}")
     if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"
-    return tmp_runtime_dir(Path(f"/tmp/drbalance-{uid}"), squat_runtime_dir(), uid)
+    return _tmp_runtime_dir(Path(f"/tmp/drbalance-{uid}"), _squat_runtime_dir(), uid)
 
 
-def squat_runtime_dir() -> Path:
+def _squat_runtime_dir() -> Path:
     """Where the runtime directory goes when another user took ``/tmp/drbalance-<uid>``:
     ``$XDG_STATE_HOME/drbalance/run-<host>`` (``~/.local/state/drbalance/run-<host>``).
 
@@ -98,9 +98,9 @@ def squat_runtime_dir() -> Path:
     return _state_home() / "drbalance" / f"run-{host}"
 
 
-def tmp_runtime_dir(tmp: Path, squat: Path, uid: int) -> Path:
+def _tmp_runtime_dir(tmp: Path, squat: Path, uid: int) -> Path:
     """The default runtime directory where no login folder exists: ``tmp`` (``/tmp/drbalance-<uid>``)
-    unless another user could hold it, then ``squat`` (``squat_runtime_dir``).
+    unless another user could hold it, then ``squat`` (``_squat_runtime_dir``).
 
     Any user may create a name in /tmp first. ``tmp`` is used when it is a folder of ``uid`` (not a
     link), or when it does not exist and ``squat`` does not either (it is then created). When

@@ -220,31 +220,31 @@ def test_a_tmp_runtime_dir_taken_by_a_neighbour_moves_to_the_state_folder_and_st
     uid = os.getuid()
     planted = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
     squat = tmp_path / "state" / "drbalance" / "run-host"
-    assert env.tmp_runtime_dir(planted, squat, uid) == planted  # neither exists: /tmp, made on first use
+    assert env._tmp_runtime_dir(planted, squat, uid) == planted  # neither exists: /tmp, made on first use
     assert as_neighbour([["mkdir", str(planted), 0o700]]) == ["ok"]  # taken before our manager started
     try:
-        assert env.tmp_runtime_dir(planted, squat, uid) == squat  # used to be refused: no manager at all
+        assert env._tmp_runtime_dir(planted, squat, uid) == squat  # used to be refused: no manager at all
         assert private_dir(squat) == squat and squat.stat().st_uid == uid
         os.rmdir(planted)  # the neighbour lets go of the name later: our manager and jobs stay together
-        assert env.tmp_runtime_dir(planted, squat, uid) == squat
+        assert env._tmp_runtime_dir(planted, squat, uid) == squat
         assert as_neighbour([["symlink", str(tmp_path), str(planted)]]) == ["ok"]
-        assert env.tmp_runtime_dir(planted, squat, uid) == squat  # a neighbour's link is never followed
+        assert env._tmp_runtime_dir(planted, squat, uid) == squat  # a neighbour's link is never followed
     finally:
         if planted.is_symlink() or planted.exists():
             os.unlink(planted) if planted.is_symlink() else os.rmdir(planted)
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
-    assert env.tmp_runtime_dir(mine, squat, uid) == mine  # our own folder in /tmp wins
+    assert env._tmp_runtime_dir(mine, squat, uid) == mine  # our own folder in /tmp wins
 
 
 def test_a_tmp_runtime_dir_name_that_is_not_a_folder_moves_to_the_state_folder(tmp_path):
     taken = tmp_path / "drbalance-file"
     taken.write_text("not a folder")
     squat = tmp_path / "state" / "run-host"
-    assert env.tmp_runtime_dir(taken, squat, os.getuid()) == squat
-    assert env.tmp_runtime_dir(tmp_path / "free", squat, os.getuid()) == tmp_path / "free"
+    assert env._tmp_runtime_dir(taken, squat, os.getuid()) == squat
+    assert env._tmp_runtime_dir(tmp_path / "free", squat, os.getuid()) == tmp_path / "free"
     state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    assert env.squat_runtime_dir().parent == state / "drbalance"
+    assert env._squat_runtime_dir().parent == state / "drbalance"
 
 
 @needs_second_user
@@ -260,7 +260,7 @@ def test_a_manager_and_its_jobs_meet_when_a_neighbour_took_the_tmp_runtime_dir(i
     manager = None
     try:
         manager = ManagerProcess(tmp_path, ipc_env)  # used to exit 1: "belongs to nobody"
-        assert env.runtime_dir() == env.squat_runtime_dir()
+        assert env.runtime_dir() == env._squat_runtime_dir()
         assert ipc_env.manager_info().exists() and list(real.iterdir()) == []
         app = toy_app("beside", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
         assert first_line(app)["attached"] is True
@@ -270,7 +270,7 @@ def test_a_manager_and_its_jobs_meet_when_a_neighbour_took_the_tmp_runtime_dir(i
         if manager is not None:
             code, err = manager.stop()
             assert code == 0, err
-    assert [e["runtime_dir"] for e in manager.events("start")] == [str(env.squat_runtime_dir() / ipc_env.namespace)]
+    assert [e["runtime_dir"] for e in manager.events("start")] == [str(env._squat_runtime_dir() / ipc_env.namespace)]
 
 
 def test_the_runtime_dir_prefers_xdg_runtime_dir(monkeypatch, tmp_path):
@@ -282,7 +282,7 @@ def test_the_runtime_dir_prefers_xdg_runtime_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     login = Path(f"/run/user/{os.getuid()}")
     expected = login / "drbalance" if login.is_dir() and login.stat().st_uid == os.getuid() else \
-        env.tmp_runtime_dir(Path(f"/tmp/drbalance-{os.getuid()}"), env.squat_runtime_dir(), os.getuid())
+        env._tmp_runtime_dir(Path(f"/tmp/drbalance-{os.getuid()}"), env._squat_runtime_dir(), os.getuid())
     assert env.runtime_dir() == expected
     monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", str(tmp_path / "mine"))
     assert env.runtime_dir() == tmp_path / "mine"  # an explicit choice wins
