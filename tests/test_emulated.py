@@ -236,6 +236,28 @@ def test_a_job_without_a_manager_removes_its_emulated_gpus_at_exit(emu):
     assert not any(_emulated_objects(emu).values()), _emulated_objects(emu)
 
 
+def test_a_forked_child_such_as_a_data_loader_worker_does_not_keep_the_gpu_from_removal(emu):
+    # A data-loader worker forked after the GPU was opened inherits its mapping. Before, it counted
+    # as a user, so the job's exit release left the GPU to it, and the worker never removes anything:
+    # every job with data-loader workers left its emulated GPUs in /dev/shm.
+    gpu = EmulatedGpu(emu, 0)
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker: it never touches the GPU
+        os.write(ready_write, b"x")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        os.close(ready_write)
+        assert os.read(ready_read, 1) == b"x"  # the child runs (its fork hooks have run)
+        assert release_emulated_gpu(gpu) == []  # nobody else uses it
+        assert not os.path.exists(f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}")
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready_read)
+
+
 def test_an_emulated_gpu_another_process_still_maps_stays_until_its_last_user_leaves(emu):
     held = EmulatedGpu(emu, 1)  # this process trains on GPU 1 too
     _run_job(JOB_THAT_NEVER_CLOSES)
@@ -244,6 +266,28 @@ def test_an_emulated_gpu_another_process_still_maps_stays_until_its_last_user_le
                     "segment 1": True, "lock 1": True, "wait 1": True}, left
     assert release_emulated_gpu(held) == []  # the last user: it removes what is left
     assert not any(_emulated_objects(emu).values()), _emulated_objects(emu)
+
+
+def test_closing_one_model_leaves_the_gpu_another_model_of_the_process_still_uses(emu):
+    # Two models of one process on emulated GPU 0: closing one must not remove the GPU under the
+    # other. Before, the process's own mappings were never counted as users: GPU 0 was unlinked,
+    # and the next job to open it got a fresh GPU that did not see the model still training there.
+    costs = ModelCosts("toy", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
+                       memory_fixed=3000, memory_per_sample=1)
+    done_with, training = (BalancedDataParallel(nn.Linear(4, 2), device_ids=[0],
+                                                backend=EmulatedBackend(1, costs, memory_bytes=4000)) for _ in range(2))
+    done_with(torch.randn(2, 4)).sum().backward()
+    done_with.backend.release_memory()
+    training(torch.randn(2, 4)).sum().backward()  # holds about 3000 of the GPU's 4000 bytes
+    done_with.backend.close()
+    newcomer = EmulatedGpu(emu, 0, memory_bytes=4000)  # another job (or the manager) opens GPU 0
+    try:
+        assert newcomer.memory_info().used == training.backend._reserved[0]  # the same GPU: it sees the model
+        training.backend.close()
+        assert os.path.exists(f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}")  # the newcomer still maps it
+    finally:
+        release_emulated_gpu(newcomer)
+    assert not os.path.exists(f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}")  # its last user removed it
 
 
 def test_a_gpu_is_not_removed_while_another_process_may_be_opening_it(emu):
@@ -259,3 +303,30 @@ def test_a_gpu_is_not_removed_while_another_process_may_be_opening_it(emu):
         os.close(opening)
     again = EmulatedGpu(emu, 0)
     assert release_emulated_gpu(again) == [] and not any(_emulated_objects(emu).values())
+
+
+def test_a_job_taking_its_turn_sees_the_gpu_shared_from_its_first_slice(emu):
+    # docs/emulation.md: while another job waits, a slice serves 1.216 times its length. A holder
+    # that steps aside still has work: it must count as waiting before it lets go. Before, it
+    # registered only after its 2 ms pause, so every turn's first slice ran at 1.0 and two jobs
+    # sharing a GPU served 1.10 seconds of work per second, not 1.216.
+    holder = python_process("tests.helpers.emu_holder", "0", "60")  # far more work than ours
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        mine = EmulatedGpu(emu, 0)
+        seen = []
+        probe = mine._others_waiting
+
+        def recording_probe():
+            shared = probe()
+            seen.append(shared)
+            return shared
+
+        mine._others_waiting = recording_probe
+        mine.occupy(0.4)
+        mine.close()
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+    assert len(seen) >= 2  # we took several turns with the holder
+    assert all(seen), f"slices served as if alone while the holder waited: {seen}"

@@ -1,6 +1,7 @@
 """Issue 11: a DR change can never kill a job. Out-of-memory errors on emulated GPUs (which raise
 torch's OutOfMemoryError) after a DR change are reverted, the batch re-run, the limit reported."""
 
+import gc
 import logging
 import os
 
@@ -283,3 +284,24 @@ def test_a_gpu_the_new_dr_no_longer_uses_gets_its_memory_back(emu):
     assert gpu1.memory_info().used == 0  # no replica there any more: released, as empty_cache would
     gpu1.close()
     model.backend.close()
+
+
+def test_a_model_deleted_without_close_gives_its_memory_and_files_back(emu):
+    # As on a GPU, where a deleted model's tensors go back to the allocator. Before, a backend freed
+    # without close() kept its reservation (and its GPUs' files and mapping) until the process
+    # ended: the second model of a sweep or a notebook ran out of memory on an idle GPU.
+    gpu = EmulatedGpu(emu, 0, memory_bytes=MEMORY)
+    files = len(os.listdir("/proc/self/fd"))
+
+    def train_a_new_model() -> None:
+        model = wrapped(network(), [10, 0])  # 8 samples on GPU 0: 1800 of its 2000 bytes at the backward
+        x, y = data(0, batch=8)
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert gpu.memory_info().used == 1800
+
+    for _ in range(3):  # two models at once would not fit
+        train_a_new_model()
+        gc.collect()
+        assert gpu.memory_info().used == 0
+    assert len(os.listdir("/proc/self/fd")) == files
+    gpu.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -110,6 +111,7 @@ class EmulatedBackend(CpuBackend):
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
         self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
+        self._finalizer: weakref.finalize | None = None  # what a backend freed without close() gives back
 
     def __getstate__(self) -> dict[str, Any]:
         return {"gpu_count": self.gpu_count, "costs": self.costs, "time_scale": self.time_scale,
@@ -122,11 +124,16 @@ class EmulatedBackend(CpuBackend):
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
-        """The emulated GPUs (opened on first use)."""
-        if self._gpus is None:
+        """The emulated GPUs (opened on first use, and again in a forked child, where they are closed)."""
+        if self._gpus is None or self._gpus[0].closed:
             names = IpcNames.current(self.namespace)
-            self._gpus = [EmulatedGpu(names, index, memory_bytes=self.memory_bytes) for index in range(self.gpu_count)]
-            self._release_at_exit = release_at_exit(self._gpus)
+            gpus = [EmulatedGpu(names, index, memory_bytes=self.memory_bytes) for index in range(self.gpu_count)]
+            self._gpus = gpus
+            self._release_at_exit = release_at_exit(gpus)
+            # a model deleted or replaced without close(): its memory and files go with it (at exit,
+            # release_at_exit removes the GPUs nobody else uses)
+            self._finalizer = weakref.finalize(self, _let_go, tuple(gpus), self._token, self._reserved, os.getpid())
+            self._finalizer.atexit = False
         return self._gpus
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
@@ -236,12 +243,30 @@ class EmulatedBackend(CpuBackend):
         uses (the backend reopens on use). Done at the process's exit if never called."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._gpus is not None:
             self.release_memory()
             if self._release_at_exit is not None:
                 atexit.unregister(self._release_at_exit)
             release_emulated_gpus(self._gpus)
         self._open_state()
+
+
+def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int], owner: int) -> None:
+    """What a backend freed without ``close()`` gives back: its memory reservations (``reserved``:
+    bytes per GPU index, under ``token``) and its GPUs' files and mappings. Only in the process that
+    opened them (``owner``): a forked data-loader worker's copy holds nothing of its own."""
+    if os.getpid() != owner:
+        return
+    for index in list(reserved):
+        try:
+            gpus[index].reserve(token, 0)
+        except OSError:  # the GPU's files are gone already: nothing is held there
+            pass
+        del reserved[index]
+    for gpu in gpus:
+        gpu.close()
 
 
 def _occupy_until(gpu: EmulatedGpu, seconds: float) -> float:

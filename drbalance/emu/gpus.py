@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 import uuid as uuidlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class EmulatedGpu:
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
         self.closed = False
+        _OPEN.add(self)
 
     def read(self) -> Account | None:
         try:
@@ -165,40 +167,52 @@ class EmulatedGpu:
 
         The time is served in slices of ``quantum`` seconds. After a slice, a holder that sees
         another job waiting lets it go first, so co-located jobs share the GPU in turns (as a
-        time-sliced GPU does) instead of one waiting for another's whole chunk.
+        time-sliced GPU does) instead of one waiting for another's whole chunk. A holder that
+        steps aside says it waits *before* it lets go, so the job taking its turn sees the GPU
+        shared from its first slice on (and serves it at the co-location capacity).
         """
         remaining, waited = max(0.0, seconds), 0.0
-        while remaining > 1e-9:
-            asked = self.clock.monotonic()
-            fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait (the kernel drops this if we die)
-            try:
+        fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait (the kernel drops this if we die)
+        try:
+            while remaining > 1e-9:
+                asked = self.clock.monotonic()
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            finally:
-                fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
-            start = self.clock.monotonic()
-            waited += start - asked
-            try:
-                previous = self.read()
-                total = previous.busy_total if previous is not None else 0.0  # a dead holder's time is lost
-                count = previous.acquisitions + 1 if previous is not None else 1
-                self.area.write(ACCOUNT.pack(total, start, os.getpid(), 0, count))
                 try:
-                    while remaining > 1e-9:
-                        shared = self._others_waiting()
-                        gain = self.co_location_capacity if shared else 1.0
-                        piece = min(quantum, remaining / gain)
-                        time.sleep(piece)
-                        remaining -= piece * gain  # while shared, kernels overlap: more work per second
-                        if remaining > 1e-9 and shared:
-                            break
+                    fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # our turn: we no longer wait
+                    start = self.clock.monotonic()
+                    waited += start - asked
+                    remaining = self._serve(remaining, quantum, start)
+                    if remaining > 1e-9:
+                        fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait again, from before we let go
                 finally:
-                    end = self.clock.monotonic()
-                    self.area.write(ACCOUNT.pack(total + (end - start), 0.0, 0, 0, count))
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            if remaining > 1e-9:
-                time.sleep(YIELD_SECONDS)  # give the waiting job its turn
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                if remaining > 1e-9:
+                    time.sleep(YIELD_SECONDS)  # give the waiting job its turn
+        finally:
+            fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # nothing to undo unless an error came while we waited
         return waited
+
+    def _serve(self, remaining: float, quantum: float, start: float) -> float:
+        """One turn on this GPU (held since ``start``, monotonic seconds): serve ``remaining``
+        seconds of device work in slices until it is done or, after a slice while another job
+        waits, that job's turn comes; account the busy time. Returns the device seconds left."""
+        previous = self.read()
+        total = previous.busy_total if previous is not None else 0.0  # a dead holder's time is lost
+        count = previous.acquisitions + 1 if previous is not None else 1
+        self.area.write(ACCOUNT.pack(total, start, os.getpid(), 0, count))
+        try:
+            while remaining > 1e-9:
+                shared = self._others_waiting()
+                gain = self.co_location_capacity if shared else 1.0
+                piece = min(quantum, remaining / gain)
+                time.sleep(piece)
+                remaining -= piece * gain  # while shared, kernels overlap: more work per second
+                if remaining > 1e-9 and shared:
+                    break
+        finally:
+            end = self.clock.monotonic()
+            self.area.write(ACCOUNT.pack(total + (end - start), 0.0, 0, 0, count))
+        return remaining
 
     # --- memory ---------------------------------------------------------------------------------
     @contextmanager
@@ -272,6 +286,25 @@ class EmulatedGpu:
         os.close(self._lock_fd)
 
 
+_OPEN: weakref.WeakSet[EmulatedGpu] = weakref.WeakSet()
+"""This process's open emulated GPUs, for :func:`_close_inherited`."""
+
+
+def _close_inherited() -> None:
+    """In a forked child (a data-loader worker): close the emulated GPUs inherited from the parent.
+
+    The child's copy of a mapping shows in /proc as a user of the GPU, so the parent, releasing
+    its GPUs at exit while a worker still lived, left them to a process that never removes them
+    (``release_at_exit``): every run with data-loader workers left its GPUs in /dev/shm. Closing
+    drops only the child's copies: ``flock``s stay with the parent, whose descriptors remain open.
+    """
+    for gpu in list(_OPEN):
+        gpu.close()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
 def _open_or_create(name: str) -> Segment:
     for _ in range(50):
         try:
@@ -320,19 +353,21 @@ def _flock_within(fd: int, operation: int, patience: float) -> bool:
 
 
 def release_emulated_gpus(gpus: Sequence[EmulatedGpu]) -> dict[int, list[int]]:
-    """Close ``gpus`` (of one namespace) and remove the shared objects of each that no other
-    process maps any more: the last user cleans up, whether a job or the manager. Returns, for
-    each GPU index still in use, the pids using it."""
+    """Close ``gpus`` (of one namespace) and remove the shared objects of each that nothing maps
+    any more: the last user cleans up, whether a job or the manager. This process counts as a
+    user while another of its objects (a second model's backend) still maps a GPU: ``gpus`` are
+    unmapped first, so only such others show. Returns, for each GPU index still in use, the pids
+    using it."""
     if not gpus:
         return {}
     for gpu in gpus:
         gpu.close()
-    names, me = gpus[0].names, os.getpid()
+    names = gpus[0].names
     with _namespace_guard(names, exclusive=True) as guarded:
         mapping = objects.shm_users_of([names.emulated_gpu(gpu.index) for gpu in gpus])  # one pass over /proc
         in_use = {}
         for gpu in gpus:
-            users = [pid for pid in mapping[names.emulated_gpu(gpu.index)] if pid != me]
+            users = mapping[names.emulated_gpu(gpu.index)]
             if users:
                 in_use[gpu.index] = users
             elif guarded:
