@@ -64,7 +64,9 @@ def test_no_run_beats_the_sharing_bound_and_it_beats_the_capacity_bound_under_ga
 def test_scenario_b_under_gavel_bound_is_raised_but_does_not_prove_the_target_unreachable():
     found = bounds(SCENARIOS["b"], make_interference("gavel"))
     assert found.capacity < 1.05
-    assert found.sharing is not None and 1.2 < found.sharing.value < 1.31  # docs/reproduction.md
+    # 1.17 since the gavel pair rates keep Gavel's shares while both jobs run (1.29 in docs/reproduction.md
+    # came from rates fitted to runs in which the faster job finished first)
+    assert found.sharing is not None and 1.1 < found.sharing.value < 1.31
 
 
 def test_the_sharing_bound_is_not_computed_where_it_does_not_apply():

@@ -141,15 +141,14 @@ def test_scenarios_round_trip_through_json_and_bad_ones_are_rejected(tmp_path):
 
 def test_gavel_pairs_reproduce_the_measured_speed_shares_in_the_simulator():
     from drbalance.sim.interference import GavelInterference
+    from tests.test_gavel_pair_fit import shares_while_both_run
 
     gavel = GavelInterference.load()
     table = gavel.table
     checked = 0
     for first, second in (("resnet50", "resnet50"), ("resnet50", "alexnet"), ("densenet121", "mnasnet1_0")):
-        apps = (AppSpec("x", first, 32, 1, 300, (10,)), AppSpec("y", second, 32, 1, 300, (10,)))
-        result = simulate(Scenario("pair", 1, apps), SimConfig(policy="observe", record=False, contention=gavel))
         measured = table.shares(table.job_for((first, 32)), table.job_for((second, 32)))
-        speeds = (1 / result.final_sd["x"], 1 / result.final_sd["y"])
+        speeds = shares_while_both_run(gavel, (first, 32), (second, 32))  # Gavel measured both running
         for got, want in zip(speeds, measured):
             assert got == pytest.approx(want, rel=0.2), (first, second, speeds, measured)
         checked += 1

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from drbalance import defaults
 from drbalance.manager.utilization import UtilizationWindow
-from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot
+from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot, violations
 from drbalance.ratio import DataRatio
 from drbalance.sim.model import ContentionModel, Interference, Workload
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
@@ -100,7 +100,7 @@ class _Gpu:
 class _App:
     __slots__ = ("spec", "costs", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
                  "alive", "arrived", "running", "suspend", "records", "gpu", "workload", "host_end", "timings",
-                 "slot_window", "published", "cadence", "boundary_due", "pushed")
+                 "slot_window", "published", "cadence", "boundary_due", "pushed", "constraints")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
@@ -127,6 +127,18 @@ class _App:
         self.cadence: float | None = None  # seconds between boundaries the policy asked for
         self.boundary_due: float | None = None
         self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied after its current iteration
+        self.constraints = ddp_constraints(spec, ratio)  # what a DDP job's record tells the manager
+
+
+def ddp_constraints(spec: AppSpec, ratio: DataRatio) -> dict[str, Any]:
+    """The constraints the daemon reads from a DistributedDataParallel job's record (docs/ddp.md):
+    its DR is over its ranks, one on each GPU of its initial DR (``allowed``, None when that is
+    every GPU), and every rank keeps at least one unit of the DR (``min_share``). None for a
+    DataParallel job, which may use any GPU and leave any empty."""
+    if not spec.ddp:
+        return {}
+    ranks = tuple(gpu for gpu, share in enumerate(ratio.shares) if share)
+    return {"allowed": None if len(ranks) == len(ratio) else ranks, "min_share": 1}
 
 
 @dataclass
@@ -182,7 +194,9 @@ class Simulation:
         self.decisions = 0
         self.processed = 0
         self.manager_records: list[dict[str, Any]] = []
-        self._next_util_log = 0.0
+        # the first record after one log period: the reading at t = 0 covers the period before the
+        # run (nothing was running), which the report's mean utilisation would count as 0%
+        self._next_util_log = self.config.util_log_period
 
     def _check_horizon(self) -> None:
         """ValueError for an app that could not finish within ``max_time`` even alone on the slowest
@@ -369,7 +383,8 @@ class Simulation:
             iterations_total=tracker.plan.total,
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time,
             chunk_seconds=tuple(mean[0] if mean else None for mean in means),
-            chunk_samples=tuple(mean[1] if mean else 0.0 for mean in means), batch=app.spec.batch,
+            chunk_samples=tuple(mean[1] if mean else 0.0 for mean in means), batch=_published_batch(app),
+            **app.constraints,
         )
 
     def _apply_push(self, app: _App) -> None:
@@ -395,25 +410,52 @@ class Simulation:
         self.decisions += 1
         app.cadence = decision.next_boundary
         app.boundary_due = None if app.cadence is None else self.now + app.cadence
+        ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
+        refused = self._refusal(snapshot.app(app.name), ratio)
+        if refused is not None:  # the daemon keeps the app's DR and pushes nothing (Manager.decide)
+            ratio, branch, details = app.ratio, "policy-error", {"error": refused}
         if self.config.record:
             self.manager_records.append({
-                "t": self.now, "event": "decision", "app": app.name, "trigger": trigger, "branch": decision.branch,
-                "old_dr": app.ratio.to_list(), "new_dr": decision.ratio.to_list(),
+                "t": self.now, "event": "decision", "app": app.name, "trigger": trigger, "branch": branch,
+                "old_dr": app.ratio.to_list(), "new_dr": ratio.to_list(),
                 "sd": {view.name: view.slowdown for view in snapshot.apps}, "util": list(snapshot.utilization),
-                "iter_time": snapshot.app(app.name).iteration_time, "details": dict(decision.details),
+                "iter_time": snapshot.app(app.name).iteration_time, "details": details,
             })
-        if decision.ratio != app.ratio:
-            if len(decision.ratio) != self.scenario.gpus:
-                raise ValueError(f"policy {self.policy.name!r} returned {decision.ratio} for {self.scenario.gpus} GPUs")
-            old, app.ratio = app.ratio, decision.ratio
+        if ratio != app.ratio:
+            old, app.ratio = app.ratio, ratio
             app.pushed = None
-            self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=decision.branch)
+            self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=branch)
+        if refused is not None:
+            return
         by_name = {other.name: other for other in self.apps if other.alive}
-        for name, ratio in decision.others.items():  # pushed now, applied after each one's current iteration
+        for name, pushed in decision.others.items():  # pushed now, applied after each one's current iteration
             other = by_name.get(name)
-            if other is None or len(ratio) != self.scenario.gpus:
-                raise ValueError(f"policy {self.policy.name!r} pushed {ratio} to {name!r}, which cannot take it")
-            other.pushed = ratio
+            if other is None or other is app:
+                why = "a push to the deciding app itself" if other is app else f"app {name!r} is not live"
+            else:
+                why = self._refusal(snapshot.app(name), pushed)
+            if why is not None:  # refused and logged, as the daemon's Manager._push does; the others go on
+                if self.config.record:
+                    self.manager_records.append({"t": self.now, "event": "push", "app": name, "branch": branch,
+                                                 "refused": why})
+                continue
+            other.pushed = pushed
+
+    def _refusal(self, view: AppView, ratio: object) -> str | None:
+        """Why the daemon would not send ``ratio`` to the app of ``view`` (None: it would), as
+        ``Manager._check_ratio`` checks every decision and push: keeping the DR is always fine;
+        a new one must be a DataRatio for every GPU in the configured total, within the app's
+        constraints."""
+        if not isinstance(ratio, DataRatio):
+            return f"policy returned {ratio!r}, not a DataRatio"
+        if ratio == view.ratio:
+            return None
+        if len(ratio) != self.scenario.gpus or ratio.total != self.scenario.dr_total:
+            return f"policy returned {ratio} for {self.scenario.gpus} GPUs of total {self.scenario.dr_total}"
+        problems = violations(view, ratio, self.policy_config)
+        if problems:
+            return f"policy returned {ratio}, which breaks the app's constraints: {'; '.join(problems)}"
+        return None
 
     # --- utilisation sampling (as the manager samples NVML) ------------------------------------
     def _sample(self, _: Any) -> None:
@@ -488,6 +530,13 @@ class Simulation:
             gpu_served=[g.served for g in self.gpus], decisions=self.decisions, events=self.processed,
             app_records={a.name: a.records for a in self.apps}, manager_records=self.manager_records,
         )
+
+
+def _published_batch(app: _App) -> int | None:
+    """The batch (samples) an app's record shows: the samples of its last forward, so None (the
+    record's 0, unknown) until its first iteration in this run has finished, as the client's
+    ``Session._last_batch`` reads it from the model."""
+    return app.spec.batch if app.tracker.done > app.tracker.first else None
 
 
 @lru_cache(maxsize=4096)

@@ -149,26 +149,50 @@ def fit_pair(table: GavelTable, first: Workload, second: Workload, rounds: int =
     """Service rates with which the simulated pair keeps Gavel's measured speed shares.
 
     Starts from the closed form and corrects each rate by the ratio of measured to simulated
-    share (a pair simulated alone on one GPU, 200 iterations each), at most ``rounds`` times.
+    share (``simulated_shares``: the pair alone on one GPU, both running throughout), at most
+    ``rounds`` times.
     """
-    from drbalance.sim.engine import SimConfig, simulate
-    from drbalance.workload.scenarios import AppSpec, Scenario  # the engine imports this module
-
     wanted = measured_shares(table, first, second)
     costs_a, costs_b = model_costs(first[0]), model_costs(second[0])
     rates = pair_rates(wanted[0], wanted[1], costs_a.host_seconds(first[1]), costs_a.device_seconds(first[1]),
                        costs_b.host_seconds(second[1]), costs_b.device_seconds(second[1]))
-    apps = (AppSpec("x", first[0], first[1], 1, 200, (10,)), AppSpec("y", second[0], second[1], 1, 200, (10,)))
-    scenario = Scenario("pair", 1, apps)
     for _ in range(rounds):
-        fixed = _FixedPair(first, second, rates)
-        result = simulate(scenario, SimConfig(policy="observe", record=False, contention=fixed))
-        got = (1.0 / result.final_sd["x"], 1.0 / result.final_sd["y"])
+        got = simulated_shares(first, second, rates)
         errors = [want / have for want, have in zip(wanted, got)]
         if all(abs(error - 1.0) <= tolerance for error in errors):
             break
         rates = tuple(min(1.0, max(MIN_RATE, rate * error ** 1.5)) for rate, error in zip(rates, errors))
     return rates[0], rates[1]
+
+
+def simulated_shares(first: Workload, second: Workload, rates: tuple[float, float],
+                     iterations: int = 200) -> tuple[float, float]:
+    """The share of its solo speed each of a pair keeps while both run on one GPU, simulated with
+    these service rates: iterations finished per second of each job, up to its last iteration
+    finished before either job's plan ends, times its solo iteration time (dimensionless).
+
+    Gavel measured both jobs running throughout. Both plans are therefore long and the pair is
+    simulated until each has finished ``iterations`` iterations; stopping when one job's plan
+    ends instead (plans of equal length) would let the faster job finish first and the slower
+    one run its last iterations alone, counting solo speed as shared speed.
+    """
+    from drbalance.sim.engine import SimConfig, Simulation
+    from drbalance.workload.scenarios import AppSpec, Scenario  # the engine imports this module
+
+    solo = (model_costs(first[0]).solo_iteration(first[1]), model_costs(second[0]).solo_iteration(second[1]))
+    plan = 1000 * iterations  # never reached: the run stops long before
+    apps = (AppSpec("x", first[0], first[1], 1, plan, (10,)), AppSpec("y", second[0], second[1], 1, plan, (10,)))
+    simulation = Simulation(Scenario("pair", 1, apps), SimConfig(policy="observe", record=False,
+                                                                 contention=_FixedPair(first, second, rates)))
+    simulation.start()
+    step = 10 * max(solo)  # seconds of simulated time per advance
+    while min(app.tracker.done for app in simulation.apps) < iterations:
+        simulation.advance(simulation.now + step)
+    shares = []
+    for app, seconds in zip(simulation.apps, solo):
+        tracker = app.tracker
+        shares.append(tracker.done * seconds / (tracker.last_mark - tracker.start))
+    return shares[0], shares[1]
 
 
 class _FixedPair:
