@@ -286,3 +286,41 @@ def test_a_refused_dr_is_published_at_once_so_the_manager_stops_taking_it_as_cur
         # used to stay [10, 0, 0, 0] until a's next report, 49 iterations later: decisions for other
         # apps counted a on GPU 0
         assert entry.effective_ratio() == DataRatio([0, 5, 5, 0])
+
+
+class PushThenKeep:
+    """b's boundary pushes [10, 0, 0, 0] to a; a's own decisions keep the DR a publishes."""
+
+    name = "push-then-keep"
+
+    def decide(self, app, trigger, snapshot):
+        from types import MappingProxyType
+
+        from drbalance.policy import Decision
+
+        view = snapshot.app(app)
+        if app == "b" and trigger == "boundary":
+            return Decision(app, view.ratio, "swap", others=MappingProxyType({"a": DataRatio([10, 0, 0, 0])}))
+        return Decision(app, view.ratio, "keep")
+
+
+def test_a_push_that_arrives_during_the_boundary_iteration_is_applied_before_the_exchange(ipc_env, tmp_path):
+    from drbalance.ipc.layout import Notice, NoticeKind
+
+    with two_registered_apps(ipc_env, tmp_path, PushThenKeep(), report_every=50,
+                             decide_every=10) as (manager, models, sessions):
+        a, model_a = sessions["a"], models["a"]
+        train(model_a, a, 9)
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), sessions["b"].notice_seq, "b", 0.0))
+        waiting = a.link.await_command
+
+        def manager_answers(generation, timeout):  # the daemon handles a's boundary notice
+            manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), generation, "a", 0.0))
+            return waiting(generation, timeout)
+
+        a.link.await_command = manager_answers
+        train(model_a, a)  # iteration 10: a boundary; the push reached the record during it
+        a.link.await_command = waiting
+        # used to publish [0, 5, 5, 0] and take the answer over the push: b's swap half-done
+        assert model_a.ratio == DataRatio([10, 0, 0, 0])
+        assert manager.table.get("a").effective_ratio() == DataRatio([10, 0, 0, 0])

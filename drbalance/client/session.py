@@ -436,6 +436,18 @@ class Session:
         if command is not None and (command.pushed or self._awaiting is not None):
             self._accept(command, now, late=True)
 
+    def _take_push(self, now: float) -> None:
+        """Apply a DR the manager pushed since this app last looked (the other half of a swap that
+        reached the record during this iteration) before the boundary's exchange: the exchange's
+        answer overwrites the record's command, and the push would be lost while the manager and
+        the simulator take it as applied. A late answer is not taken here: the boundary's notice
+        replaces it (docs/protocol.md)."""
+        if not self.attached:
+            return
+        command = self.link.poll_command(self.notice_seq)
+        if command is not None and command.pushed:
+            self._accept(command, now)
+
     def _accept(self, command: AppCommand, now: float, late: bool = False) -> None:
         """Apply a command read from the record. A pushed DR is applied once (by write time) and
         leaves an awaited answer awaited: the manager stamps a push with the app's latest notice,
@@ -449,6 +461,7 @@ class Session:
     def _boundary(self, now: float) -> None:
         self._sample_replicas()
         self._sample_memory(now)
+        self._take_push(now)
         self._boundary_due = None if self._cadence is None else now + self._cadence
         self._write_log("boundary", now)
         self._exchange(NoticeKind.BOUNDARY, now)
