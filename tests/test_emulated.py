@@ -330,3 +330,21 @@ def test_a_job_taking_its_turn_sees_the_gpu_shared_from_its_first_slice(emu):
         holder.communicate(timeout=30)
     assert len(seen) >= 2  # we took several turns with the holder
     assert all(seen), f"slices served as if alone while the holder waited: {seen}"
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_after_a_ranks_emulated_gpu_was_closed_is_a_clear_error(ipc_env):
+    """The hook stayed and used the closed lock descriptors: a bare 'Bad file descriptor', or
+    flocks on whatever file had reused those numbers."""
+    from torch import nn
+
+    from drbalance.client.emulated_rank import EmulatedRankDevice
+    from drbalance.workload.models import model_costs
+
+    device = EmulatedRankDevice(0, model_costs("alexnet"), time_scale=0.001, namespace=ipc_env.namespace)
+    module = nn.Linear(4, 2)
+    device.attach(module)
+    module(torch.randn(3, 4)).sum().backward()  # held the GPU for its modelled time
+    device.close()
+    with pytest.raises(RuntimeError, match="emulated GPU emu:0 after its EmulatedRankDevice was closed"):
+        module(torch.randn(3, 4))

@@ -60,6 +60,9 @@ class EmulatedRankDevice:
         samples = (batch_size_of(args, kwargs, 0) or 0) * self.sample_scale
         if samples <= 0:
             return
+        if self.gpu.closed:  # its lock descriptors are closed, and their numbers may be another file's now
+            raise RuntimeError(f"drbalance: a forward on emulated GPU {self.label} after its EmulatedRankDevice was "
+                               f"closed; close it after the rank's last forward")
         with torch.autograd.profiler.record_function("EmulatedRankDevice"):
             target = self.time_scale * self.costs.host_seconds(samples)
             now = time.monotonic()
