@@ -81,10 +81,14 @@ def runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "drbalance"
-    login_dir = Path(f"/run/user/{uid}")
+    login_dir = Path(_LOGIN_DIR.format(uid=uid))
     if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"
-    return _tmp_runtime_dir(Path(f"/tmp/drbalance-{uid}"), _squat_runtime_dir(), uid)
+    return _tmp_runtime_dir(Path(_TMP_RUNTIME_DIR.format(uid=uid)), _squat_runtime_dir(), uid)
+
+
+_LOGIN_DIR = "/run/user/{uid}"  # what XDG_RUNTIME_DIR would be, when it exists
+_TMP_RUNTIME_DIR = "/tmp/drbalance-{uid}"  # the last default: a name any user can take first
 
 
 def _squat_runtime_dir() -> Path:

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
+from torch import nn
 
 from drbalance import env
 from drbalance.cli import main as drbalance
+from drbalance.client import BalancedDataParallel, Session
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
@@ -249,28 +251,39 @@ def test_a_tmp_runtime_dir_name_that_is_not_a_folder_moves_to_the_state_folder(t
 
 @needs_second_user
 def test_a_manager_and_its_jobs_meet_when_a_neighbour_took_the_tmp_runtime_dir(ipc_env, tmp_path, monkeypatch):
-    real = Path(f"/tmp/drbalance-{os.getuid()}")
-    login = Path(f"/run/user/{os.getuid()}")
-    if real.exists() or real.is_symlink() or login.is_dir():
-        pytest.skip(f"{real} or {login} is in use on this machine; the test must not plant or remove it")
+    """The default path with no login folder, at a /tmp name of this test's own (the real
+    /tmp/drbalance-<uid> may be in use), in one process: a manager and a job over real IPC."""
+    from drbalance.ipc.layout import Notice, NoticeKind
+
+    planted = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
+    monkeypatch.setattr(env, "_TMP_RUNTIME_DIR", str(planted))
+    monkeypatch.setattr(env, "_LOGIN_DIR", str(tmp_path / "no-login-folder"))
     monkeypatch.delenv("DRBALANCE_RUNTIME_DIR")
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    assert as_neighbour([["mkdir", str(real), 0o755]]) == ["ok"]
-    manager = None
+    assert as_neighbour([["mkdir", str(planted), 0o755]]) == ["ok"]
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    session = None
     try:
-        manager = ManagerProcess(tmp_path, ipc_env)  # used to exit 1: "belongs to nobody"
-        assert env.runtime_dir() == env._squat_runtime_dir()
-        assert ipc_env.manager_info().exists() and list(real.iterdir()) == []
-        app = toy_app("beside", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
-        assert first_line(app)["attached"] is True
-        assert app.communicate(timeout=120)[0] and app.returncode == 0
+        manager.start()  # used to raise: "/tmp/drbalance-...: belongs to nobody"
+        assert env.runtime_dir() == env._squat_runtime_dir() and ipc_env.manager_info().exists()
+        model = BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3])
+        session = Session(model, app="beside", epochs=1, iterations_per_epoch=10, solo_time=1.0, sd_log=False,
+                          exchange_timeout=0.0)
+        manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), session.notice_seq, "beside", 0.0))
+        assert manager.table.get("beside") is not None  # the manager found the job's claim and record
+        assert session.link.manager() is not None  # and the job its manager
+        assert list(planted.iterdir()) == []  # nothing of ours in the neighbour's folder
     finally:
-        os.rmdir(real)
-        if manager is not None:
-            code, err = manager.stop()
-            assert code == 0, err
-    assert [e["runtime_dir"] for e in manager.events("start")] == [str(env._squat_runtime_dir() / ipc_env.namespace)]
+        if session is not None:
+            session.close()
+        manager.stop()
+        os.rmdir(planted)
+    starts = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"start"' in line]
+    assert [e["runtime_dir"] for e in starts] == [str(env._squat_runtime_dir() / ipc_env.namespace)]
 
 
 def test_the_runtime_dir_prefers_xdg_runtime_dir(monkeypatch, tmp_path):
