@@ -10,6 +10,7 @@ from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
 from drbalance.profiling.store import Measurement, ProfileNotFound, extrapolate, load_profile, run_profile
+from tests.helpers.processes import running
 
 
 def test_profile_command_measures_a_real_script_and_the_session_resolves_the_name(ipc_env, tmp_path, capsys):
@@ -107,14 +108,6 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
         assert accepted.tracker.solo_time == 30.0
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie nobody reaped does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 
 @pytest.mark.timeout(60)
@@ -130,7 +123,7 @@ def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_proces
         with pytest.raises(RuntimeError, match="did not finish within --timeout 2 s"):
             run_profile("x", ["sh", "-c", script], 20, 5, path=tmp_path / "profiles.json", timeout=2)
         trainer = int(pidfile.read_text())
-        assert wait_for(lambda: not _running(trainer), timeout=30)
+        assert wait_for(lambda: not running(trainer), timeout=30)
     finally:
-        if pidfile.exists() and _running(int(pidfile.read_text())):
+        if pidfile.exists() and running(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)

@@ -19,6 +19,7 @@ import pytest
 from drbalance.runs.launch import _wait_for_setup, earlier_run
 from drbalance.runs.train import pass_start_gate
 from tests.conftest import python_process
+from tests.helpers.processes import running
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,13 +96,6 @@ def test_sigterm_to_a_launch_stops_its_manager_and_jobs_and_removes_its_emulated
     assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie nobody reaped, as orphans in a container may stay, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
 
 def _descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (from /proc's children lists)."""
@@ -139,7 +133,7 @@ def test_a_launcher_killed_outright_takes_its_manager_and_jobs_with_it(tmp_path)
         launcher.kill()
         launcher.communicate(timeout=60)
     deadline = time.monotonic() + 180
-    while any(_running(pid) for pid in children):  # used to run on: the manager for good
-        assert time.monotonic() < deadline, [pid for pid in children if _running(pid)]
+    while any(running(pid) for pid in children):  # used to run on: the manager for good
+        assert time.monotonic() < deadline, [pid for pid in children if running(pid)]
         time.sleep(0.2)
     assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]

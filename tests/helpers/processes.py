@@ -71,6 +71,14 @@ class ManagerProcess:
         return self.process.returncode, self.err_path.read_text()
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped, as orphans in a container may stay, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def toy_app(name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     """The toy app, with ``faulthandler`` on: :func:`stop_app` can have it print its threads' stacks."""
     return python_process("tests.helpers.toy_app", "--app", name, *args, env={"PYTHONFAULTHANDLER": "1", **(env or {})})
