@@ -44,6 +44,7 @@ from torch import nn
 
 from benchmarks.bench_parallel import build, make_batch
 from benchmarks.timing import add_no_write, percentile, save, summary
+from drbalance.argtypes import non_negative_int, positive_int
 
 
 def smallest_python_hook(scale: float, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -189,12 +190,13 @@ def ratios(samples: dict[str, list[float]]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet18", help="torchvision model name, or 'mlp' (default resnet18)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per global batch (default 32)")
-    parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed steps per candidate (default 30)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per candidate first (default 5)")
+    parser.add_argument("--batch", type=positive_int, default=32, help="samples per global batch (default 32)")
+    parser.add_argument("--image", type=positive_int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--ranks", type=positive_int, default=2, help="ranks (default 2)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per rank (default 1)")
+    parser.add_argument("--repeats", type=positive_int, default=30, help="timed steps per candidate (default 30)")
+    parser.add_argument("--warmup", type=non_negative_int, default=5,
+                        help="untimed steps per candidate first (default 5)")
     parser.add_argument("--hook-floor", action="store_true",
                         help="also time plain DDP with the smallest Python comm hook (what any such hook costs)")
     add_no_write(parser)

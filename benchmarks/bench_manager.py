@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.timing import add_no_write, save, scratch_namespace, summary
 from drbalance import DataRatio
+from drbalance.argtypes import positive_int
 from drbalance.ipc.layout import AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.link import PosixManagerLink
 from drbalance.ipc.names import IpcNames
@@ -119,7 +120,7 @@ def bench_idle_cpu(seconds: float, scratch: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--decisions", type=int, default=3000, help="timed decisions (default 3000)")
+    parser.add_argument("--decisions", type=positive_int, default=3000, help="timed decisions (default 3000)")
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="idle interval measured (default 20)")
     add_no_write(parser)
     args = parser.parse_args(argv)

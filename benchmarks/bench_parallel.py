@@ -22,6 +22,7 @@ from torch import nn
 
 from benchmarks.timing import add_no_write, interleaved_medians, save, summary
 from drbalance import DataRatio
+from drbalance.argtypes import positive_int
 from drbalance.client import BalancedDataParallel
 from drbalance.client.buffers import BufferMerge, tracked_buffers
 
@@ -132,9 +133,9 @@ def _ratios(samples: dict[str, list[float]], baseline: str, candidate: str) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet18", help="torchvision model name, or 'mlp' (default resnet18)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
-    parser.add_argument("--image", type=int, default=64, help="image side in pixels (default 64)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed repeats per candidate (default 30)")
+    parser.add_argument("--batch", type=positive_int, default=32, help="samples per batch (default 32)")
+    parser.add_argument("--image", type=positive_int, default=64, help="image side in pixels (default 64)")
+    parser.add_argument("--repeats", type=positive_int, default=30, help="timed repeats per candidate (default 30)")
     parser.add_argument("--fixed-costs-only", action="store_true",
                         help="measure only the per-step fixed costs (buffer merge, train_step call), not whole steps")
     add_no_write(parser)

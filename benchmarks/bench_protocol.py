@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.timing import add_no_write, save, scratch_namespace, summary
 from drbalance import DataRatio
+from drbalance.argtypes import positive_int
 from drbalance.ipc.layout import NoticeKind
 from drbalance.ipc.names import IpcNames
 
@@ -100,8 +101,8 @@ def bench_exchange(count: int, scratch: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reports", type=int, default=20000, help="timed SD reports (default 20000)")
-    parser.add_argument("--exchanges", type=int, default=2000, help="timed exchanges (default 2000)")
+    parser.add_argument("--reports", type=positive_int, default=20000, help="timed SD reports (default 20000)")
+    parser.add_argument("--exchanges", type=positive_int, default=2000, help="timed exchanges (default 2000)")
     add_no_write(parser)
     args = parser.parse_args(argv)
     with scratch_namespace("bench") as scratch:

@@ -15,6 +15,7 @@ import argparse
 import time
 
 from benchmarks.timing import add_no_write, save, summary
+from drbalance.argtypes import positive_int
 from drbalance.sim import SimConfig, simulate
 from drbalance.sim.mixes import arrivals_mix
 from drbalance.workload.scenarios import SCENARIOS, Scenario
@@ -37,7 +38,7 @@ def timed(scenario: Scenario, config: SimConfig, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5, help="runs per case (default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="runs per case (default 5)")
     add_no_write(parser)
     args = parser.parse_args(argv)
     payload = {

@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from drbalance.argtypes import positive_int
 from drbalance.policy import POLICIES, Decision, Policy, Snapshot
 from drbalance.sim import SimConfig, Simulation
 from drbalance.sim.mixes import MIXES
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", type=Path, help="record the traces into this JSON file")
     parser.add_argument("--compare", type=Path, help="compare with the traces recorded in this JSON file")
     parser.add_argument("--quick", action="store_true", help="leave out 64 x 16 and the mixes")
-    parser.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="processes (default 2)")
     parser.add_argument("--only", default=None, help="run only cases whose scenario is in this comma-separated list")
     args = parser.parse_args(argv)
     if args.write is None and args.compare is None:

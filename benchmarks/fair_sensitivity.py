@@ -36,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from statistics import mean
 
+from drbalance.argtypes import positive_int
 from drbalance.policy.fair import FairConfig, FairPolicy
 from drbalance.sim import mixes
 from drbalance.sim.engine import SimConfig
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interference", choices=sorted(INTERFERENCE_MODELS), default="calibrated",
                         help="contention model of the simulator (default: calibrated)")
-    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel (default 2)")
     parser.add_argument("--short", nargs="*", metavar="SCENARIO",
                         help="fair against observe, both interference models, on these scenarios or mixes "
                              f"(default: {', '.join(SHORT_SCENARIOS)})")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from benchmarks.random_mixes import random_mix, simulate_mix
 from benchmarks.static_layouts import Layout, describe, evaluate, shortened
+from drbalance.argtypes import positive_int
 from drbalance.ratio import DataRatio
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import Scenario
@@ -151,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("cases", nargs="+", type=case, help="SEED:INTERFERENCE of random_mixes")
     parser.add_argument("--fairer", type=float, default=0.05, help="max SD fall that counts as fairer (default 0.05)")
     parser.add_argument("--scale", type=float, default=0.2, help="run-length factor for the search (default 0.2)")
-    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
-    parser.add_argument("--limit", type=int, default=1500,
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--limit", type=positive_int, default=1500,
                         help="most layouts per case: the richest grid within it is used (default 1500)")
     parser.add_argument("--json", metavar="PATH", help="also write the answers here")
     args = parser.parse_args(argv)

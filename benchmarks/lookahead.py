@@ -39,6 +39,7 @@ from types import MappingProxyType
 from typing import Any
 
 from benchmarks.timing import add_no_write, save
+from drbalance.argtypes import positive_int
 from drbalance.policy import Decision, ObservePolicy, Snapshot
 from drbalance.ratio import DataRatio
 from drbalance.report.metrics import summarise
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=None, help="seconds between an app's decisions "
                                                                   "(default: the horizon)")
     parser.add_argument("--scale", type=float, default=1.0, help="run-length factor (default 1: full runs)")
-    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (default 2)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="runs in parallel (default 2)")
     parser.add_argument("--name", default="lookahead", help="write benchmarks/results/NAME.json (default lookahead)")
     add_no_write(parser)
     args = parser.parse_args(argv)

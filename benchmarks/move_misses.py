@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from drbalance.argtypes import positive_int
 from drbalance.policy.base import AppView, Decision
 from drbalance.policy.fair import FairConfig, FairPolicy, _Move, _Search, _Track
 from drbalance.policy.predictor import Predictor
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="replica_penalty_step for the predictor (default: PredictorConfig's)")
     parser.add_argument("--by-branch", action="store_true",
                         help="split each kind by the branch that made the move (move, swap, plan, pushed)")
-    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel (default 2)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

@@ -25,6 +25,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 
+from drbalance.argtypes import names_from, positive_int
+from drbalance.policy import POLICIES
 from drbalance.policy.fair import FairConfig, FairPolicy
 from drbalance.sim.engine import SimConfig, SimResult, Simulation
 from drbalance.sim.mixes import MODELS, batch_of, not_worse
@@ -155,14 +157,15 @@ def _seeds(text: str) -> range:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=_seeds, default=range(200), help="N (0..N-1) or A:B (A..B-1); default 200")
-    parser.add_argument("--policies", default="fair", help="comma-separated policies besides observe")
-    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],
+                        help="comma-separated policies besides observe")
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel")
     parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
                         help="run fair with this FairConfig knob changed (repeatable), e.g. swap_partners=1")
     parser.add_argument("--json", metavar="PATH", help="also write every run's final SDs here")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    policies = [name for name in args.policies.split(",") if name]
+    policies = args.policies
     try:
         replace(FairConfig(), **dict(args.set))  # FairConfig checks the values
     except ValueError as error:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from drbalance.argtypes import positive_int
 from drbalance.ratio import DataRatio
 from drbalance.report.metrics import summarise
 from drbalance.sim.command import to_run
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="+", help="built-in scenario names or scenario files")
     parser.add_argument("--interference", default="gavel", choices=list(INTERFERENCE_MODELS))
     parser.add_argument("--scale", type=float, default=0.05, help="run-length factor for the search (default 0.05)")
-    parser.add_argument("--starts", type=int, default=3, help="single-GPU layouts the hill-climb starts from")
+    parser.add_argument("--starts", type=positive_int, default=3, help="single-GPU layouts the hill-climb starts from")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table row per scenario")
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable, Iterable
 
 
 def _number(text: str) -> float:
@@ -63,3 +64,19 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (where 0 means "none": e.g. no decisions besides the policy's own)."""
     return _integer_at_least(text, 0)
+
+
+def names_from(known: Iterable[str], what: str) -> Callable[[str], list[str]]:
+    """A type for a comma-separated list of names, each one of ``known`` (``what`` names them in
+    the error: "policies", "mixes"); an empty list or an unknown name is a usage error."""
+    choices = tuple(known)
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            problem = f"unknown {what} {', '.join(map(repr, unknown))}" if unknown else f"no {what} given"
+            raise argparse.ArgumentTypeError(f"{problem}; known: {', '.join(choices)}")
+        return names
+
+    return parse

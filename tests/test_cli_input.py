@@ -3,6 +3,7 @@ behind; machine-readable output stays machine-readable (found by a review, 2026-
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -366,3 +367,18 @@ def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
     for spec, hint in (("cuda:1", "--gpus 1"), ("cpu:2", "--gpus 2")):
         with pytest.raises(SystemExit, match=f"takes nothing after it; choose GPUs with --gpus.*{hint}"):
             choose_devices(spec)
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    ("drbalance.sim.mixes", ["--policies", "fair,bogus"], "--policies: unknown policies 'bogus'; known: fair"),
+    ("drbalance.sim.mixes", ["--only", ","], "--only: no mixes given; known: 8x12"),
+    ("drbalance.sim.mixes", ["--workers", "0"], "--workers: must be an integer >= 1"),
+    ("benchmarks.random_mixes", ["--policies", "nope"], "--policies: unknown policies 'nope'"),
+    ("benchmarks.random_mixes", ["--workers", "-2"], "--workers: must be an integer >= 1"),
+])  # an unknown policy was a traceback from a worker process after the first simulations had started
+def test_the_mix_commands_refuse_unknown_names_and_no_workers_before_simulating(main, argv, message, capsys):
+    module = importlib.import_module(main)
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err

@@ -22,6 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from types import MappingProxyType
 
+from drbalance.argtypes import names_from, positive_int
+from drbalance.policy import POLICIES
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import SCENARIOS, Scenario, load_scenario, sized_app
@@ -131,15 +133,12 @@ def table(mixes: list[str], policies: list[str], workers: int = 2) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(MIXES), help="comma-separated mixes")
-    parser.add_argument("--policies", default="fair", help="comma-separated policies besides observe")
-    parser.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    parser.add_argument("--only", type=names_from(MIXES, "mixes"), default=list(MIXES), help="comma-separated mixes")
+    parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],
+                        help="comma-separated policies besides observe")
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel")
     args = parser.parse_args(argv)
-    mixes = [name for name in args.only.split(",") if name]
-    unknown = [name for name in mixes if name not in MIXES]
-    if unknown:
-        parser.error(f"unknown mixes {unknown}; known: {', '.join(MIXES)}")
-    print(table(mixes, args.policies.split(","), args.workers))
+    print(table(args.only, args.policies, args.workers))
     return 0
 
 
