@@ -40,3 +40,18 @@ def test_the_stored_gavel_rates_keep_the_measured_shares_while_both_jobs_run(fir
     wanted = measured_shares(gavel.table, first, second)
     got = shares_while_both_run(gavel, first, second)
     assert got == pytest.approx(wanted, rel=0.03), (first, second, got, wanted)
+
+
+@pytest.mark.timeout(120)
+def test_a_pair_the_fit_cannot_bring_within_tolerance_is_a_warning_naming_it(caplog):
+    from drbalance.sim.interference import GavelTable, fit_pair
+
+    table = GavelTable.load()
+    pair = (("densenet121", 32), ("resnet50", 32))
+    with caplog.at_level("WARNING", logger="drbalance.sim.interference"):
+        fit_pair(table, *pair)  # converges within 2%: nothing to say
+        assert not caplog.records
+        fit_pair(table, *pair, rounds=0, tolerance=0.0)  # the closed form alone is never exact
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "densenet121" in message and "resnet50" in message and "did not converge in 0 rounds" in message

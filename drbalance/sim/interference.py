@@ -37,6 +37,7 @@ down if their total would exceed the largest total rate of their pairs (``peak_c
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from pathlib import Path
 
 from drbalance.sim.model import Workload
 from drbalance.workload.models import model_costs
+
+log = logging.getLogger(__name__)
 
 DATA = Path(__file__).with_name("gavel_pairs.json")
 RATES = Path(__file__).with_name("gavel_rates.json")
@@ -150,19 +153,29 @@ def fit_pair(table: GavelTable, first: Workload, second: Workload, rounds: int =
 
     Starts from the closed form and corrects each rate by the ratio of measured to simulated
     share (``simulated_shares``: the pair alone on one GPU, both running throughout), at most
-    ``rounds`` times.
+    ``rounds`` times. A pair still further off than ``tolerance`` after that is logged as a
+    warning (naming the pair and how far each share is off) and keeps the last rates.
     """
     wanted = measured_shares(table, first, second)
     costs_a, costs_b = model_costs(first[0]), model_costs(second[0])
     rates = pair_rates(wanted[0], wanted[1], costs_a.host_seconds(first[1]), costs_a.device_seconds(first[1]),
                        costs_b.host_seconds(second[1]), costs_b.device_seconds(second[1]))
     for _ in range(rounds):
-        got = simulated_shares(first, second, rates)
-        errors = [want / have for want, have in zip(wanted, got)]
+        errors = _share_errors(wanted, simulated_shares(first, second, rates))
         if all(abs(error - 1.0) <= tolerance for error in errors):
-            break
+            return rates[0], rates[1]
         rates = tuple(min(1.0, max(MIN_RATE, rate * error ** 1.5)) for rate, error in zip(rates, errors))
+    errors = _share_errors(wanted, simulated_shares(first, second, rates))
+    if any(abs(error - 1.0) > tolerance for error in errors):
+        log.warning("the gavel pair %s + %s did not converge in %d rounds: the simulated shares are off "
+                    "Gavel's by %+.1f%% and %+.1f%% (tolerance %.1f%%)", first, second, rounds,
+                    100 * (1 / errors[0] - 1), 100 * (1 / errors[1] - 1), 100 * tolerance)
     return rates[0], rates[1]
+
+
+def _share_errors(wanted: Sequence[float], got: Sequence[float]) -> list[float]:
+    """Measured over simulated share, per job of a pair (1: exact)."""
+    return [want / have for want, have in zip(wanted, got)]
 
 
 def simulated_shares(first: Workload, second: Workload, rates: tuple[float, float],
