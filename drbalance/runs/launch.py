@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,11 +191,20 @@ def stopped_with_launcher() -> Callable[[], None] | None:
     return arm
 
 
-def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
-    if process.poll() is None:
+STOP_GRACE = 10.0  # seconds the processes of a run have to exit after SIGTERM before SIGKILL
+
+
+def stop_all(processes: Iterable[subprocess.Popen], grace: float = STOP_GRACE) -> None:
+    """SIGTERM to every process still running, all at once; SIGKILL to those still running
+    ``grace`` seconds later. Returns when all have exited (reaped), so a run of N apps that
+    ignore SIGTERM takes ``grace`` to stop, not N times it."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
         process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in running:
         try:
-            process.wait(timeout=grace)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -335,9 +344,8 @@ def launch(options: LaunchOptions) -> Path:
         deadline = None if options.timeout is None else info["started"] + options.timeout
         _wait_for_apps(apps, info, deadline, scenario, status_file, options.progress)
     finally:
-        for process in apps.values():
-            _stop(process)
-        _stop(manager)
+        stop_all(apps.values())
+        stop_all([manager])
         manager_out.close()
         for out in outputs:
             out.close()
@@ -428,9 +436,9 @@ def _wait_for_apps(apps: dict[str, subprocess.Popen], info: dict, deadline: floa
                 bar.update(iterations_done(_read_json(status_file), totals, set(apps) - set(pending)) - bar.n)
                 bar.set_postfix_str(f"{len(apps) - len(pending)}/{len(apps)} apps done")
             if pending and deadline is not None and time.time() >= deadline:
-                for name, process in pending.items():
+                for name in pending:
                     info["apps"][name]["stopped"] = "timeout"
-                    _stop(process)
+                stop_all(pending.values())
                 return
             if pending:
                 time.sleep(0.5)
