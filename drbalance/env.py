@@ -152,9 +152,24 @@ def profile_warmup() -> int:
     return value
 
 
+_YES = {"1", "true", "yes", "on"}
+_NO = {"", "0", "false", "no", "off"}
+
+
 def no_manager() -> bool:
-    """``DRBALANCE_NO_MANAGER``: ``1``, ``true`` or ``yes``: sessions never contact a manager (own DR)."""
-    return os.environ.get("DRBALANCE_NO_MANAGER", "") in {"1", "true", "yes"}
+    """``DRBALANCE_NO_MANAGER``: ``1``, ``true``, ``yes`` or ``on``: sessions never contact a manager (own DR).
+
+    Any case. Unset, empty, ``0``, ``false``, ``no`` or ``off``: they do. Anything else is a
+    ValueError (a value that is neither must not silently leave the job managed).
+    """
+    raw = os.environ.get("DRBALANCE_NO_MANAGER", "")
+    value = raw.strip().lower()
+    if value in _YES:
+        return True
+    if value in _NO:
+        return False
+    raise ValueError(f"DRBALANCE_NO_MANAGER={raw!r} is neither yes (1, true, yes, on) nor no "
+                     f"(empty, 0, false, no, off)")
 
 
 def emulated_gpus() -> str | None:

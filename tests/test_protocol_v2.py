@@ -187,10 +187,10 @@ def test_a_joint_decision_pushes_the_other_apps_dr_which_it_applies_after_its_ne
         train(model_a, session_a)
         assert session_a.tracker.done % session_a.report_every != 0
         assert model_a.ratio == DataRatio([10, 0, 0, 0])
-        applied = session_a._last_push_wall
+        applied = session_a._last_push
         model_a.set_ratio(DataRatio([0, 5, 5, 0]))  # the command stays in the record: never applied twice
         train(model_a, session_a, session_a.report_every)
-        assert model_a.ratio == DataRatio([0, 5, 5, 0]) and session_a._last_push_wall == applied
+        assert model_a.ratio == DataRatio([0, 5, 5, 0]) and session_a._last_push == applied
     events = [line for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"event":"push"' in line]
     assert len(events) == 1 and '"app":"a"' in events[0]
 

@@ -165,6 +165,7 @@ class Session:
         self.exchange_timeout = float(exchange_timeout)
         self.send_timeout = float(send_timeout)
         self.exit_grace = env.exit_grace()  # read before any IPC object exists: a bad value leaves nothing behind
+        self._no_manager = env.no_manager()  # likewise
         self.clock = clock or SystemClock()
         self.measurement_output = env.profile_output()
         self.own_ratio = model.ratio
@@ -181,7 +182,7 @@ class Session:
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
         self.slot_window = SlotWindow(len(model.ratio))
         self.device_uuids = _device_uuids(model)
-        self._last_push_wall = 0.0  # write time of the last pushed command applied
+        self._last_push: AppCommand | None = None  # the last pushed command taken (applied or refused)
         self._cadence: float | None = None  # seconds between boundaries the manager asked for
         self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
@@ -227,7 +228,7 @@ class Session:
 
     # --- set-up -------------------------------------------------------------------------------
     def _default_link(self) -> ManagerLink:
-        if self.measurement_output is not None or env.no_manager():
+        if self.measurement_output is not None or self._no_manager:
             return DetachedLink()
         try:
             return PosixManagerLink(self.names, self.app, self.clock)
@@ -332,8 +333,19 @@ class Session:
         return self._attached_pid != 0
 
     def close(self) -> None:
-        """Leave: tell the manager (if the run is not finished), remove this app's IPC objects."""
+        """Leave: tell the manager (if the run is not finished), remove this app's IPC objects.
+
+        In a process forked from the job (``os.fork``; its exit runs ``with`` blocks and atexit)
+        the session is the job's, not the child's: the child only stops using its copy. It tells
+        the manager nothing, removes nothing and writes no SD-log line (its copy of the log's
+        buffer holds the job's lines, which the job writes itself).
+        """
         if self._closed:
+            return
+        if os.getpid() != self.pid:
+            self._closed = True
+            self._restore_sigterm_handler()
+            atexit.unregister(self.close)
             return
         self._closed = self._closing = True
         try:
@@ -449,13 +461,15 @@ class Session:
             self._accept(command, now)
 
     def _accept(self, command: AppCommand, now: float, late: bool = False) -> None:
-        """Apply a command read from the record. A pushed DR is applied once (by write time) and
-        leaves an awaited answer awaited: the manager stamps a push with the app's latest notice,
-        so it can reach the app before the answer to that notice does."""
+        """Apply a command read from the record. A pushed DR is applied once and leaves an awaited
+        answer awaited: the manager stamps a push with the app's latest notice, so it can reach
+        the app before the answer to that notice does. The record holds the manager's latest
+        command only, so a push seen before is the one taken last: it is told by its content, not
+        by comparing write times (the manager's wall clock may step back)."""
         if not command.pushed:
             self._apply(command, now, late=late)
-        elif command.written_wall > self._last_push_wall:
-            self._last_push_wall = command.written_wall
+        elif command != self._last_push:
+            self._last_push = command
             self._apply(command, now)
 
     def _boundary(self, now: float) -> None:

@@ -1,0 +1,84 @@
+"""A process forked from a training job (``os.fork``: a checkpoint writer, a helper) holds a copy
+of the job's session. Its exit must leave the job alone: it used to send the manager a FINISH
+notice in the job's name (the manager drops the job), remove the job's record, semaphore and name
+claim, and write the job's buffered SD-log lines a second time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import leftovers
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+
+FORKING_JOB = textwrap.dedent("""
+    import contextlib, json, os, sys, time
+    from drbalance.client.session import Session
+    from drbalance.ipc import discovery
+    from drbalance.ipc.endpoint import ManagerEndpoint
+    from drbalance.ipc.layout import ManagerBeat
+    from drbalance.ipc.names import IpcNames
+    from drbalance.ratio import DataRatio
+
+    class Steered:
+        def __init__(self):
+            self.ratio = DataRatio([5, 5], 10)
+        def set_ratio(self, ratio):
+            self.ratio = ratio
+
+    def received():
+        found = []
+        while (notice := endpoint.receive(0.5)) is not None:
+            found.append(f"{notice.kind.name}:{notice.pid}")
+        return found
+
+    log, how = sys.argv[1], sys.argv[2]
+    names = IpcNames.current()
+    endpoint = ManagerEndpoint(names)  # a manager's real inbox and heartbeat, in this process
+    endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))
+    session = Session(Steered(), "forked", 1, 1000, 1.0, exchange_timeout=0.05, sd_log=log)
+    before = received()  # its REGISTER (not answered: the job trains on)
+    for _ in range(5):
+        session.step()  # a report line waits in the SD log's buffer
+    with session if how == "with" else contextlib.nullcontext():
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # the child ends normally: the with-block's __exit__ and atexit run in it
+        os.waitpid(child, 0)
+        after_child = received()
+        claim = discovery.read_claim(names, "forked")
+        kinds = sorted(listed.kind for listed in names.listed())
+    session.close()
+    at_close = received()
+    endpoint.close()
+    print(json.dumps({"pid": os.getpid(), "before": before, "after_child": after_child, "at_close": at_close,
+                      "claim_pid": claim.pid if claim else None, "kinds": kinds}))
+""")
+
+
+@pytest.mark.parametrize("how", ["with", "atexit"])
+def test_a_forked_child_that_exits_leaves_the_jobs_session_alone(ipc_env, tmp_path, how):
+    log = tmp_path / "forked.sd.jsonl"
+    done = subprocess.run([sys.executable, "-c", FORKING_JOB, str(log), how], cwd=ROOT, capture_output=True,
+                          text=True, timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    pid = result["pid"]
+    assert result["before"] == [f"REGISTER:{pid}"]
+    assert result["after_child"] == []  # the child sent nothing in the job's name
+    assert result["claim_pid"] == pid  # the job still holds its name
+    assert result["kinds"] == ["app", "manager", "sig"]  # its record and semaphore are still there
+    assert result["at_close"] == [f"FINISH:{pid}"]  # one FINISH: the job's own, when it closes
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    # the job's lines once each, none written by the child (its copy of the buffered report line)
+    assert events == ["start", "attached", "no_answer", "report", "closed"], events
+    assert "was removed from /dev/shm" not in done.stderr
+    assert leftovers(ipc_env) == []
