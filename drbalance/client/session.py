@@ -42,6 +42,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
+import posix_ipc
+
 from drbalance import env
 from drbalance.client.distributed import JobSync
 from drbalance.client.termination import SessionTerminated, Termination
@@ -232,7 +234,7 @@ class Session:
             return DetachedLink()
         try:
             return PosixManagerLink(self.names, self.app, self.clock)
-        except OSError as error:  # e.g. no /dev/shm: train on without a manager
+        except (OSError, posix_ipc.Error) as error:  # no /dev/shm, full, or refusing this user: train on alone
             logger.warning("drbalance: POSIX IPC unavailable (%s); training %r with its own DR %s",
                            error, self.app, self.own_ratio)
             return DetachedLink()
