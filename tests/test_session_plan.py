@@ -76,6 +76,29 @@ def test_the_plan_can_come_from_the_loader(alone):
         Session(model(), "empty", epochs=1, iterations_per_epoch=empty, solo_time=1.0)
 
 
+def test_numpy_integers_count_as_integers_and_numpy_bools_and_fractions_do_not(alone):
+    """A plan read from a config or an array arrives as numpy integers: ``iterations_per_epoch``
+    of ``np.int64(5)`` used to be refused as "a loader with no length (IterableDataset)", the
+    other counts as not integers."""
+    import numpy as np
+
+    session = Session(model(), "numpy-plan", epochs=np.int64(4), iterations_per_epoch=np.int32(5),
+                      solo_time=np.float32(40.0), start_epoch=np.int64(1), report_every=np.int16(2),
+                      decide_every=np.uint8(3))
+    try:
+        assert session.plan.total == 20 and session.tracker.done == 5 and session.start_epoch == 1
+        assert (session.report_every, session.decide_every) == (2, 3)
+        assert all(type(value) is int for value in (session.plan.epochs, session.plan.iterations_per_epoch,
+                                                    session.start_epoch, session.report_every))
+    finally:
+        session.close()
+    with pytest.raises(ValueError, match="iterations_per_epoch must be a positive integer"):
+        Session(model(), "numpy-zero", epochs=1, iterations_per_epoch=np.int64(0), solo_time=1.0)
+    with pytest.raises(ValueError, match="epochs must be a positive integer"):
+        Session(model(), "numpy-bool", epochs=np.bool_(True), iterations_per_epoch=5, solo_time=1.0)
+    with pytest.raises(ValueError, match="report_every must be a positive integer"):
+        Session(model(), "numpy-half", epochs=1, iterations_per_epoch=5, solo_time=1.0, report_every=np.float64(2.5))
+
 def test_a_resumed_session_starts_at_its_epoch_and_measures_the_rest(alone, tmp_path):
     class Ticks:
         def __init__(self):

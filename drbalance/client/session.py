@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import numbers
 import os
 import signal
 import threading
@@ -86,8 +87,8 @@ def iterations_from(value: int | Sized) -> int:
     """Iterations per epoch from an integer or from anything with a length (a DataLoader)."""
     if isinstance(value, bool):
         raise ValueError(f"iterations_per_epoch must be a positive integer or a loader; got {value!r}")
-    if isinstance(value, int):
-        return value
+    if isinstance(value, numbers.Integral):  # numpy's integers too
+        return int(value)
     try:
         length = len(value)  # a DataLoader's length is its batches per epoch
     except TypeError:
@@ -101,9 +102,18 @@ def iterations_from(value: int | Sized) -> int:
     return length
 
 
+def _whole(value: Any) -> Any:
+    """An integer of any integral type (numpy's ``int64`` from a config or an array included) as
+    an ``int``; anything else (``bool``: refused by the checks after) unchanged."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return value
+    return int(value)
+
+
 def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
+    value = _whole(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}; got {value!r}")
     return value
@@ -150,6 +160,7 @@ class Session:
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
         self.model = model
         self.app = check_app_name(app)
+        epochs, start_epoch = _whole(epochs), _whole(start_epoch)
         self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
         if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
             raise ValueError(f"start_epoch must be an integer in 0..{epochs - 1} (epochs already done); "
