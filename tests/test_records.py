@@ -1,10 +1,13 @@
 """Shared-memory records and notices: layout, validation, torn reads, stale leftovers, modes."""
 
 import dataclasses
+import json
 import os
 import signal
 import stat
 import struct
+import subprocess
+import sys
 import time
 
 import posix_ipc
@@ -27,7 +30,7 @@ from drbalance.ipc.layout import (
 )
 from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
 from drbalance.ipc.records import AppNameInUse, AppRecord, RecordBusy, RecordEmpty
-from tests.conftest import leftovers, python_process
+from tests.conftest import ROOT, leftovers, python_process
 from tests.helpers.record_writer import consistent, status_for
 
 
@@ -238,6 +241,38 @@ def test_a_dead_apps_unreadable_claim_and_junk_record_do_not_block_its_name(ipc_
         second.release()
     assert not (claims / "junk.claim").exists()
 
+
+CLAIM_ON_A_FULL_DISK = """
+import json, os, resource, signal, sys
+from drbalance.ipc.discovery import AppClaim, read_claim
+from drbalance.ipc.names import IpcNames
+names = IpcNames.current()
+claim = AppClaim.take(names, "renewed")
+os.unlink(claim.path)  # e.g. a cleanup of the runtime folder
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is then an EFBIG error
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4, hard))  # no file may grow past 4 bytes: a full disk
+refused = claim.renew()
+left = os.path.exists(claim.path)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+renewed = claim.renew()
+found = read_claim(names, "renewed")
+print(json.dumps({"refused": refused, "left": left, "renewed": renewed, "pid": found.pid if found else None,
+                  "me": os.getpid()}))
+claim.release()
+"""
+
+
+def test_a_claim_that_cannot_be_written_back_is_tried_again_and_leaves_no_empty_claim(ipc_env):
+    """Putting a removed claim back on a full disk raised out of the job's step; had the file been
+    left empty, the claim would have looked held for good and no manager would find the job."""
+    done = subprocess.run([sys.executable, "-c", CLAIM_ON_A_FULL_DISK], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["refused"] is False and result["left"] is False  # not put back, and no empty file left
+    assert result["renewed"] is True and result["pid"] == result["me"]  # put back once the disk has room
+    assert leftovers(ipc_env) == []
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
 def test_objects_are_private_whatever_the_umask(ipc_env, umask):

@@ -257,9 +257,7 @@ class AppClaim:
         )
 
     def _write(self, info: ClaimInfo) -> None:
-        data = info.encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
+        _write_fd(self.fd, info)
         self.info = info
 
     def held(self) -> bool:
@@ -286,9 +284,15 @@ class AppClaim:
         if not _same_file(fd, self.path) or _read_fd(fd, self.path) is not None:
             os.close(fd)  # someone else's claim (or it moved again): keep our old lock, try later
             return False
+        try:
+            _write_fd(fd, self.info)
+        except OSError:  # e.g. a full disk: an empty claim would hide the job for good; try again later
+            if _same_file(fd, self.path):
+                os.unlink(self.path)  # still locked by us: nobody else is using it
+            os.close(fd)
+            return False
         old, self.fd = self.fd, fd
         os.close(old)
-        self._write(self.info)
         return True
 
     def release(self) -> None:
@@ -376,3 +380,16 @@ def collect_claim(names: IpcNames, app: str, expected_token: str | None = None) 
         return info or _placeholder(app)
     finally:
         os.close(fd)
+
+
+def _write_fd(fd: int, info: ClaimInfo) -> None:
+    """Replace the claim file's content with ``info`` (OSError as the file system gives it; a
+    short write, as at a file size limit, is finished or fails: never half a claim)."""
+    data = info.encode()
+    os.ftruncate(fd, 0)
+    written = 0
+    while written < len(data):
+        count = os.pwrite(fd, data[written:], written)
+        if count <= 0:
+            raise OSError(errno.ENOSPC, "no room to write the claim")
+        written += count
