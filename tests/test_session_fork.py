@@ -82,3 +82,49 @@ def test_a_forked_child_that_exits_leaves_the_jobs_session_alone(ipc_env, tmp_pa
     assert events == ["start", "attached", "no_answer", "report", "closed"], events
     assert "was removed from /dev/shm" not in done.stderr
     assert leftovers(ipc_env) == []
+
+
+SIGTERM_IN_A_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from drbalance.client.session import Session
+    from drbalance.ratio import DataRatio
+
+    class Steered:
+        def __init__(self):
+            self.ratio = DataRatio([5, 5], 10)
+        def set_ratio(self, ratio):
+            self.ratio = ratio
+
+    session = Session(Steered(), "worker-parent", 1, 1000, 1.0, sd_log=False)  # its SIGTERM handler is set
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # like a DataLoader worker: forked, it inherits the handler
+        os.close(reader)
+        os.write(writer, b"r")
+        try:
+            time.sleep(60)
+        finally:  # reached only if SIGTERM unwinds the child instead of ending it
+            os.write(writer, b"u")
+        os._exit(0)
+    os.close(writer)
+    os.read(reader, 1)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    unwound = os.read(reader, 1) == b"u"
+    alive = session.attached is False and not session._closed  # the job's own session is untouched
+    session.close()
+    print(json.dumps({"signalled": os.WIFSIGNALED(status), "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                      else None, "unwound": unwound, "parent_fine": alive}))
+""")
+
+
+def test_a_forked_child_dies_of_sigterm_at_once_and_the_job_trains_on(ipc_env, tmp_path):
+    """A DataLoader worker inherits the job's SIGTERM handler; it used to raise SessionTerminated in
+    the worker, which then ran its cleanup code and the job's exit hooks, instead of dying of
+    SIGTERM at once as it would without drbalance."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_CHILD], cwd=ROOT, capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT), "DRBALANCE_NO_MANAGER": "1"})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {"signalled": True, "signal": 15, "unwound": False, "parent_fine": True}, (result, done.stderr)
+    assert "SessionTerminated" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -281,6 +281,10 @@ class Session:
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
             # No I/O here: raise, and let the script's normal flow (with/finally/atexit) close the session.
+            if os.getpid() != self.pid:  # a forked child (a DataLoader worker): it dies of SIGTERM, as without us
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             if not self._closed:
                 Termination.requested()
                 raise SessionTerminated()
