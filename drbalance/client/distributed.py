@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -99,7 +100,8 @@ MAX_EXCHANGE_DELAY = 1.0
 
 
 class RatioSyncError(RuntimeError):
-    """A collective of the job's control group failed (typically: another rank died)."""
+    """A collective of the job failed: the control exchange, the DR agreement, or a gradient
+    all-reduce whose result the hook waits for (typically: another rank died)."""
 
 
 def exchange_interval(step_seconds: float, cost_seconds: float, wall_seconds: float = 0.0,
@@ -433,6 +435,20 @@ def _weigh(source: torch.Tensor, weight: float, out: torch.Tensor) -> None:
         torch.mul(source, weight, out=out)
 
 
+def _waited(state: _BalanceState, pending: Any) -> None:
+    """Wait for a gradient all-reduce in the hook; ``RatioSyncError`` naming this rank if it fails.
+
+    A dead peer is then reported as it is in a control exchange, whichever kind of step found it.
+    """
+    try:
+        pending.wait()
+    except RuntimeError as error:
+        raise RatioSyncError(
+            f"drbalance: rank {state.rank} could not all-reduce its gradients with the job's other ranks ({error}); "
+            f"another rank of the job probably died"
+        ) from error
+
+
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
@@ -472,7 +488,7 @@ def _exchange_step_allreduce(state: _BalanceState, bucket: dist.GradBucket,
         _weigh(buffer, _local_weight(counts[state.rank], sum(counts), state.reduction), buffer)
     work = _allreduce(state.inflight, state.gradients, buffer)
     if last and not buffer.is_cuda:
-        work.wait()
+        _waited(state, work)
         return _completed(buffer)
     return work.get_future().then(state.inflight.callback(lambda fut: fut.value()[0]))
 
@@ -499,8 +515,8 @@ def _counting_step_allreduce(state: _BalanceState, step: _Step, bucket: dist.Gra
         # (which made step.factor) ran when its collective was queued. Not run on a GPU.
         return work.get_future().then(state.inflight.callback(lambda fut: _corrected_on_device(fut, step)))
     if last:
-        work.wait()
-        step.first.wait()  # done before this one on gloo, normally; raises if it failed
+        _waited(state, work)
+        _waited(state, step.first)  # done before this one on gloo, normally; raises if it failed
         return _completed(_corrected_on_host(step, buffer))
     # gloo may complete collectives out of order: wait for the first bucket's counts without blocking.
     return torch.futures.collect_all([work.get_future(), step.first]).then(
@@ -522,7 +538,7 @@ def _reduce_first_bucket(state: _BalanceState, step: _Step, buffer: torch.Tensor
         step.first = work.get_future().then(
             state.inflight.callback(lambda fut: _first_bucket_on_device(state, step, staging, fut)))
     elif last:
-        work.wait()
+        _waited(state, work)
         step.first = _completed(_first_bucket_on_host(state, step, staging))
     else:
         step.first = work.get_future().then(
@@ -903,12 +919,51 @@ def _control_group(group: Any) -> Any:
     """A gloo group of ``group``'s ranks (the group itself when it is gloo already).
 
     The control exchange and the DR are tiny CPU tensors: on gloo they cost no GPU synchronisation
-    whatever the gradient backend is. Only the group's members call ``new_group``.
+    whatever the gradient backend is. Only the group's members call ``new_group``. The new group
+    waits for a stuck rank as long as ``group`` does (``init_process_group``'s ``timeout``, e.g.
+    train_ddp.py's ``--timeout``), not ``new_group``'s default of 30 minutes. One such group
+    per ``group``, made by the first model wrapped over it and reused by later ones (as a gloo
+    ``group`` itself is): a new one per model kept a gloo group, its threads and its connections
+    until ``destroy_process_group``, for every model ever wrapped.
     """
     if dist.get_backend(group) == "gloo":
         return group
+    live = _live_groups()
+    for key in [key for key, (parent, control) in _CONTROL_GROUPS.items()
+                if live is not None and (parent not in live or control not in live)]:
+        del _CONTROL_GROUPS[key]  # destroyed (destroy_process_group): never reused
+    known = _CONTROL_GROUPS.get(id(group))
+    if known is not None and known[0] is group and live is not None:
+        return known[1]
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    control = dist.new_group(ranks=ranks, backend="gloo", timeout=_group_timeout(group),
+                             use_local_synchronization=True)
+    _CONTROL_GROUPS[id(group)] = (group, control)
+    return control
+
+
+_CONTROL_GROUPS: dict[int, tuple[Any, Any]] = {}
+"""id(process group) -> (that group, its gloo control group); the group is held so its id stays its own."""
+
+
+def _live_groups() -> Any:
+    """The process groups not destroyed yet (None if torch does not say: no control group is then reused)."""
+    try:
+        return dist.distributed_c10d._world.pg_map
+    except AttributeError:
+        return None
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    """How long ``group``'s collectives wait for another rank (None if torch does not say: the default)."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
+from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.ratio import DataRatio
 
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             pass_start_gate(args.start_gate, args.start_gate_timeout)
         session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
                           report_every=args.report_every, decide_every=args.decide_every or None)
-    except (ValueError, ProfileNotFound, OSError) as error:  # OSError: e.g. an SD log path that is a symbolic link
+    except (ValueError, ProfileNotFound, OSError, AppNameInUse) as error:  # OSError: e.g. an SD log path that is a
+        # symbolic link; AppNameInUse: --app names a job that is running
         print(f"drbalance.runs.train: error: {error}", file=sys.stderr)
         return 2
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -32,6 +32,7 @@ from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 from drbalance.client.sampler import check_rank_ratio
+from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.runs.train import MODELS, add_training_options, parse_integers, solo_time
 
@@ -120,6 +121,13 @@ def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated_g
         raise fail(f"--gpus must be comma-separated device indices; got {args.gpus!r}") from None
     if local_rank >= len(gpus):
         raise fail(f"local rank {local_rank} has no device: --gpus gives {len(gpus)} for more ranks on this node")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "")  # set by torchrun: every local rank checks alike
+    used = gpus[:int(local_world)] if local_world.isdigit() else []
+    shared = sorted({index for index in used if used.count(index) > 1})
+    if shared:
+        raise fail(f"--gpus {args.gpus} gives device(s) {shared} to more than one rank of this node; give every "
+                   f"rank a GPU of its own (NCCL refuses two ranks on one GPU, and the manager cannot steer a job "
+                   f"whose ranks share one)")
     gpu = gpus[local_rank]
     if not 0 <= gpu < available:
         raise fail(f"device {gpu} of --gpus does not exist ({available} {kind} GPUs)")
@@ -165,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:  # bad input found while setting up is one line per rank, not a traceback from each
         return train(args, rank, local_rank, world_size)
-    except (ValueError, ProfileNotFound, OSError) as error:
+    except (ValueError, ProfileNotFound, OSError, AppNameInUse) as error:  # AppNameInUse: rank 0's --app is taken
         print(f"drbalance.runs.train_ddp: error (rank {rank}): {error}", file=sys.stderr)
         return 2
 
 
 def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int) -> int:
-    """Set up this rank (process group, model, loader, session) and train; ValueError, OSError or
-    ``ProfileNotFound`` for bad input found while setting up."""
+    """Set up this rank (process group, model, loader, session) and train; ValueError, OSError,
+    ``ProfileNotFound`` or ``AppNameInUse`` for bad input found while setting up."""
     kind, emulated_gpus = choose_devices(args.devices)
     gpu = rank_device(args, kind, local_rank, emulated_gpus)
     timeout = timedelta(seconds=args.timeout)
