@@ -25,22 +25,12 @@ from drbalance.ipc.names import new_token
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import SEGMENT_SIZE, Segment
 from drbalance.jsonlog import JsonLinesWriter, read_json_lines
-from drbalance.ratio import DataRatio
 from tests.conftest import wait_for
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.steered import SteeredModel
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class SteeredModel:
-    """What a Session steers, without torch: a DR and ``set_ratio``."""
-
-    def __init__(self) -> None:
-        self.ratio = DataRatio([5, 5], 10)
-
-    def set_ratio(self, ratio: DataRatio) -> None:
-        self.ratio = ratio
 
 
 def backed_bytes(fd: int) -> int:
@@ -84,7 +74,7 @@ cd "$ROOT"
 
 JOB = textwrap.dedent("""
     from drbalance.client.session import Session
-    from tests.test_hardening_resources import SteeredModel
+    from tests.helpers.steered import SteeredModel
     session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
     print("link", type(session.link).__name__)
     for _ in range(10):
@@ -94,14 +84,20 @@ JOB = textwrap.dedent("""
 """)
 
 
-def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
-    """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
+def private_mounts(covered: str) -> str:
+    """The path of ``unshare`` for a private mount namespace (a private /dev/shm); skips, saying
+    so and what ``covered`` the case otherwise, where that needs root with CAP_SYS_ADMIN."""
     if os.geteuid() != 0:
-        pytest.skip("a private /dev/shm needs root with CAP_SYS_ADMIN (unshare -m); the backed-pages test covers it")
+        pytest.skip(f"a private /dev/shm needs root with CAP_SYS_ADMIN (unshare -m); {covered}")
     unshare = shutil.which("unshare")
     assert unshare is not None, "util-linux's unshare is missing (an install problem, not a reason to skip)"
     if subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused); the backed-pages test covers it")
+        pytest.skip(f"a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused); {covered}")
+    return unshare
+
+def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
+    """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
+    unshare = private_mounts("the backed-pages test covers it")
     (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
     env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=JOB, OUT=str(tmp_path),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -126,7 +122,7 @@ REFUSED_JOB = textwrap.dedent("""
     import os, sys, traceback
     from drbalance.client.session import Session
     from tests.helpers.neighbour import second_user
-    from tests.test_hardening_resources import SteeredModel
+    from tests.helpers.steered import SteeredModel
     uid, gid, _ = second_user()
     runtime = os.environ["RUNTIME"]
     os.chown(runtime, uid, gid)
@@ -159,12 +155,7 @@ REFUSED_JOB = textwrap.dedent("""
 def test_a_dev_shm_that_refuses_the_jobs_user_leaves_it_training_with_its_own_dr(ipc_env, tmp_path):
     """posix_ipc's PermissionsError is not an OSError: the session let it out of ``Session()``,
     where a missing or full /dev/shm (OSError) already left the job training detached."""
-    if os.geteuid() != 0:
-        pytest.skip("a private /dev/shm and a second user need root with CAP_SYS_ADMIN (unshare -m)")
-    unshare = shutil.which("unshare")
-    assert unshare is not None, "util-linux's unshare is missing (an install problem, not a reason to skip)"
-    if subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused)")
+    unshare = private_mounts("the job's own user is root elsewhere")
     runtime = tempfile.mkdtemp(prefix="drbalance-refused-")  # in /tmp: the job's user can reach it
     env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=REFUSED_JOB, OUT=str(tmp_path), RUNTIME=runtime,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -26,13 +26,7 @@ FORKING_JOB = textwrap.dedent("""
     from drbalance.ipc.endpoint import ManagerEndpoint
     from drbalance.ipc.layout import ManagerBeat
     from drbalance.ipc.names import IpcNames
-    from drbalance.ratio import DataRatio
-
-    class Steered:
-        def __init__(self):
-            self.ratio = DataRatio([5, 5], 10)
-        def set_ratio(self, ratio):
-            self.ratio = ratio
+    from tests.helpers.steered import SteeredModel
 
     def received():
         found = []
@@ -44,7 +38,7 @@ FORKING_JOB = textwrap.dedent("""
     names = IpcNames.current()
     endpoint = ManagerEndpoint(names)  # a manager's real inbox and heartbeat, in this process
     endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))
-    session = Session(Steered(), "forked", 1, 1000, 1.0, exchange_timeout=0.05, sd_log=log)
+    session = Session(SteeredModel(), "forked", 1, 1000, 1.0, exchange_timeout=0.05, sd_log=log)
     before = received()  # its REGISTER (not answered: the job trains on)
     for _ in range(5):
         session.step()  # a report line waits in the SD log's buffer
@@ -87,15 +81,9 @@ def test_a_forked_child_that_exits_leaves_the_jobs_session_alone(ipc_env, tmp_pa
 SIGTERM_IN_A_CHILD = textwrap.dedent("""
     import json, os, signal, sys, time
     from drbalance.client.session import Session
-    from drbalance.ratio import DataRatio
+    from tests.helpers.steered import SteeredModel
 
-    class Steered:
-        def __init__(self):
-            self.ratio = DataRatio([5, 5], 10)
-        def set_ratio(self, ratio):
-            self.ratio = ratio
-
-    session = Session(Steered(), "worker-parent", 1, 1000, 1.0, sd_log=False)  # its SIGTERM handler is set
+    session = Session(SteeredModel(), "worker-parent", 1, 1000, 1.0, sd_log=False)  # its SIGTERM handler is set
     reader, writer = os.pipe()
     child = os.fork()
     if child == 0:  # like a DataLoader worker: forked, it inherits the handler

@@ -12,19 +12,9 @@ import pytest
 from drbalance.client.session import Session
 from drbalance.ipc.endpoint import ManagerEndpoint
 from drbalance.ipc.layout import ManagerBeat
-from drbalance.ratio import DataRatio
+from tests.helpers.steered import SteeredModel
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Steered:
-    """What a Session steers, without torch: a DR and ``set_ratio``."""
-
-    def __init__(self) -> None:
-        self.ratio = DataRatio([5, 5], 10)
-
-    def set_ratio(self, ratio: DataRatio) -> None:
-        self.ratio = ratio
 
 
 @pytest.mark.parametrize("value, detached", [("True", True), ("ON", True), (" yes ", True), ("1", True),
@@ -34,7 +24,7 @@ def test_no_manager_is_read_whatever_its_case(ipc_env, monkeypatch, value, detac
     endpoint = ManagerEndpoint(ipc_env)  # a live manager's real inbox and heartbeat, in this process
     try:
         endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))
-        with Session(Steered(), "optout", 1, 10, 1.0, sd_log=False, exchange_timeout=0.0,
+        with Session(SteeredModel(), "optout", 1, 10, 1.0, sd_log=False, exchange_timeout=0.0,
                      handle_sigterm=False) as session:
             assert session.attached is not detached
             notice = endpoint.receive(0.2 if detached else 5.0)
@@ -49,5 +39,5 @@ def test_a_no_manager_value_that_is_neither_is_a_clear_error_before_anything_is_
     monkeypatch.setenv("DRBALANCE_NO_MANAGER", value)
     log = tmp_path / "optout.sd.jsonl"
     with pytest.raises(ValueError, match="DRBALANCE_NO_MANAGER"):
-        Session(Steered(), "optout", 1, 10, 1.0, sd_log=log, handle_sigterm=False)
+        Session(SteeredModel(), "optout", 1, 10, 1.0, sd_log=log, handle_sigterm=False)
     assert not log.exists() and not ipc_env.claims_dir().exists() and ipc_env.listed() == []

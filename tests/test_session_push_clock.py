@@ -14,23 +14,14 @@ from drbalance.client.session import Session
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint
 from drbalance.ipc.layout import AppCommand, ManagerBeat, NoticeKind
 from drbalance.ratio import DataRatio
+from tests.helpers.steered import SteeredModel
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class Steered:
-    """What a Session steers, without torch: a DR and ``set_ratio``."""
-
-    def __init__(self) -> None:
-        self.ratio = DataRatio([5, 5], 10)
-
-    def set_ratio(self, ratio: DataRatio) -> None:
-        self.ratio = ratio
-
-
 def test_a_push_written_after_the_managers_clock_stepped_back_is_applied_once(ipc_env):
     endpoint = ManagerEndpoint(ipc_env)  # a manager's real inbox and heartbeat, in this process
-    model = Steered()
+    model = SteeredModel()
     session = None
     try:
         endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))
