@@ -348,3 +348,42 @@ def test_a_forward_after_a_ranks_emulated_gpu_was_closed_is_a_clear_error(ipc_en
     device.close()
     with pytest.raises(RuntimeError, match="emulated GPU emu:0 after its EmulatedRankDevice was closed"):
         module(torch.randn(3, 4))
+
+
+class ReturnsItsScale(nn.Module):
+    """Returns a parameter of its own (a learned temperature) before the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.scale, self.linear(x)
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_the_module_returns_gets_no_memory_hook_that_outlives_the_forward(emu):
+    """The backward's memory is reserved by a hook on the chunk's output. A parameter in the output
+    lives on: a hook on it would stay for every later backward (one more per forward) and keep
+    reserving memory on the GPU of a chunk long gone, after a DR change too."""
+    costs = ModelCosts("test", fixed=0.0, per_sample=0.0, dp_overhead=0.0, host_ratio=0.0,
+                       memory_fixed=1000, memory_per_sample=100)
+    backend = EmulatedBackend(2, costs)
+    try:
+        model = ReturnsItsScale()
+        wrapped = BalancedDataParallel(model, ratio=[5, 5], backend=backend)
+        x = torch.randn(10, 3)
+        for _ in range(3):
+            scale, out = wrapped(x)
+            (out.mean() * scale.mean()).backward()
+        assert backend.gpus[1].memory_info().used > 0
+        wrapped.set_ratio([10, 0])  # GPU 1 unused from now on: its memory is given back
+        for _ in range(2):
+            scale, out = wrapped(x)
+            (out.mean() * scale).backward()
+        assert backend.gpus[1].memory_info().used == 0
+        assert not model.scale._backward_hooks
+    finally:
+        backend.close()

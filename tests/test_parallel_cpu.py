@@ -528,3 +528,122 @@ def test_output_devices_are_read_as_data_parallel_reads_them():
 
     assert output_target(-1) == torch.device("cpu") and output_target(2) == torch.device("cuda", 2)
     assert output_target(torch.device("cuda", 1)) == torch.device("cuda", 1) and output_target("cpu").type == "cpu"
+
+
+class InPlaceOnInput(nn.Module):
+    """Changes its input in place first (``nn.ReLU(inplace=True)``), then views it as one row per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.linear(torch.relu_(x).reshape(x.shape[0], -1).view(x.shape[0], -1))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shares", [[10, 0], [5, 5], [3, 7]])
+def test_in_place_ops_on_an_input_that_requires_grad_work_and_give_the_bare_gradients(shares):
+    """A wrapped part of a larger model (an encoder after an embedding) gets an input with autograd
+    history; an in-place op on it works for the bare module and nn.DataParallel, so it must on
+    every chunk, with the same gradients."""
+    model = InPlaceOnInput()
+    torch.manual_seed(1)
+    source = torch.randn(8, 6, requires_grad=True)
+    model(source * 2).sum().backward()
+    expected = [source.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    source.grad = None
+    model.zero_grad()
+    BalancedDataParallel(model, ratio=shares)(source * 2).sum().backward()
+    for grad, wanted in zip([source.grad] + [p.grad for p in model.parameters()], expected):
+        torch.testing.assert_close(grad, wanted)
+
+
+class FlattensItsInput(nn.Module):
+    def forward(self, x):
+        return x.view(-1).view(x.shape) * 2
+
+
+@pytest.mark.timeout(60)
+def test_chunks_of_a_split_along_dim_1_are_contiguous_like_the_whole_input():
+    """``x.view`` works on the bare module's contiguous input (and on the copies nn.DataParallel's
+    scatter hands each GPU); a split along dim 1 must not hand a replica a non-contiguous view."""
+    x = torch.arange(24.0).reshape(3, 8)
+    out = BalancedDataParallel(FlattensItsInput(), ratio=[5, 5], dim=1)(x)
+    torch.testing.assert_close(out, x * 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shares", [[5, 5], [2, 3, 5]])
+def test_batch_norm_put_back_in_training_in_an_eval_model_advances_once_per_forward(shares):
+    """Test-time adaptation: ``model.eval()``, then batch norm alone back in training mode. Its
+    running statistics advance once per forward, as for the bare module, not once per chunk."""
+    bare, balanced = bn_model(seed=4), bn_model(seed=4)
+    for model in (bare, balanced):
+        model.eval()
+        model[1].train()
+    wrapped = BalancedDataParallel(balanced, ratio=shares)
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        bare(x)
+        wrapped(x)
+    assert balanced[1].num_batches_tracked.item() == bare[1].num_batches_tracked.item() == 1
+    torch.testing.assert_close(balanced[1].running_mean, bare[1].running_mean)
+    with torch.no_grad():
+        wrapped(x[:3])  # a split that would leave a training batch norm one sample is folded
+    assert balanced[1].num_batches_tracked.item() == 2
+
+
+@pytest.mark.timeout(60)
+def test_with_one_device_any_output_comes_back_as_from_data_parallel_on_one_device():
+    """nn.DataParallel with one device returns the module's output without a gather, so a count
+    or a name beside the logits works; with one slot no DR change can split the batch either."""
+    wrapped = BalancedDataParallel(ReturnsCount())  # the CPU path's default: one slot
+    logits, count = wrapped(torch.ones(4, 1))
+    assert count == 4 and logits.shape == (4, 1)
+    nested = BalancedDataParallel(ReturnsNestedString(), device_ids=[0])
+    assert nested(torch.ones(4, 1))["meta"] == {"names": ["a"]}
+    with pytest.raises(TypeError, match=r"returned int 4 as output\[1\]"):
+        BalancedDataParallel(ReturnsCount(), ratio=[10, 0])(torch.ones(4, 1))  # two slots: still refused
+
+
+class RunningScale(nn.Module):
+    """Updates a buffer in place, then divides by it: the division saves the buffer for the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        h = self.linear(x)
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.9).add_(0.1 * h.abs().mean(0))
+        return h / self.scale
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shares", [[5, 5], [2, 3, 5]])
+def test_a_buffer_updated_in_place_and_saved_for_the_backward_keeps_each_chunks_value(shares):
+    """Each chunk's backward uses the buffer value its own forward used, as each replica of
+    nn.DataParallel uses its own copy: a later chunk, or the merge, must not change it under it."""
+    model = RunningScale()
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(3))
+    wrapped = BalancedDataParallel(model, ratio=shares)
+    buffer = model.scale
+    wrapped(x).sum().backward()
+    sizes = [size for size in wrapped.last_chunk_sizes if size]
+    start = torch.ones(3)
+    expected_grad = torch.zeros_like(model.linear.weight)
+    expected_scale = start.clone()
+    for chunk in torch.split(x, sizes):
+        reference = RunningScale()
+        reference(chunk).sum().backward()  # the chunk alone, from the same buffer values
+        expected_grad += reference.linear.weight.grad
+        expected_scale += (reference.scale - start) * chunk.shape[0] / x.shape[0]
+    torch.testing.assert_close(model.linear.weight.grad, expected_grad)
+    torch.testing.assert_close(model.scale, expected_scale)  # advanced once, by the chunks' weighted change
+    assert model.scale is buffer  # the module keeps its own buffer object

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.parallel.replicate import replicate
 
-from drbalance.client.buffers import BufferMerge, tracked_buffers
+from drbalance.client.buffers import BufferMerge, any_training, tracked_buffers
 from drbalance.client.scatter_gather import (
     check_gatherable,
     cpu_splitter,
@@ -232,7 +232,8 @@ class CpuBackend(DeviceBackend):
         chunk_inputs, chunk_kwargs = _scatter_all(inputs, kwargs, plan, cpu_splitter(plan.sizes, plan.dim))
         outputs, timings = self.apply(module, device_ids, plan, chunk_inputs, chunk_kwargs)
         if len(outputs) == 1:
-            check_gatherable(outputs[0])
+            if len(device_ids) > 1:  # a DR change could make it several chunks: refuse what could not be gathered
+                check_gatherable(outputs[0])
             return outputs[0], timings  # one chunk: the module's own output, as nn.DataParallel on one device
         output = gather_outputs(
             outputs, plan.sizes, plan.dim, plan.scalar_mode,
@@ -278,6 +279,8 @@ class CpuBackend(DeviceBackend):
         batch = sum(plan.sizes) or 1
         try:
             for position, (args, kw) in enumerate(zip(chunk_inputs, chunk_kwargs)):
+                if merge is not None:
+                    merge.install_copies()  # every chunk starts from the same buffers, in copies of its own
                 started = clock()
                 try:
                     output = self.call_chunk(module, args, kw, plan, position)
@@ -288,12 +291,9 @@ class CpuBackend(DeviceBackend):
                 spans.append(clock() - started)
                 if merge is not None:
                     merge.add_module_values(plan.sizes[position] / batch)
-                    if position + 1 < len(chunk_inputs):
-                        merge.restore()  # the next chunk starts from the same buffers
-        except BaseException:
+        finally:
             if merge is not None:
-                merge.restore()
-            raise
+                merge.put_back()  # the originals, still holding the values before the forward
         if merge is not None:
             merge.finish()
         return outputs, spans
@@ -408,7 +408,7 @@ class CudaBackend(DeviceBackend):
         else:
             # replicas hold copies of the buffers (the one on device_ids[0] shares them): merge
             # their changes so that the module's buffers advance once (see .buffers)
-            merge = BufferMerge(tracked_buffers(module)) if module.training else None
+            merge = BufferMerge(tracked_buffers(module)) if any_training(module) else None
             targets = [source] + [d for d in devices if d != source]
             copies = dict(zip(targets, replicate(module, targets, not torch.is_grad_enabled())))
             replicas = [copies[d] for d in devices]
@@ -422,8 +422,10 @@ class CudaBackend(DeviceBackend):
             self._merge_buffers(merge, replicas, plan, torch.device("cuda", source))
         target = output_target(output_device)
         if len(outputs) == 1 and devices == [source]:
-            check_gatherable(outputs[0])
-            if len(device_ids) == 1 or target == torch.device("cuda", source):
+            if len(device_ids) == 1:
+                return outputs[0], timings  # nn.DataParallel on one device: the module's own output, whatever it is
+            check_gatherable(outputs[0])  # a DR change could make it several chunks: as their gather would
+            if target == torch.device("cuda", source):
                 return outputs[0], timings  # as nn.DataParallel with one device: the module's own output
             # with several device ids nn.DataParallel always gathers to output_device: so must one chunk
             return _to_device(outputs[0], target), timings

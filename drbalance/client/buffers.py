@@ -37,6 +37,13 @@ def tracked_buffers(module: nn.Module) -> list[torch.Tensor]:
     return buffers
 
 
+def any_training(module: nn.Module) -> bool:
+    """Whether ``module`` or any of its submodules is in training mode: a model put in eval mode
+    with some layers back in training mode (test-time adaptation of batch norm, a head trained
+    on a frozen backbone) still changes those layers' buffers in its forward."""
+    return module.training or any(part.training for part in module.modules())
+
+
 def buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Every (submodule, name, buffer) of ``module``: where a forward that reassigns a buffer
     (``self.steps = self.steps + 1``) puts the new tensor."""
@@ -48,7 +55,7 @@ class BufferMerge:
     """Snapshot the buffers before a multi-chunk forward, collect each chunk's change, merge."""
 
     __slots__ = ("targets", "floats", "others", "float_data", "other_data", "start_floats", "start_others",
-                 "delta", "first_others", "slots")
+                 "delta", "first_others", "slots", "kept_replacements")
 
     def __init__(self, buffers: Sequence[torch.Tensor],
                  slots: Sequence[tuple[nn.Module, str, torch.Tensor]] = ()) -> None:
@@ -64,11 +71,13 @@ class BufferMerge:
             self.start_others = [b.detach().clone() for b in self.others]
         self.delta: list[torch.Tensor] | None = None
         self.first_others: list[torch.Tensor] | None = None
+        self.kept_replacements: dict[tuple[int, str], torch.Tensor] = {}
 
     @classmethod
     def for_forward(cls, module: nn.Module, chunks: int) -> BufferMerge | None:
-        """A merge for a training-mode forward over several chunks; None when nothing to do."""
-        if chunks < 2 or not module.training:
+        """A merge for a forward over several chunks with a submodule in training mode; None when
+        nothing to do."""
+        if chunks < 2 or not any_training(module):
             return None
         buffers = tracked_buffers(module)
         return cls(buffers, buffer_slots(module)) if buffers else None
@@ -86,28 +95,46 @@ class BufferMerge:
             if self.first_others is None:
                 self.first_others = [b.detach().clone() for b in others]
 
-    def add_module_values(self, weight: float) -> None:
-        """Record the values the module itself holds now (the sequential CPU path)."""
-        self._take_back_replaced()
-        self.add(self.floats, self.others, weight)
-
-    def _take_back_replaced(self) -> None:
-        """A forward that assigned a new tensor to a buffer (``self.ema = 0.9 * self.ema + ...``)
-        left it in the module, where the next chunk would start from it: copy its value into the
-        original buffer and put the original back, so that every chunk starts from the same values
-        and the merge sees each chunk's change. A replacement of another shape or dtype is left as is."""
+    # --- the sequential path: chunks run one after another on the module itself ------------------
+    def install_copies(self) -> None:
+        """Before a chunk's forward: give the module fresh copies of the buffers' values before the
+        forward, as each replica of ``nn.DataParallel`` has its own. The chunk changes (or replaces)
+        only its copies, so a tensor its forward saved for the backward (a buffer updated in place,
+        then used) is never changed by a later chunk or by the merge; the originals keep the values
+        before the forward until :meth:`put_back` and :meth:`finish`."""
         with torch.no_grad():
+            copies: dict[int, torch.Tensor] = {}
             for owner, name, original in self.slots:
-                current = owner._buffers.get(name)
-                if current is None or current is original:
-                    continue
-                if current.shape == original.shape and current.dtype == original.dtype:
-                    original.data.copy_(current.detach())
-                    owner._buffers[name] = original
+                copy = copies.get(id(original))
+                if copy is None:  # a buffer shared by two submodules stays shared
+                    copy = copies[id(original)] = original.detach().clone()
+                owner._buffers[name] = copy
+
+    def add_module_values(self, weight: float) -> None:
+        """After a chunk's forward: record the values its copies hold now (or what its forward put in
+        their place, e.g. ``self.ema = 0.9 * self.ema + ...``). A replacement of another shape or
+        dtype contributes no change and is left in the module by :meth:`put_back`, as the last chunk
+        made it."""
+        values: dict[int, torch.Tensor] = {}
+        for owner, name, original in self.slots:
+            current = owner._buffers.get(name)
+            if current is None or current.shape != original.shape or current.dtype != original.dtype:
+                if current is not None:
+                    self.kept_replacements[(id(owner), name)] = current
+                continue
+            self.kept_replacements.pop((id(owner), name), None)
+            values.setdefault(id(original), current.detach())
+        floats = [values.get(id(b), start) for b, start in zip(self.floats, self.start_floats)]
+        others = [values.get(id(b), start) for b, start in zip(self.others, self.start_others)]
+        self.add(floats, others, weight)
+
+    def put_back(self) -> None:
+        """Put the original buffers back in the module (after the chunks, or on an error)."""
+        for owner, name, original in self.slots:
+            owner._buffers[name] = self.kept_replacements.get((id(owner), name), original)
 
     def restore(self) -> None:
         """Put every buffer back to its value before the forward."""
-        self._take_back_replaced()
         self._write(self.start_floats, self.start_others)
 
     def finish(self) -> None:

@@ -276,9 +276,11 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float) -> float:
 
 
 def _tensor_requiring_grad(obj: Any) -> torch.Tensor | None:
-    """The first tensor in ``obj`` that requires grad (0-dim included), depth first."""
+    """The first tensor in ``obj`` that this forward computed and that requires grad (0-dim
+    included), depth first. A leaf (a parameter or an input the module returns as it is) is
+    skipped: it outlives the forward, so a hook on it would run at every later backward."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
+        return obj if obj.requires_grad and obj.grad_fn is not None else None
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     for item in items:
         found = _tensor_requiring_grad(item)

@@ -117,9 +117,11 @@ class _StepSnapshot:
                 buffer.data.copy_(value)
 
 
-def _has_batch_norm(module: nn.Module) -> bool:
-    """Whether ``module`` holds a batch-norm layer (which cannot train on one sample)."""
-    return any(isinstance(part, nn.modules.batchnorm._BatchNorm) for part in module.modules())
+def _has_training_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` holds a batch-norm layer in training mode (which cannot train on one
+    sample). The layer's own mode counts: a model in eval mode may have batch norm put back in
+    training mode (test-time adaptation), and a training model may hold frozen batch norm."""
+    return any(isinstance(part, nn.modules.batchnorm._BatchNorm) and part.training for part in module.modules())
 
 
 def fold_single_samples(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -313,7 +315,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         if not batch:
             return ChunkPlan((ratio.used[0],), (batch or 0,), self.dim, self.scalar_outputs, whole=True)
         sizes = ratio.split(batch)
-        if 1 in sizes and self.module.training and _has_batch_norm(self.module):  # layers added after wrapping too
+        if 1 in sizes and _has_training_batch_norm(self.module):  # layers added after wrapping too
             sizes = fold_single_samples(sizes)
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)

@@ -112,9 +112,29 @@ def scatter_by_sizes(
 
 
 def cpu_splitter(sizes: Sequence[int], dim: int) -> Callable[[torch.Tensor], Sequence[Any]]:
-    """Split a tensor into views of ``sizes`` along ``dim`` (autograd-aware, no copy)."""
+    """Split a tensor into chunks of ``sizes`` along ``dim`` that a replica can use as the bare
+    module uses the whole tensor (autograd-aware).
+
+    One chunk is the tensor itself. Several are views (no copy), except where a view would behave
+    unlike the tensor a replica gets from ``nn.DataParallel``'s scatter (a copy on its GPU): a
+    tensor that requires grad gives copies, since ``torch.split``'s views (outputs of one op that
+    returns several views) refuse in-place ops (``nn.ReLU(inplace=True)`` on the input), and a
+    contiguous tensor gives contiguous chunks, since a split along ``dim`` > 0 would not be
+    (``x.view(...)`` in the module).
+    """
     sizes = list(sizes)
-    return lambda tensor: torch.split(tensor, sizes, dim)
+    if len(sizes) == 1:
+        return lambda tensor: (tensor,)
+
+    def split(tensor: torch.Tensor) -> Sequence[torch.Tensor]:
+        chunks = torch.split(tensor, sizes, dim)
+        if tensor.requires_grad:
+            return [chunk.clone() for chunk in chunks]  # dense copies: contiguous where the view was not
+        if tensor.is_contiguous():
+            return [chunk.contiguous() for chunk in chunks]  # the view itself when it is contiguous already
+        return chunks
+
+    return split
 
 
 def cuda_broadcaster(devices: Sequence[int]) -> Callable[[torch.Tensor], Sequence[Any]]:
