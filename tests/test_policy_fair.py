@@ -403,6 +403,19 @@ def test_kappas_learned_in_a_crowd_do_not_decide_what_a_pair_alone_together_woul
     assert moved["a"] < 0.3
 
 
+@pytest.mark.parametrize("policy", [FairPolicy, FSchedPolicy])
+def test_a_policy_called_for_a_server_of_another_gpu_count_starts_over(policy):
+    policy = policy()
+    views = (app("a", [0, 0, 0, 10], [0, 0, 0, 0.2], 0.25), app("b", [10, 0, 0, 0], [0.1, 0, 0, 0], 0.15),
+             app("c", [0, 10, 0, 0], [0, 0.1, 0, 0], 0.15))
+    decision = policy.decide("a", "boundary", snapshot(*views, gpus=4))
+    assert decision.ratio == DataRatio([0, 0, 10, 0])  # GPU 2 locked until the move is measured
+    two = (app("a", [10, 0], [0.2, 0], 0.3, iteration=101), app("b", [10, 0], [0.2, 0], 0.3, iteration=101))
+    decision = policy.decide("b", "boundary", snapshot(*two, gpus=2))  # was an IndexError (GPU 2 locked)
+    assert decision.branch == "move" and decision.ratio == DataRatio([0, 10])
+    assert policy.decide("a", "boundary", snapshot(*two, gpus=2)).branch != "protected"  # no move of a is owed
+
+
 def test_f_sched_takes_the_throughput_gain_that_keeps_the_variance_bounded():
     policy = FSchedPolicy()
     decision = policy.decide("a", "boundary", snapshot(app("a", [5, 5], [0.065, 0.065], 0.22)))
@@ -471,6 +484,23 @@ def test_an_app_is_moved_at_most_once_between_two_of_its_own_decisions(raw, orde
         views = {other: replace(view, iteration=view.iteration + 5) for other, view in views.items()}
 
 
+@pytest.mark.parametrize("pid", [202, 101])  # a new process, or the same one's new run (its iterations went back)
+def test_a_job_restarted_under_the_same_name_is_a_new_app(pid):
+    policy = FairPolicy()
+    decision = policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25, iteration=500, pid=101)))
+    assert decision.branch == "move" and decision.ratio == DataRatio([10, 0])  # GPU 0 locked until it is measured
+    # a's job restarts before that, from its first iterations, on its initial DR; b is on the slow GPU 1 too
+    restarted = replace(app("a", [0, 10], [0, 0.2], 0.25, iteration=3, pid=pid), chunk_seconds=None,
+                        chunk_samples=None, iteration_time=None, slowdown=None)
+    b = app("b", [0, 10], [0, 0.2], 0.25, iteration=100, pid=103)
+    assert policy.decide("a", "register", snapshot(restarted, b)).branch == "no-measurement"
+    assert "a" not in policy.predictor.apps or policy.predictor.apps["a"].measured_iteration < 0
+    decision = policy.decide("b", "boundary", snapshot(restarted, b))
+    # the last run's move no longer locks GPU 0 (until the new run reached iteration 500)
+    assert decision.branch == "move" and decision.ratio == DataRatio([10, 0])
+    assert policy.tracks["a"].last_move is None
+
+
 def test_the_papers_policy_keeps_a_dr_that_would_break_the_apps_constraints():
     from drbalance.policy.paper import PaperPolicy
 
@@ -493,6 +523,30 @@ def test_a_share_too_small_for_any_sample_of_a_small_batch_is_no_replica():
     times = policy.predictor.iteration_times({"tiny": tiny.ratio, "other": other.ratio},
                                              {"tiny": tiny, "other": other})
     assert times["other"] == pytest.approx(0.15, rel=0.05)  # nothing of tiny's runs on GPU 0
+
+
+def test_an_epochs_partial_last_batch_is_not_taken_for_the_apps_batch():
+    # the record's batch is its last forward's: at an epoch's end without drop_last, a partial
+    # batch of 8, while its chunk means are over a window of full batches of 32
+    policy = FairPolicy()
+    other = app("b", [0, 10], [0, 0.1], 0.15)
+    policy.decide("a", "boundary", snapshot(app("a", [10, 0], [0.1, 0], 0.15), other))
+    assert policy.predictor.speed[0] == pytest.approx(1.0)
+    epoch_end = replace(app("a", [10, 0], [0.0993, 0], 0.1493, iteration=120), batch=8, chunk_samples=(31.2, 0.0))
+    decision = policy.decide("a", "boundary", snapshot(epoch_end, other))
+    assert decision.branch == "keep"  # was a swap, on a GPU 0 learned twice as fast as it is
+    assert policy.predictor.speed[0] == pytest.approx(1.0, rel=0.02)
+    assert policy.predictor.apps["a"].batch == 32
+    # split over two GPUs, each chunk larger than the partial batch or not: the known batch stands
+    split = FairPolicy()
+    split.decide("a", "boundary", snapshot(app("a", [5, 5], [0.065, 0.065], 0.2), other))
+    split.decide("a", "boundary", snapshot(replace(app("a", [5, 5], [0.065, 0.065], 0.2, iteration=120), batch=20,
+                                                   chunk_samples=(15.6, 15.6)), other))
+    assert split.predictor.apps["a"].batch == 32
+    # a batch seen for the first time at an epoch's end is at least its window's largest chunk
+    first = FairPolicy()
+    first.decide("a", "boundary", snapshot(epoch_end, other))
+    assert first.predictor.apps["a"].batch == 32
 
 
 def _two_sharing_one_alone(shared_chunk, iteration_time):

@@ -128,12 +128,16 @@ class FairPolicy:
         self.tracks: dict[str, _Track] = {}
         self.error = self.config.error_prior  # relative error of the iteration times it predicted
         self.novel_error = self.config.error_prior  # the same, of the moves that put an app beside a stranger
+        self._runs: dict[str, tuple[int, int]] = {}  # per app: the pid and iteration its last record showed
 
     # --- the decision ----------------------------------------------------------------------------
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
         """The app's new DR, and when it should ask again (its decision window, in seconds)."""
         decision = self._choose(app, trigger, snapshot)
-        return replace(decision, next_boundary=self.window_seconds(snapshot.app(app)))
+        window = self.window_seconds(snapshot.app(app))
+        # a record's times can be any finite float >= 0: a window that is no positive number of seconds
+        # (0 or an overflow) leaves the app's own cadence, where it would make the Decision refuse it
+        return replace(decision, next_boundary=window if 0.0 < window < math.inf else None)
 
     def window_seconds(self, view: AppView) -> float:
         """How long the app's decision (and measurement) window lasts."""
@@ -305,15 +309,40 @@ class FairPolicy:
         """The predictor, having forgotten the apps that are gone and learned from the snapshot
         (``live``: the names of the snapshot's apps, if the caller has them)."""
         if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
+            if self.predictor is not None:  # another server: the moves, locks and bans were of the last one's GPUs
+                self.tracks.clear()
             self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
         if live is None:
             live = {view.name for view in snapshot.apps}
+        restarted = self._restarted(snapshot.apps, live)
+        if restarted:  # a new run of the app: nothing learned about, or done to, the last one holds for it
+            live = live - restarted
         self.predictor.forget(live)
         if not live.issuperset(self.tracks):  # some app is gone (a loop in Python only then)
             for name in [name for name in self.tracks if name not in live]:
                 del self.tracks[name]
         self.predictor.observe(snapshot.apps, learn_from=(app,))
         return self.predictor
+
+    def _restarted(self, views: tuple[AppView, ...], live: set[str]) -> set[str]:
+        """Apps whose record shows a new run under the same name since the policy last saw them:
+        another pid, or an iteration count that went back (a job restarted, maybe with another
+        model, before the policy saw it gone). The last run's move would otherwise stay unjudged
+        until the new run passed its iteration, keeping the GPUs it went to locked for every other
+        app, and its bans, move counts, run time and what the predictor learned about it would
+        stand for the new run."""
+        runs = self._runs
+        restarted = set()
+        for view in views:
+            run = (view.pid, view.iteration)
+            known = runs.get(view.name)
+            if known is not None and known != run and (known[0] != run[0] or run[1] < known[1]):
+                restarted.add(view.name)
+            runs[view.name] = run
+        if len(runs) > len(live):
+            for name in [name for name in runs if name not in live]:
+                del runs[name]
+        return restarted
 
     def _track(self, view: AppView) -> _Track:
         """The app's track, begun at its current iteration if the policy has none."""

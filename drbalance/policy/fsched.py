@@ -21,6 +21,7 @@ period, moves owed by swaps, locks, reverts) shared with ``fair``:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -78,4 +79,7 @@ def _variance(values: Mapping[str, float]) -> float:
     if len(values) < 2:
         return 0.0
     mean = sum(values.values()) / len(values)
-    return sum((value - mean) ** 2 for value in values.values()) / len(values)
+    try:
+        return sum((value - mean) ** 2 for value in values.values()) / len(values)
+    except OverflowError:  # SDs from a record's extreme (finite) times: float ** raises where * gives inf
+        return math.inf

@@ -110,6 +110,17 @@ class AppModel:
         return self.host is not None and self.host >= self.solo_iteration
 
 
+MIN_SOLO_ITERATION = 1e-9
+"""Seconds: the least solo iteration time a model takes (a record's solo-run time over its planned
+iterations can be any positive float, or round to 0); every time the model derives from it stays > 0."""
+
+SPEED_BOUNDS = (1e-3, 1e3)
+"""The range of a speed learned from one window (relative to the solo run's GPU). A chunk time that
+is tiny or huge against the app's work (a legal record: any finite time >= 0) made a GPU's speed,
+which every app's predictions divide by, infinite or zero: a ZeroDivisionError in every later
+decision, or kappas driven to their cap."""
+
+
 Placement = Mapping[str, Sequence[int]]
 """Samples per GPU of each app's mini-batch."""
 
@@ -175,8 +186,8 @@ class Predictor:
 
     def model(self, view: AppView) -> AppModel:
         model = self.apps.get(view.name)
-        batch = view.batch or 1
-        solo = view.solo_time / max(1, view.iterations_total)
+        batch = _full_batch(view, model)
+        solo = max(MIN_SOLO_ITERATION, view.solo_time / max(1, view.iterations_total))
         if model is None:
             model = self.apps[view.name] = AppModel(solo, batch)
             self.generation += 1
@@ -282,7 +293,8 @@ class Predictor:
             if not others:
                 if len(used) == 1 and not model.host_bound():  # alone with the whole batch: this GPU's speed
                     known = self.speed[gpu] if self._speed_measured[gpu] else None
-                    self.speed[gpu] = _blend(known, unstretched / seconds, config.smoothing)
+                    measured = min(SPEED_BOUNDS[1], max(SPEED_BOUNDS[0], unstretched / seconds))
+                    self.speed[gpu] = _blend(known, measured, config.smoothing)
                     self._drop_chunks()
                     self._speed_measured[gpu] = True
                 continue
@@ -780,6 +792,29 @@ def predicted_slowdown(view: AppView, iteration_time: float) -> float | None:
     left = max(0, view.iterations_total - view.iteration)
     elapsed = view.slowdown * view.solo_time - left * view.iteration_time
     return (elapsed + left * iteration_time) / view.solo_time
+
+
+def _full_batch(view: AppView, model: AppModel | None) -> int:
+    """The app's mini-batch (samples), as its window's chunks ran it.
+
+    The record's ``batch`` is the samples of the app's last forward: at an epoch's end without
+    ``drop_last`` that is the epoch's partial last batch, while its chunk means are over a window of
+    full batches. Taken as the batch, it made each chunk look several times the batch (a 31.2-sample
+    chunk of a batch of 8) and the GPU as many times faster, for every app. So a batch smaller than
+    the one known for the app, with a window of more samples, is a partial one (the known batch
+    stands), and no batch is smaller than a chunk of the window (a chunk is never larger than its
+    batch). A window's chunks within the record's batch leave it as it is.
+    """
+    batch = view.batch or 1
+    measured = view.chunk_samples
+    if not measured:
+        return batch
+    if model is not None and batch < model.batch and sum(measured) > batch:
+        batch = model.batch
+    largest = max(measured)
+    if largest > batch and math.isfinite(largest):
+        batch = math.ceil(largest)
+    return batch
 
 
 def _measured_samples(view: AppView) -> tuple[int, ...] | None:
