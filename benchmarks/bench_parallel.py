@@ -71,31 +71,35 @@ def bench_cpu(args: argparse.Namespace) -> dict:
 
 def fixed_costs(args: argparse.Namespace, repeats: int = 200) -> dict:
     """Microseconds of the wrapper's two new per-step costs, measured alone (less noisy than a
-    whole step on a busy machine): merging the buffers of a 4-chunk training forward, and a
-    ``train_step`` call with a proven DR (a closure that does nothing)."""
+    whole step on a busy machine): merging the buffers of a 4-chunk training forward (each chunk
+    given copies of the buffers, as the CPU and emulated paths do since 2026-11-25, beside the
+    bare merge of values), and a ``train_step`` call with a proven DR (a closure that does nothing)."""
     model = build(args.model)
     model.train()
 
-    def run_merge(state: BufferMerge | None) -> None:
+    def merge() -> None:  # the sequential path (CPU, emulated GPUs): each chunk on copies of the buffers
+        state = BufferMerge.for_forward(model, 4)
         if state is None:
             return
-        for chunk in range(4):
+        for _ in range(4):
+            state.install_copies()
             state.add_module_values(0.25)
-            if chunk < 3:
-                state.restore()
+        state.put_back()
         state.finish()
 
-    def merge() -> None:
-        run_merge(BufferMerge.for_forward(model, 4))
-
-    def merge_without_take_back() -> None:  # the merge before reassigned buffers were taken back (2026-11-24)
+    def merge_values_only() -> None:  # the floor: each chunk's values added and merged, no copies, no slots
         buffers = tracked_buffers(model)
-        run_merge(BufferMerge(buffers) if buffers else None)
+        state = BufferMerge(buffers) if buffers else None
+        if state is None:
+            return
+        for _ in range(4):
+            state.add(state.floats, state.others, 0.25)
+        state.finish()
 
     wrapped = BalancedDataParallel(nn.Linear(2, 2), device_ids=[0, 1, 2, 3], ratio=[1, 2, 3, 4])
     wrapped(torch.randn(8, 2)).sum().backward()
     wrapped.train_step(lambda: None)  # the DR is proven now
-    samples = interleaved_medians({"buffer_merge": merge, "buffer_merge_without_take_back": merge_without_take_back,
+    samples = interleaved_medians({"buffer_merge": merge, "buffer_merge_values_only": merge_values_only,
                                    "train_step_call": lambda: wrapped.train_step(lambda: None)}, repeats=repeats)
     return {name: summary(values)["median"] * 1e6 for name, values in samples.items()}
 
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     costs = fixed_costs(args)
     print(f"fixed costs ({args.model}): buffer merge of a 4-chunk forward {costs['buffer_merge']:.1f} us "
-          f"({costs['buffer_merge_without_take_back']:.1f} us without taking back reassigned buffers), "
+          f"({costs['buffer_merge_values_only']:.1f} us merging the values alone), "
           f"train_step call {costs['train_step_call']:.2f} us (medians)")
     if args.fixed_costs_only:
         return 0

@@ -17,7 +17,11 @@ differences.
 the changes it judged (distinct ones: ``Neighbourhood.compare`` calls), the apps each affects,
 and the consolidation plans proposed: what a decision's time is made of.
 
-Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--against REV] [--count] [--no-write]
+``--placement spread`` starts every app over every GPU (plain DataParallel's layout): the crowded
+start, where every candidate change affects every app and a decision costs far more.
+
+Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--placement spread] [--against REV]
+       [--count] [--no-write]
 """
 
 from __future__ import annotations
@@ -120,14 +124,15 @@ def modules_at(revision: str) -> dict[str, types.ModuleType]:
     return modules
 
 
-def run(policy: str, apps: int, gpus: int, against: str | None = None) -> dict:
+def run(policy: str, apps: int, gpus: int, against: str | None = None, placement: str = "round-robin") -> dict:
     if against is None:
         timed = driver = Timed(POLICIES[policy]())
     else:
         driver = Lockstep(POLICIES[policy](), policy_at(against, policy))
         timed = driver.current
     started = time.perf_counter()
-    result = Simulation(big_scenario(apps, gpus), SimConfig(policy=policy, record=False), policy=driver).run()
+    config = SimConfig(policy=policy, placement=placement, record=False)
+    result = Simulation(big_scenario(apps, gpus), config, policy=driver).run()
     case = {"decision_seconds": summary(timed.seconds), "decision_max_s": max(timed.seconds),
             "decision_cpu_seconds": summary(timed.cpu_seconds),
             "simulation_s": time.perf_counter() - started, "decisions": len(timed.seconds),
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run fair / f-sched as at this git revision, in lockstep (see above)")
     parser.add_argument("--count", action="store_true",
                         help="for fair, also count judged changes per decision in an untimed run (see above)")
+    parser.add_argument("--placement", choices=("round-robin", "spread"), default="round-robin",
+                        help="where each app starts: alone on one GPU (default) or over every GPU, as plain "
+                             "DataParallel (the crowded start: every change then affects every app); "
+                             "results go to policy_spread.json")
     add_no_write(parser)
     args = parser.parse_args(argv)
     payload: dict = {"args": vars(args), "runs": {}}
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         apps, gpus = (int(part) for part in size.split("x"))
         for policy in args.policies.split(","):
             against = args.against if args.against and policy in ("fair", "f-sched") else None
-            case = run(policy, apps, gpus, against)
+            case = run(policy, apps, gpus, against, args.placement)
             payload["runs"][f"{policy}@{size}"] = case
             print(f"{policy:8} {size:7} decisions {case['decisions']:6}: "
                   + _line("", case["decision_seconds"], case["decision_max_s"])[2:]
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"p90 {counts['judged_p90']}, p99 {counts['judged_p99']}, max {counts['judged_max']}; "
                       f"apps affected per change {counts['affected_mean']:.1f} on average; "
                       f"consolidation plans proposed {counts['consolidation_plans']}", flush=True)
-    save("policy", "benchmarks.bench_policy", argv, payload, args.no_write)
+    name = "policy" if args.placement == "round-robin" else "policy_spread"
+    save(name, "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
 
 
