@@ -340,3 +340,16 @@ def test_a_gpu_uuid_unknown_at_start_up_is_read_again_while_the_manager_runs(ipc
         manager.stop()
     events = [e for e in read_json_lines(tmp_path / "m.jsonl") if e["event"] == "gpu_uuids"]
     assert [e["uuids"] for e in events] == [["GPU-a", "GPU-b"]]
+
+
+def test_memory_caps_are_for_the_full_batch_after_a_records_short_last_batch():
+    """At an epoch's end the record names the short last batch (8 of 32): caps computed from it
+    allowed four times the share that fits, and the next full batch ran out of memory."""
+    mb = 10**6
+    server = ServerGpus(2, UUIDS[:2], (MemoryInfo(24 * GIB, 23 * GIB, 1000 * mb), MemoryInfo(24 * GIB, 0, 24 * GIB)))
+    slots = [SlotStatus(UUIDS[0], memory_per_sample=100 * mb), SlotStatus(UUIDS[1], memory_per_sample=100 * mb)]
+    job = entry([0, 10], slots, batch=32)
+    full = job.view(10, server).max_share  # GPU 0: 0.9 x 1000 MB / 100 MB = 9 samples of 32 -> 2 tenths
+    job.status = status([0, 10], slots, batch=8)  # the epoch's last, short batch
+    job.note_batch()
+    assert job.view(10, server).max_share == full == (2, 10)

@@ -82,6 +82,15 @@ class AppEntry:
     last_complaint_mono: float = -math.inf
     token: str = ""
     quiet_since: float | None = None
+    full_batch: int = 0  # the largest batch the app has published (samples per iteration)
+
+    def __post_init__(self) -> None:
+        self.note_batch()
+
+    def note_batch(self) -> None:
+        """Keep the largest batch seen: a record written after an epoch's short last batch
+        names that batch, and memory caps computed from it would let the next full batch overflow."""
+        self.full_batch = max(self.full_batch, self.status.batch)
 
     def alive(self) -> bool:
         """Whether the app's process runs: its pid, and its start time when the record has one."""
@@ -169,7 +178,7 @@ class AppEntry:
                    app_ratio: DataRatio) -> tuple[int | None, ...] | None:
         """Per server GPU, the largest share (of ``total``) that fits its memory; None = no cap."""
         status = self.status
-        batch = status.batch
+        batch = max(status.batch, self.full_batch) if status.batch > 0 else 0  # 0: unknown
         if batch <= 0 or not status.slots:
             return None
         measured = [slot.memory_per_sample for slot in status.slots if slot.memory_per_sample]
@@ -258,6 +267,7 @@ class AppTable:
     def refresh(self, entry: AppEntry) -> None:
         """Re-read the record (RecordError leaves the last valid status in place)."""
         entry.status = entry.channel.read_status()
+        entry.note_batch()
 
     def remove(self, name: str, unlink: bool) -> AppEntry | None:
         entry = self.entries.pop(name, None)
