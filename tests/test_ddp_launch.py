@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from drbalance.jsonlog import read_json_lines
 from drbalance.runs.launch import LaunchOptions, app_command, launch
 from drbalance.workload.scenarios import AppSpec, Scenario, load_scenario, scenario_from_json
-from tests.conftest import ROOT, leftovers, python_process
+from tests.conftest import ROOT, leftovers, python_process, wait_for
+from tests.helpers.processes import running
 
 MIXED = {
     "name": "mixed", "gpus": 2, "placement": "round-robin",
@@ -64,3 +69,41 @@ def test_train_ddp_outside_torchrun_says_how_to_start_it():
     process = python_process("drbalance.runs.train_ddp", "--solo-time", "1", env={"RANK": "", "MASTER_ADDR": ""})
     out, err = process.communicate(timeout=100)
     assert process.returncode != 0 and "start it with torchrun" in err
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids of a process's children (Linux /proc)."""
+    found: list[int] = []
+    for task in (Path("/proc") / str(pid) / "task").iterdir():
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_the_ranks_die_with_their_torchrun_agent(ipc_env, tmp_path):
+    """torchrun starts each rank in a session of its own: when the agent was killed (SIGKILL, or
+    the launcher's SIGKILL after its stop grace, shorter than torchrun's own), the ranks ran on,
+    waiting for each other until the process group's timeout."""
+    agent = python_process("torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "drbalance.runs.train_ddp", "--devices", "cpu", "--model", "alexnet",
+                           "--batch-size", "4", "--iterations", "100000", "--epochs", "1", "--solo-time", "1000",
+                           "--app", "orphan", "--no-progress", "--timeout", "600", "--report-every", "1",
+                           "--image-size", "64",
+                           env={"DRBALANCE_NO_MANAGER": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "logs" / "orphan.sd.jsonl"  # rank 0's session: written after both ranks set up
+    try:
+        wait_for(lambda: log.exists() and "report" in log.read_text(), timeout=180)  # training, past its start
+        ranks = children_of(agent.pid)
+        assert len(ranks) == 2, ranks
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+    try:
+        assert wait_for(lambda: not any(running(pid) for pid in ranks), timeout=90), ranks
+    finally:  # had they outlived it, they would train on for good
+        for pid in ranks:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

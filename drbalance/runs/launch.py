@@ -191,6 +191,25 @@ def stopped_with_launcher() -> Callable[[], None] | None:
     return arm
 
 
+def follow_parent() -> bool:
+    """Ask the kernel to send this process SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), as
+    ``stopped_with_launcher`` does for the launcher's children; for processes started by another
+    program, such as the ranks torchrun starts, which run in sessions of their own: when their
+    agent is killed (by SIGKILL, or by the launcher after its stop grace) they would otherwise wait
+    in a collective until the process group's timeout. False where libc has no ``prctl``, or
+    where the parent died while asking (this process then stops itself)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    parent = os.getppid()  # may be 1 legitimately: torchrun as a container's first process
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died while asking: the request came too late
+        os.kill(os.getpid(), signal.SIGTERM)
+        return False
+    return True
+
+
 STOP_GRACE = 10.0  # seconds the processes of a run have to exit after SIGTERM before SIGKILL
 
 

@@ -34,6 +34,7 @@ from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParall
 from drbalance.client.sampler import check_rank_ratio
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
+from drbalance.runs.launch import follow_parent
 from drbalance.runs.train import MODELS, add_training_options, parse_integers, solo_time
 
 PROGRAM = "train_ddp.py"
@@ -169,6 +170,7 @@ def app_name(args: argparse.Namespace, rank: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank, local_rank, world_size = torchrun_environment()
+    follow_parent()  # a rank dies with its torchrun agent instead of waiting for a peer that never comes
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     try:  # bad input found while setting up is one line per rank, not a traceback from each
