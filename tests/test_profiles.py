@@ -127,3 +127,19 @@ def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_proces
     finally:
         if pidfile.exists() and running(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env):
+    """docs/ddp.md says to profile a DDP job's model with one rank; train_ddp.py asked for
+    --solo-time even while being profiled, so that command failed."""
+    status = drbalance([
+        "profile", "ddp-one", "--iterations", "8", "--warmup", "2", "--",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        "-m", "drbalance.runs.train_ddp", "--devices", "cpu", "--model", "alexnet", "--batch-size", "4",
+        "--image-size", "64", "--iterations", "40", "--epochs", "1", "--no-progress",
+    ])
+    assert status == 0
+    profile = load_profile("ddp-one")
+    assert profile.iterations_total == 40 and profile.measured_iterations == 6
+    assert profile.solo_time_s == pytest.approx(40 * profile.iteration_time_s)

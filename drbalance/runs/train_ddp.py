@@ -216,7 +216,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()  # the mean over this rank's samples: the hook weights it by its share
     app = app_name(args, rank)
-    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations, PROGRAM, profiling=False),
+    session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations, PROGRAM),
                       report_every=args.report_every, decide_every=args.decide_every or None)
     progress = None
     if rank == 0 and not args.no_progress and sys.stderr.isatty():
