@@ -353,3 +353,77 @@ def test_memory_caps_are_for_the_full_batch_after_a_records_short_last_batch():
     job.status = status([0, 10], slots, batch=8)  # the epoch's last, short batch
     job.note_batch()
     assert job.view(10, server).max_share == full == (2, 10)
+
+
+class FlakyMemorySource(EmulatedSource):
+    """Emulated GPUs whose memory reading of GPU 1 fails while ``failing`` is set: ``None``, what
+    ``NvmlSource.memory`` gives when ``nvmlDeviceGetMemoryInfo`` raises an NVMLError."""
+
+    failing = False
+
+    def memory(self):
+        readings = list(super().memory())
+        if self.failing:
+            readings[1] = None
+        return tuple(readings)
+
+
+def test_one_failed_memory_reading_does_not_lift_the_free_memory_cap(emu, tmp_path):
+    """A memory reading that failed once (an NVML error on one call of many) gave the GPU no
+    free-memory cap until the next sample: a decision then could send a job more than fits."""
+    source = FlakyMemorySource(emu, range(4), memory_bytes=2000)
+    log = tmp_path / "m.jsonl"
+    manager = Manager(ManagerSettings(namespace=emu.namespace, log_path=log), source, policy=ToOneGpu(1))
+    manager.start()
+    backend = EmulatedBackend(4, PROFILE, memory_bytes=2000)
+    model = BalancedDataParallel(nn.Linear(4, 2), device_ids=[0, 1], ratio=[5, 5], backend=backend)
+    session = Session(model, "mapped", epochs=1, iterations_per_epoch=50, solo_time=1.0, sd_log=False,
+                      exchange_timeout=0.0, report_every=1)
+    try:
+        train(3)(model, session)
+        now = time.monotonic()
+        manager._sample(now)  # GPU 1's memory is known: 12 samples there do not fit
+        source.failing = True
+        manager._sample(now + 0.5)  # the next reading of GPU 1 fails
+        session.link.publish(session._status(session.clock.monotonic()))
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 99, "mapped", 0.0))
+        command = session.link.poll_command(99)
+    finally:
+        session.close()
+        manager.stop()
+        backend.close()
+    decision = [e for e in read_json_lines(log) if e["event"] == "decision"][-1]
+    assert command.ratio == DataRatio([5, 5]), decision  # never the whole batch on GPU 1
+    assert command.branch == "policy-error" and "memory cap" in decision["details"]["error"]
+
+
+def test_the_status_file_shows_each_dr_on_the_servers_gpus(emu, tmp_path):
+    """The status file gave each app's DR in its own slot order: a job on GPUs 2 and 3 (its slots
+    0 and 1) showed "1 1" under a four-GPU table, read as GPUs 0 and 1; docs/operations.md says the
+    status's DRs use the manager's GPU index, as the manager log and the metrics do."""
+    from drbalance.manager.status import format_table, read_status
+
+    source = EmulatedSource(emu, range(4), memory_bytes=24 * GIB)
+    manager = Manager(ManagerSettings(namespace=emu.namespace, log_path=tmp_path / "m.jsonl"), source,
+                      policy=ToOneGpu(3))
+    manager.start()
+    backend = EmulatedBackend(4, PROFILE, memory_bytes=24 * GIB)
+    model = BalancedDataParallel(nn.Linear(4, 2), device_ids=[3, 2], ratio=DataRatio([3, 1], 4), backend=backend)
+    session = Session(model, "mapped", epochs=1, iterations_per_epoch=50, solo_time=1.0, sd_log=False,
+                      exchange_timeout=0.0, report_every=1)
+    try:
+        manager._sample(time.monotonic())
+        session.link.publish(session._status(session.clock.monotonic()))
+        manager._rescan(time.monotonic())  # adopted as after a manager restart: its own DR
+        manager._write_status(time.monotonic())
+        before = read_status(emu)
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 2, "mapped", 0.0))
+        manager._write_status(time.monotonic())
+        after = read_status(emu)
+    finally:
+        session.close()
+        manager.stop()
+        backend.close()
+    assert [app["dr"] for app in before["apps"]] == [[0, 0, 1, 3]]  # slot 0 is GPU 3
+    assert [app["dr"] for app in after["apps"]] == [[0, 0, 0, 10]]  # the DR sent ([10, 0]), on GPU 3
+    assert "[0, 0, 0, 10]" in format_table(after)

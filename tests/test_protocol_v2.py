@@ -324,3 +324,67 @@ def test_a_push_that_arrives_during_the_boundary_iteration_is_applied_before_the
         # used to publish [0, 5, 5, 0] and take the answer over the push: b's swap half-done
         assert model_a.ratio == DataRatio([10, 0, 0, 0])
         assert manager.table.get("a").effective_ratio() == DataRatio([10, 0, 0, 0])
+
+
+class KeepPolicy:
+    """Keeps every app's DR."""
+
+    name = "keep"
+
+    def decide(self, app, trigger, snapshot):
+        from drbalance.policy import Decision
+
+        return Decision(app, snapshot.app(app).ratio, "keep")
+
+
+class ToLastGpu:
+    """Moves the deciding app whole onto the last GPU."""
+
+    name = "to-last"
+
+    def decide(self, app, trigger, snapshot):
+        from drbalance.policy import Decision
+
+        return Decision(app, DataRatio.single(snapshot.config.gpu_count, snapshot.config.gpu_count - 1), "to-last")
+
+
+def test_a_restarted_manager_takes_the_dr_its_predecessor_sent_not_the_older_one_in_the_record(ipc_env, tmp_path):
+    """A job publishes its DR at its next report, not when it applies an answer. A manager restarted
+    in between adopted the job with the DR of its record, the one before the answer: until the job's
+    next report (longer while it is quiet: an evaluation, a checkpoint), its status and every decision
+    placed the job where it no longer was."""
+    import json
+
+    from drbalance.ipc.layout import Notice, NoticeKind
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+
+    def manager(policy):
+        made = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                       ScriptedSource(script), policy=policy)
+        made.start()
+        return made
+
+    first = manager(ToLastGpu())
+    model = BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3], ratio=[0, 5, 5, 0])
+    session = Session(model, app="a", epochs=1, iterations_per_epoch=100, solo_time=1.0, sd_log=False,
+                      exchange_timeout=0.0)
+    second = None
+    try:
+        first.handle(Notice(NoticeKind.REGISTER, os.getpid(), session.notice_seq, "a", 0.0))
+        session._accept(session.link.poll_command(session.notice_seq), session.clock.monotonic())
+        assert model.ratio == DataRatio([0, 0, 0, 10])  # applied; published at the next report
+        first.request_stop("restart")
+        first.stop()
+        second = manager(KeepPolicy())  # adopts the job at start-up
+        entry = second.table.get("a")
+        assert entry is not None and entry.effective_ratio() == DataRatio([0, 0, 0, 10])
+        second._write_status(second.clock.monotonic())
+        assert json.loads(ipc_env.manager_status().read_text())["apps"][0]["dr"] == [0, 0, 0, 10]
+    finally:
+        session.close()
+        if second is not None:
+            second.stop()

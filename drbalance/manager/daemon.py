@@ -59,6 +59,10 @@ DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_KEEP = 5
 MAX_LOG_KEEP = 1000  # rotated manager logs kept at most
 UUID_RETRY_SECONDS = 10.0  # how often GPU UUIDs that could not be read are tried again
+MEMORY_KEPT_SECONDS = 10.0
+"""A GPU's last memory reading stands in for one that failed (an NVML error on one call of many)
+for this long: without a reading the GPU has no free-memory cap, and a decision made meanwhile
+could send a job more than fits."""
 MAX_FOREIGN_LISTED = 20
 """Other users' objects named in the status file and on stderr; the rest are only counted
 (``foreign_total``) and named in the manager log: a neighbour can plant thousands, and a status
@@ -207,6 +211,7 @@ class Manager:
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
         self._foreign_warned = 0  # foreign objects named on stderr (MAX_FOREIGN_LISTED at most)
         self._uuids_retry_at = -math.inf  # when GPU UUIDs unknown at start-up are read again
+        self._memory_read: list[tuple[Any, float]] = [(None, -math.inf)] * self.gpu_count  # per GPU: reading, when
         self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
@@ -557,7 +562,7 @@ class Manager:
 
     def _log_added(self, entry: AppEntry, via: str) -> None:
         status = entry.status
-        self.log("app_added", app=entry.name, pid=status.pid, via=via, dr=status.ratio.to_list(),
+        self.log("app_added", app=entry.name, pid=status.pid, via=via, dr=entry.effective_ratio().to_list(),
                  iterations_total=status.iterations_total, solo_time=status.solo_time)
 
     def _refresh_all(self, now: float) -> None:
@@ -585,7 +590,21 @@ class Manager:
             reading = (None,) * self.gpu_count
         self.last_sample = tuple(reading)
         self.window.add(reading)
-        self.server = ServerGpus(self.gpu_count, self._known_uuids(now), _gpu_memory(self.source, self.gpu_count))
+        self.server = ServerGpus(self.gpu_count, self._known_uuids(now), self._memory(now))
+
+    def _memory(self, now: float) -> tuple:
+        """The GPUs' memory now; a GPU whose reading failed keeps its last one for
+        ``MEMORY_KEPT_SECONDS`` (a stale free-memory cap is better than none); () if none is known."""
+        memory = _gpu_memory(self.source, self.gpu_count) or (None,) * self.gpu_count
+        merged = []
+        for gpu, reading in enumerate(memory):
+            if reading is not None:
+                self._memory_read[gpu] = (reading, now)
+            else:
+                last, when = self._memory_read[gpu]
+                reading = last if now - when <= MEMORY_KEPT_SECONDS else None
+            merged.append(reading)
+        return tuple(merged) if any(reading is not None for reading in merged) else ()
 
     def _known_uuids(self, now: float) -> tuple[str | None, ...]:
         """The GPUs' UUIDs, read again every ``UUID_RETRY_SECONDS`` while any is unknown: one that
@@ -702,7 +721,22 @@ class Manager:
         if entry.status.state == AppState.FINISHED:  # said goodbye, removing its own objects now
             self.table.remove(app, unlink=False)
             return
+        self._take_last_command(entry)
         self._log_added(entry, "adopted")
+
+    def _take_last_command(self, entry: AppEntry) -> None:
+        """An adopted app's DR is the one its record's command area holds when that command (an
+        earlier manager's answer or push) came after the status: a job publishes the DR it applied
+        only at its next report, and one it refused at once (a newer status)."""
+        try:
+            command = entry.channel.record.read_command()
+        except (RecordError, OSError):
+            return
+        status = entry.status
+        if (command is None or command.generation != status.notice_seq or command.written_wall < status.updated_wall
+                or len(command.ratio) != len(status.ratio) or command.ratio == status.ratio):
+            return
+        entry.assigned, entry.assigned_mono = command.ratio, self.clock.monotonic()
 
     def _scan_listing(self, now: float, referenced: set[tuple[str, str]]) -> None:
         """Report foreign objects; deal with this user's app records that no claim names."""
@@ -855,11 +889,11 @@ class Manager:
             "apps": [
                 {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
-                 "sd": e.status.slowdown, "dr": e.effective_ratio().to_list(), "state": e.status.state.name,
+                 "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
                  "updated_ago": now - e.status.updated_mono,
                  "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
-                 "steered": self._steered(e)}
-                for e in self.table.entries.values()
+                 "steered": steered}
+                for e in self.table.entries.values() for dr, steered in (self._server_dr(e),)
             ],
             "memory": [None if m is None else {"used": m.used, "total": m.total}
                        for m in (self.server.memory or (None,) * self.gpu_count)],
@@ -871,13 +905,22 @@ class Manager:
         }
         write_private(self.names.manager_status(), json.dumps(status).encode())
 
-    def _steered(self, entry: AppEntry) -> bool:
-        """Whether this manager can steer the app: its devices are among the manager's GPUs."""
+    def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
+        """The app's DR by the manager's GPU index (as in the manager log and the metrics), and
+        whether this manager can steer it (its devices are among the manager's GPUs). An app that
+        cannot be mapped keeps its own slot order."""
+        ratio = entry.effective_ratio()
         try:
-            entry.slot_map(self.server)
+            mapping = entry.slot_map(self.server)
         except Unmapped:
-            return False
-        return True
+            return ratio.to_list(), False
+        if len(mapping) != len(ratio):
+            return ratio.to_list(), True
+        shares = [0] * self.gpu_count
+        for slot, gpu in enumerate(mapping):
+            if gpu is not None:
+                shares[gpu] = ratio[slot]
+        return shares, True
 
     def _update_metrics(self, now: float) -> None:
         """Swap in the metrics' view of the apps and GPUs (apps that left drop out of it)."""
