@@ -427,3 +427,14 @@ def test_the_status_file_shows_each_dr_on_the_servers_gpus(emu, tmp_path):
     assert [app["dr"] for app in before["apps"]] == [[0, 0, 1, 3]]  # slot 0 is GPU 3
     assert [app["dr"] for app in after["apps"]] == [[0, 0, 0, 10]]  # the DR sent ([10, 0]), on GPU 3
     assert "[0, 0, 0, 10]" in format_table(after)
+
+
+def test_a_dr_sent_for_another_number_of_gpus_is_not_taken_for_the_apps():
+    """A job whose record changed its GPU count before it published a newer status: the DR sent
+    for the old count stood as its DR, and mapping it over the new slots failed for every app."""
+    job = entry([2, 3, 5, 0], [SlotStatus(uuid) for uuid in UUIDS], batch=40)
+    job.assigned, job.assigned_mono = DataRatio([0, 0, 0, 10]), 1.0  # sent after the status (updated at 0.0)
+    assert job.effective_ratio() == DataRatio([0, 0, 0, 10])
+    job.status = status([5, 5], [SlotStatus(UUIDS[0]), SlotStatus(UUIDS[1])], batch=40)  # two slots now
+    assert job.effective_ratio() == DataRatio([5, 5])
+    assert job.view(10, ServerGpus(4, UUIDS)).ratio == DataRatio([5, 5, 0, 0])

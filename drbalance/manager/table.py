@@ -97,9 +97,12 @@ class AppEntry:
         return objects.process_alive(self.status.pid, self.status.start_ticks)
 
     def effective_ratio(self) -> DataRatio:
-        """The DR the app uses now: the one just sent, until the app publishes a newer status."""
-        if self.assigned is not None and self.assigned_mono > self.status.updated_mono:
-            return self.assigned
+        """The DR the app uses now: the one just sent, until the app publishes a newer status (or
+        one with another number of GPUs, which that DR could not be for)."""
+        assigned = self.assigned
+        if assigned is not None and self.assigned_mono > self.status.updated_mono and len(assigned) == len(
+                self.status.ratio):
+            return assigned
         return self.status.ratio
 
     def view(self, dr_total: int | None = None, server: ServerGpus | None = None) -> AppView:
