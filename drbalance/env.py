@@ -62,7 +62,8 @@ def runtime_dir() -> Path:
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
     Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
-    ``/tmp/drbalance-<uid>`` (see ``_tmp_runtime_dir`` for when another user took that name). The
+    ``/tmp/drbalance-<uid>`` (``~/.local/state/drbalance/run-<host>`` when another user took that
+    name first; ``_tmp_runtime_dir``). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
     (what ``XDG_RUNTIME_DIR`` would be: jobs started without a login session, e.g. from cron, then
     still meet a manager started from one). Jobs and their manager must see the same folder, so a

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from drbalance import cli
 from drbalance.workload.scenarios import load_scenario, scenario_from_json
@@ -367,6 +368,24 @@ def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
     for spec, hint in (("cuda:1", "--gpus 1"), ("cpu:2", "--gpus 2")):
         with pytest.raises(SystemExit, match=f"takes nothing after it; choose GPUs with --gpus.*{hint}"):
             choose_devices(spec)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
+def test_emulated_devices_take_a_memory_size_as_the_environment_variable_does(module, monkeypatch):
+    """DRBALANCE_EMULATED_GPUS=4:16GiB (docs/emulation.md) made train_ddp's '--devices auto' exit with
+    "--devices emulated:N needs a GPU count; got 'emulated:4:16GiB'"; train.py took it."""
+    from importlib import import_module
+
+    choose_devices = import_module(module).choose_devices
+    kind, spec = choose_devices("emulated:4:16GiB")
+    assert (kind, spec.count, spec.memory_bytes) == ("emulated", 4, 16 * 2**30)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "2:8GiB")
+        kind, spec = choose_devices("auto")
+        assert (kind, spec.count, spec.memory_bytes) == ("emulated", 2, 8 * 2**30)
+    with pytest.raises(SystemExit, match="emulated GPU count must be an integer"):
+        choose_devices("emulated:x")
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -67,6 +67,8 @@ def test_help_lists_every_environment_variable(command):
     for name, _ in environment_variables():
         assert f"  {name}: " in epilog, name
     assert "which manager a job talks to" in epilog
+    # no private function's name for users to look up (it said: see '_tmp_runtime_dir')
+    assert "'_" not in epilog and "run-<host>" in epilog
 
 
 def parsers() -> list[argparse.ArgumentParser]:

@@ -81,6 +81,26 @@ def test_a_one_rank_ddp_job_can_be_profiled(one_rank, ipc_env, tmp_path, monkeyp
     session.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_profiled_ddp_job_names_its_device(one_rank, ipc_env, tmp_path, monkeypatch):
+    """The measurement of a DDP job said device "unknown" ("measured in 12 s on unknown", and the stored
+    profile's ``device``), where a DataParallel job's says cpu or cuda:0 (docs/profiles.md)."""
+    from drbalance.client.session import MeasurementComplete
+    from drbalance.profiling.store import Measurement
+
+    output = tmp_path / "profile.json"
+    monkeypatch.setenv("DRBALANCE_PROFILE_OUTPUT", str(output))
+    monkeypatch.setenv("DRBALANCE_PROFILE_ITERATIONS", "3")
+    monkeypatch.setenv("DRBALANCE_PROFILE_WARMUP", "1")
+    model = BalancedDistributedDataParallel(nn.Linear(3, 1))
+    session = Session(model, "profiled", 1, 10, "unused")
+    with pytest.raises(MeasurementComplete):
+        for _ in range(3):
+            model(torch.randn(4, 3)).sum().backward()
+            session.step()
+    assert Measurement.read(output).device == "cpu"
+
+
 def test_counting_steps_between_exchanges_and_half_precision_exchanging_every_step(one_rank):
     with pytest.raises(ValueError, match="exchange_every must be None"):
         BalancedDistributedDataParallel(nn.Linear(3, 1), exchange_every=0)

@@ -231,6 +231,26 @@ def test_the_session_reports_the_limit_and_memory_per_sample_and_logs_the_revert
     assert len(events) == 1 and events[0]["failed_dr"] == [8, 2] and events[0]["max_samples"] == [10, None]
 
 
+def test_a_revert_after_the_last_report_is_still_logged_when_the_session_closes(emu, tmp_path):
+    """oom_revert lines were written only at reports and boundaries: a revert in the last steps before
+    close() (a short run, a job stopped) never reached the SD log (docs/client.md: each is recorded)."""
+    model = wrapped(network(), [5, 5])
+    session = Session(model, "oomlate", epochs=1, iterations_per_epoch=50, solo_time=10.0, report_every=5,
+                      exchange_timeout=0.0)
+    try:
+        for step in range(3):  # no report: they come at iteration 5
+            if step == 1:
+                model.set_ratio([8, 2])
+            x, y = data(step)
+            model.train_step(lambda x=x, y=y: nn.functional.cross_entropy(model(x), y).backward())
+            session.step()
+    finally:
+        session.close()
+        model.backend.close()
+    events = [e for e in read_json_lines(tmp_path / "logs" / "oomlate.sd.jsonl") if e["event"] == "oom_revert"]
+    assert len(events) == 1 and events[0]["failed_dr"] == [8, 2] and events[0]["max_samples"] == [10, None]
+
+
 def test_two_jobs_on_one_emulated_gpu_compete_for_its_memory(emu):
     holder = python_process("tests.helpers.emu_memory_holder", "1", "1500", str(MEMORY))
     try:

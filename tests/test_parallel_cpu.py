@@ -523,6 +523,24 @@ def test_a_replica_error_keeps_the_original_exceptions_attributes():
     assert caught.value.code == 7 and caught.value.__cause__.code == 7
 
 
+@pytest.mark.timeout(60)
+def test_a_replica_error_whose_constructor_drops_the_message_still_names_the_replica():
+    """An exception whose one argument is not its message (``__init__(self, code)``) was rebuilt from the
+    message with an empty text: the replica, device and slot were lost (docs/client.md names them)."""
+    class CodeOnly(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__()
+            self.code = code
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise CodeOnly(7)
+
+    with pytest.raises(RuntimeError, match=r"Caught CodeOnly in replica 0 on device cpu \(DR slot 0") as caught:
+        BalancedDataParallel(Fails(), device_ids=[0, 1])(torch.ones(4, 1))
+    assert caught.value.code == 7 and isinstance(caught.value.__cause__, CodeOnly)
+
+
 def test_output_devices_are_read_as_data_parallel_reads_them():
     from drbalance.client.backends import output_target
 

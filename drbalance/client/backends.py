@@ -79,6 +79,8 @@ def reraise_in_replica(error: BaseException, where: str, slot: int | None = None
     message = f"Caught {type(error).__name__} {where}: {error}"
     try:
         wrapped = type(error)(message)
+        if message not in str(wrapped):  # a constructor that takes one argument but not as the message
+            raise TypeError(message)  # (``def __init__(self, code): super().__init__()``): it would be lost
     except Exception:  # exception types whose constructor wants other arguments
         wrapped = RuntimeError(message)
     try:

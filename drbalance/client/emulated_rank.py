@@ -30,11 +30,12 @@ class EmulatedRankDevice:
     """Emulated GPU ``index`` of the namespace, as one DDP rank's device."""
 
     def __init__(self, index: int, costs: ModelCosts, time_scale: float = 1.0, sample_scale: float = 1.0,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, memory_bytes: int | None = None) -> None:
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
         self.index = index
-        self.gpu = EmulatedGpu(IpcNames.current(namespace), index)
+        memory = {} if memory_bytes is None else {"memory_bytes": memory_bytes}  # the spec's N:MEMORY
+        self.gpu = EmulatedGpu(IpcNames.current(namespace), index, **memory)
         self._release_at_exit = release_at_exit([self.gpu])
         self.costs = costs
         self.time_scale = float(time_scale)

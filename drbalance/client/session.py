@@ -371,6 +371,7 @@ class Session:
                 self._state = AppState.FINISHED
                 self._exchange(NoticeKind.FINISH, now, leaving=True)
             self.link.close()
+            self._log_reverts(now)  # one survived since the last report would otherwise be lost
             self._write_log("closed", now)
             self._close_log()
         finally:
@@ -439,6 +440,10 @@ class Session:
         limits = getattr(self.model, "max_samples", None)
         if limits is not None and len(limits) == len(self.max_samples):
             self.max_samples = list(limits)
+        self._log_reverts(now)
+
+    def _log_reverts(self, now: float) -> None:
+        """An ``oom_revert`` line for every out-of-memory error the model survived since the last call."""
         take = getattr(self.model, "take_reverts", None)
         for revert in take() if callable(take) else ():
             self._write_log("oom_revert", now, failed_dr=revert.failed_ratio.to_list(), new_dr=revert.ratio.to_list(),
@@ -639,7 +644,11 @@ class Session:
 
     def _write_measurement(self) -> None:
         device = getattr(self.model, "backend", None)
-        label = device.describe(self.model.device_ids, 0) if device is not None else "unknown"
+        labels = getattr(self.model, "device_labels", None)  # a DDP job's, one per rank: its one rank here
+        if device is not None:
+            label = device.describe(self.model.device_ids, 0)
+        else:
+            label = labels[0] if labels else "unknown"
         Measurement(self.measured_times, self.measure_warmup, self.plan.total, label).write(self.measurement_output)
 
     def _restore_sigterm_handler(self) -> None:

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log", type=Path, default=None,
                         help="manager log, JSON Lines (default: <runtime dir>/<namespace>/manager.jsonl)")
     parser.add_argument("--log-max-bytes", type=non_negative_int, default=defaults.log_max_bytes,
-                        help="rotate the manager log when it would grow beyond this many bytes (0 = never)")
+                        help="rotate the manager log when it would grow beyond this many bytes, at least 4096 "
+                        "(0 = never)")
     parser.add_argument("--log-keep", type=non_negative_int, default=defaults.log_keep,
                         help="rotated manager logs to keep, 0-1000 (manager.jsonl.1 is the newest)")
     parser.add_argument("--metrics-port", type=parse_port, default=None, metavar="PORT",

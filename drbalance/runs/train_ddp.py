@@ -32,6 +32,7 @@ from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 from drbalance.client.sampler import check_rank_ratio
+from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.runs.launch import follow_parent
@@ -53,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE,
                         help="image side in pixels (default 64)")
     parser.add_argument("--devices", default="auto",
-                        help="'cuda' (NCCL), 'emulated:N' (gloo), 'cpu' (gloo), or 'auto' (CUDA if present, else "
-                        "DRBALANCE_EMULATED_GPUS, else the CPU)")
+                        help="'cuda' (NCCL), 'emulated:N[:MEMORY]' (gloo), 'cpu' (gloo), or 'auto' (CUDA if "
+                        "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
     parser.add_argument("--gpus", default=None,
                         help="device of each local rank, e.g. 2,3 (default: local rank i on device i)")
     parser.add_argument("--ratio", default=None, help="initial DR over the ranks, e.g. 3,7 (sums to 10; default even)")
@@ -87,8 +88,8 @@ def torchrun_environment() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def choose_devices(spec: str) -> tuple[str, int | None]:
-    """('cuda'|'emulated'|'cpu', emulated GPU count)."""
+def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
+    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory)."""
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
@@ -102,20 +103,21 @@ def choose_devices(spec: str) -> tuple[str, int | None]:
         if not torch.cuda.is_available():
             raise fail("--devices cuda, but CUDA is not available; try --devices emulated:4 or cpu")
         return "cuda", None
-    if kind == "emulated":
-        if not count.isdigit() or int(count) < 1:
-            raise fail(f"--devices emulated:N needs a GPU count; got {spec!r}")
-        return "emulated", int(count)
+    if kind == "emulated":  # N or N:MEMORY, as DRBALANCE_EMULATED_GPUS and train.py take it
+        try:
+            return "emulated", emulated_spec(count or None)
+        except ValueError as error:
+            raise fail(f"--devices {spec!r}: {error}") from None
     if kind == "cpu":
         return "cpu", None
-    raise fail(f"unknown --devices {spec!r}; use cuda, emulated:N, cpu or auto")
+    raise fail(f"unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
 
 
-def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated_gpus: int | None) -> int | None:
+def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated: EmulatedSpec | None) -> int | None:
     """The device index of this rank (CUDA or emulated GPU), None on the CPU."""
     if kind == "cpu":
         return None
-    available = torch.cuda.device_count() if kind == "cuda" else emulated_gpus
+    available = torch.cuda.device_count() if kind == "cuda" else emulated.count
     try:
         gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else list(range(available))
     except ValueError:
@@ -185,6 +187,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
     ``ProfileNotFound`` or ``AppNameInUse`` for bad input found while setting up."""
     kind, emulated_gpus = choose_devices(args.devices)
     gpu = rank_device(args, kind, local_rank, emulated_gpus)
+    memory_bytes = emulated_gpus.memory_bytes if emulated_gpus is not None else None
     timeout = timedelta(seconds=args.timeout)
     ratio = parse_integers(args.ratio, "--ratio", "5,5") if args.ratio else None
     if ratio is not None:
@@ -203,7 +206,8 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
         from drbalance.client.emulated_rank import EmulatedRankDevice
         from drbalance.workload.models import model_costs
 
-        emulated = EmulatedRankDevice(gpu, model_costs(args.model), args.time_scale, args.sample_scale)
+        emulated = EmulatedRankDevice(gpu, model_costs(args.model), args.time_scale, args.sample_scale,
+                                      memory_bytes=memory_bytes)
         emulated.attach(network)
         model = BalancedDistributedDataParallel(network, ratio=ratio, device_label=emulated.label,
                                                 device_uuid=emulated.uuid)
