@@ -154,12 +154,15 @@ def emu(ipc_env):
     remove_emulated_gpus(ipc_env, 4)
 
 
-def run_decision(names, tmp_path, policy, device_ids, source_gpus=None, memory=24 * GIB, ratio=None, prepare=None):
+def run_decision(names, tmp_path, policy, device_ids, source_gpus=None, memory=24 * GIB, ratio=None, prepare=None,
+                 source=None, sample=None):
     """A job on emulated GPUs ``device_ids`` and an in-process manager over real IPC: one decision.
+    ``sample(manager)`` replaces the manager's one reading of the GPUs before it.
 
     Returns the command the job received and the manager's decision log entry.
     """
-    source = EmulatedSource(names, source_gpus if source_gpus is not None else range(4), memory_bytes=memory)
+    if source is None:
+        source = EmulatedSource(names, source_gpus if source_gpus is not None else range(4), memory_bytes=memory)
     log = tmp_path / f"m{time.monotonic_ns()}.jsonl"
     manager = Manager(ManagerSettings(namespace=names.namespace, log_path=log), source, policy=policy)
     manager.start()
@@ -170,7 +173,10 @@ def run_decision(names, tmp_path, policy, device_ids, source_gpus=None, memory=2
     try:
         if prepare is not None:
             prepare(model, session)
-        manager._sample(0.0)  # read the GPUs' memory now
+        if sample is None:
+            manager._sample(0.0)  # read the GPUs' memory now
+        else:
+            sample(manager)
         session.link.publish(session._status(session.clock.monotonic()))
         manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 99, "mapped", 0.0))
         command = session.link.poll_command(99)
@@ -372,27 +378,15 @@ def test_one_failed_memory_reading_does_not_lift_the_free_memory_cap(emu, tmp_pa
     """A memory reading that failed once (an NVML error on one call of many) gave the GPU no
     free-memory cap until the next sample: a decision then could send a job more than fits."""
     source = FlakyMemorySource(emu, range(4), memory_bytes=2000)
-    log = tmp_path / "m.jsonl"
-    manager = Manager(ManagerSettings(namespace=emu.namespace, log_path=log), source, policy=ToOneGpu(1))
-    manager.start()
-    backend = EmulatedBackend(4, PROFILE, memory_bytes=2000)
-    model = BalancedDataParallel(nn.Linear(4, 2), device_ids=[0, 1], ratio=[5, 5], backend=backend)
-    session = Session(model, "mapped", epochs=1, iterations_per_epoch=50, solo_time=1.0, sd_log=False,
-                      exchange_timeout=0.0, report_every=1)
-    try:
-        train(3)(model, session)
+
+    def sample(manager):
         now = time.monotonic()
         manager._sample(now)  # GPU 1's memory is known: 12 samples there do not fit
         source.failing = True
         manager._sample(now + 0.5)  # the next reading of GPU 1 fails
-        session.link.publish(session._status(session.clock.monotonic()))
-        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), 99, "mapped", 0.0))
-        command = session.link.poll_command(99)
-    finally:
-        session.close()
-        manager.stop()
-        backend.close()
-    decision = [e for e in read_json_lines(log) if e["event"] == "decision"][-1]
+
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(1), [0, 1], memory=2000, ratio=[5, 5],
+                                     prepare=train(3), source=source, sample=sample)
     assert command.ratio == DataRatio([5, 5]), decision  # never the whole batch on GPU 1
     assert command.branch == "policy-error" and "memory cap" in decision["details"]["error"]
 
