@@ -177,16 +177,13 @@ def stopped_with_launcher() -> Callable[[], None] | None:
     The signal follows the thread that started the child: the launcher starts every child from
     its main thread, which lives as long as the launcher.
     """
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _libc_prctl()
+    if prctl is None:
         return None
     launcher = os.getpid()
 
     def arm() -> None:  # runs in the child between fork and exec: no imports, no locks
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before the request was made
-            os.kill(os.getpid(), signal.SIGTERM)
+        _sigterm_when_parent_dies(prctl, launcher)
 
     return arm
 
@@ -198,13 +195,24 @@ def follow_parent() -> bool:
     agent is killed (by SIGKILL, or by the launcher after its stop grace) they would otherwise wait
     in a collective until the process group's timeout. False where libc has no ``prctl``, or
     where the parent died while asking (this process then stops itself)."""
+    prctl = _libc_prctl()
+    # the parent may be 1 legitimately: torchrun as a container's first process
+    return prctl is not None and _sigterm_when_parent_dies(prctl, os.getppid())
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, or None where there is none."""
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
-    parent = os.getppid()  # may be 1 legitimately: torchrun as a container's first process
+        return None
+
+
+def _sigterm_when_parent_dies(prctl: Callable[..., int], parent: int) -> bool:
+    """Ask for SIGTERM at the death of ``parent`` (this process's parent when it was read); if the
+    parent died before the request was made, stop now. False then."""
     prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent:  # the parent died while asking: the request came too late
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
         return False
     return True
