@@ -20,13 +20,21 @@ and the consolidation plans proposed: what a decision's time is made of.
 ``--placement spread`` starts every app over every GPU (plain DataParallel's layout): the crowded
 start, where every candidate change affects every app and a decision costs far more.
 
+``--crowd APPSxGPUS`` times instead ``fair``'s first decisions on a hand-built crowd: every app
+spread over every GPU and measured (the worst start: one snapshot in which every change affects
+every app), with its numpy solve of crowds (``Neighbourhood.DENSE_PARTNERS``) and with every set
+solved in Python, alternately in one process, each on a fresh policy; every decision of the two
+is compared (results in policy_crowd.json).
+
 Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--placement spread] [--against REV]
-       [--count] [--no-write]
+       [--count] [--crowd APPSxGPUS [--repeats N]] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +44,9 @@ from pathlib import Path
 
 from benchmarks.bench_simulator import big_scenario
 from benchmarks.timing import add_no_write, save, summary
-from drbalance.policy import POLICIES, Decision, Policy, Snapshot
+from drbalance.argtypes import positive_int
+from drbalance.policy import POLICIES, AppView, Decision, Policy, PolicyConfig, Snapshot
+from drbalance.policy.predictor import Neighbourhood
 from drbalance.ratio import DataRatio
 from drbalance.sim import SimConfig, Simulation
 
@@ -190,6 +200,63 @@ def count_fair(apps: int, gpus: int) -> dict:
             "consolidation_plans": plans[0]}
 
 
+CROWD_ITERATIONS = 1000
+
+
+def crowd_snapshot(apps: int, gpus: int, step: int, seed: int = 0) -> Snapshot:
+    """``apps`` apps of 1000 iterations, each over all ``gpus`` GPUs (equal shares of a batch of
+    64), measured: chunks of 0.05-0.4 s per full batch (less for a smaller chunk, +-10% noise),
+    iteration times as if the crowd stretched them; ``step`` windows later, 5% slower each."""
+    rng = random.Random(seed * 1000 + step)
+    ratio = DataRatio.from_weights([1] * gpus)
+    batch = 64
+    sizes = ratio.split(batch)
+    views = []
+    for index in range(apps):
+        full = rng.uniform(0.05, 0.4)
+        iteration_time = 0.05 + full * gpus * 0.4 * (1 + 0.1 * step)
+        chunks = tuple(full * (0.3 + 0.7 * n / batch) * (1 + 0.05 * step) * rng.uniform(0.9, 1.1) if n else None
+                       for n in sizes)
+        solo = 0.02 + full
+        views.append(AppView(f"app{index}", ratio, iteration_time / solo, iteration=100 + 20 * step,
+                             iterations_total=CROWD_ITERATIONS, iteration_time=iteration_time,
+                             solo_time=CROWD_ITERATIONS * solo, batch=batch, chunk_seconds=chunks,
+                             chunk_samples=tuple(float(n) for n in sizes)))
+    return Snapshot(tuple(views), (90.0,) * gpus, PolicyConfig(gpus))
+
+
+def crowd(apps: int, gpus: int, repeats: int, steps: int = 3) -> dict:
+    """``fair``'s decisions on ``crowd_snapshot`` windows 0..steps-1 (app0 deciding), on a fresh
+    policy per repeat, with the dense solve and with Python only (``DENSE_PARTNERS`` out of reach),
+    alternating which goes first; seconds per decision, per window; decisions compared."""
+    snapshots = [crowd_snapshot(apps, gpus, step) for step in range(steps)]
+    kept = Neighbourhood.DENSE_PARTNERS
+    modes = {"dense": kept, "python": 10**12}
+    seconds: dict[str, list[list[float]]] = {mode: [[] for _ in snapshots] for mode in modes}
+    decisions: dict[str, list] = {}
+    differences = 0
+    try:
+        for repeat in range(repeats):
+            order = list(modes) if repeat % 2 == 0 else list(modes)[::-1]
+            for mode in order:
+                Neighbourhood.DENSE_PARTNERS = modes[mode]
+                policy = POLICIES["fair"]()
+                made = []
+                for step, snapshot in enumerate(snapshots):
+                    started = time.perf_counter()
+                    made.append(_key(policy.decide("app0", "boundary", snapshot)))
+                    seconds[mode][step].append(time.perf_counter() - started)
+                if mode in decisions:
+                    differences += made != decisions[mode]
+                decisions[mode] = made
+            differences += decisions["dense"] != decisions["python"]
+    finally:
+        Neighbourhood.DENSE_PARTNERS = kept
+    return {"seconds": {mode: [statistics.median(values) for values in per_step] for mode, per_step in seconds.items()},
+            "repeats": repeats, "differences": differences,
+            "branches": [decision[1] for decision in decisions["dense"]]}
+
+
 def _line(label: str, seconds: dict, largest: float) -> str:
     return (f"{label}: median {seconds['median'] * 1e3:.3f} ms, p90 {seconds['p90'] * 1e3:.3f} ms, "
             f"p99 {seconds['p99'] * 1e3:.3f} ms, max {largest * 1e3:.1f} ms")
@@ -207,8 +274,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="where each app starts: alone on one GPU (default) or over every GPU, as plain "
                              "DataParallel (the crowded start: every change then affects every app); "
                              "results go to policy_spread.json")
+    parser.add_argument("--crowd", default=None, metavar="APPSxGPUS",
+                        help="time fair's first decisions on a hand-built crowd instead (see above)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="runs per solve path with --crowd (default 5)")
     add_no_write(parser)
     args = parser.parse_args(argv)
+    if args.crowd is not None:
+        return _crowd_main(args, argv)
     payload: dict = {"args": vars(args), "runs": {}}
     for size in args.sizes.split(","):
         apps, gpus = (int(part) for part in size.split("x"))
@@ -245,6 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     name = "policy" if args.placement == "round-robin" else "policy_spread"
     save(name, "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
+
+
+def _crowd_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    apps, gpus = (int(part) for part in args.crowd.split("x"))
+    case = crowd(apps, gpus, args.repeats)
+    for step, (dense, python) in enumerate(zip(case["seconds"]["dense"], case["seconds"]["python"])):
+        print(f"window {step} ({case['branches'][step]}): dense {dense * 1e3:.1f} ms, python {python * 1e3:.1f} ms, "
+              f"ratio {dense / python:.2f} (medians of {args.repeats})", flush=True)
+    print(f"decisions that differ: {case['differences']}", flush=True)
+    save("policy_crowd", "benchmarks.bench_policy", argv, {"args": vars(args), "crowd": case}, args.no_write)
+    return 1 if case["differences"] else 0
 
 
 if __name__ == "__main__":

@@ -13,14 +13,16 @@ not change a single decision. Whole simulated runs are compared by
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drbalance.policy import AppView, PolicyConfig, Snapshot
 from drbalance.policy.fair import FairPolicy, _gained, _Search
-from drbalance.policy.predictor import Predictor, predicted_slowdown
+from drbalance.policy.predictor import Neighbourhood, Predictor, predicted_slowdown
 from drbalance.ratio import DataRatio
 
 ITERATIONS = 1000
@@ -157,7 +159,28 @@ def reference_solve(predictor, ratios, views, names, changes):
 @settings(max_examples=150)
 @given(configurations())
 def test_the_neighbourhood_solves_exactly_as_the_plain_fixed_point(case):
-    predictor, views, changes = case
+    check_against_the_plain_fixed_point(*case)
+
+
+@settings(max_examples=150)
+@given(configurations())
+def test_the_dense_solve_of_a_crowd_is_the_plain_fixed_point_to_the_last_bit(case):
+    """Every set through ``Neighbourhood._solve_dense`` (numpy, used for crowds): the same floats."""
+    with dense_from(0):
+        check_against_the_plain_fixed_point(*case)
+
+
+@contextlib.contextmanager
+def dense_from(partners):
+    kept = Neighbourhood.DENSE_PARTNERS
+    Neighbourhood.DENSE_PARTNERS = partners
+    try:
+        yield
+    finally:
+        Neighbourhood.DENSE_PARTNERS = kept
+
+
+def check_against_the_plain_fixed_point(predictor, views, changes):
     ratios = {v.name: v.ratio for v in views}
     lookup = {v.name: v for v in views}
     neighbourhood = predictor.neighbourhood(ratios, lookup)
@@ -309,3 +332,45 @@ def test_an_idle_gpu_taken_or_left_idle_by_hand():
     assert search._fills_idle_gpu({"a": DataRatio([0, 5, 5])})
     assert not search._fills_idle_gpu({"a": DataRatio([10, 0, 0])})
     assert not search._fills_idle_gpu({"a": DataRatio([0, 0, 10]), "b": DataRatio([0, 10, 0])})  # GPU 0 emptied
+
+
+def test_a_crowd_of_spread_apps_is_solved_alike_by_both_paths():
+    """16 apps over GPUs 0-3 (the crowded start), two over GPUs 3-4 (GPU 4: a pair), two over 3 and
+    5, and four over 5-7 that a change of a crowd's app reaches only through them (outside the
+    set, counting by their duty); every change's comparison, dense and in Python, equal."""
+    rng = random.Random(7)
+    gpus = 8
+    spans = [range(0, 4)] * 16 + [range(3, 5)] * 2 + [(3, 5)] * 2 + [range(5, 8)] * 4
+    views = [view(f"x{index}", DataRatio.from_weights([int(g in span) for g in range(gpus)]).shares,
+                  rng.uniform(0.02, 0.5), rng.uniform(0.0, 0.3), rng.randint(10, 900), rng.choice([32, 128]),
+                  measured=index % 5 != 3)
+             for index, span in enumerate(spans)]
+    predictor = Predictor(gpus)
+    predictor.observe(views)
+    ratios = {v.name: v.ratio for v in views}
+    lookup = {v.name: v for v in views}
+    crowd = views[:16]
+    changes = [{v.name: DataRatio.from_weights([rng.randint(0, 4) + (g == 0) if g < 4 else 0 for g in range(gpus)])}
+               for v in rng.sample(crowd, 10)]
+    first, second = DataRatio.from_weights([1] + [0] * (gpus - 1)), DataRatio.from_weights([0, 1] + [0] * (gpus - 2))
+    changes += [{a.name: first, b.name: second} for a, b in zip(crowd[::2], crowd[1::2])]
+    with dense_from(10**9):
+        plain = predictor.neighbourhood(ratios, lookup)
+        expected = [plain.compare(change) for change in changes]
+    with dense_from(0):
+        dense = predictor.neighbourhood(ratios, lookup)
+        found = [dense.compare(change) for change in changes]
+        assert dense._terms, "no app outside a set: the test would not reach outside terms"
+    assert found == expected
+
+
+def test_the_crowd_benchmark_decides_alike_on_both_paths():
+    """``bench_policy --crowd`` at a size where the dense solve is taken: same decisions."""
+    from benchmarks.bench_policy import crowd, crowd_snapshot
+
+    apps, gpus = 24, 8
+    assert gpus * apps * (apps - 1) >= Neighbourhood.DENSE_PARTNERS  # all spread: every set is a crowd
+    assert all(v.ratio.used == tuple(range(gpus)) for v in crowd_snapshot(apps, gpus, 0).apps)
+    case = crowd(apps, gpus, repeats=2, steps=2)
+    assert case["differences"] == 0
+    assert len(case["branches"]) == 2 and all(len(values) == 2 for values in case["seconds"].values())

@@ -47,6 +47,8 @@ from functools import lru_cache
 from operator import add
 from typing import NamedTuple
 
+import numpy as np
+
 from drbalance.policy.base import AppView
 from drbalance.ratio import DataRatio
 
@@ -540,6 +542,9 @@ class Neighbourhood:
     """
 
     ROUNDS = 3
+    DENSE_PARTNERS = 2500
+    """Pairs (chunk, chunk of another app of the set on its GPU) from which ``solve`` goes through
+    ``_solve_dense``: a crowd, where the rounds in Python cost O(apps^2 x GPUs) per candidate."""
 
     def __init__(self, predictor: Predictor, ratios: Mapping[str, DataRatio], views: Mapping[str, AppView]) -> None:
         self.predictor = predictor
@@ -566,6 +571,7 @@ class Neighbourhood:
         self._alone: dict[tuple[str, int], float] = {}  # a chunk's stretch with the app alone in the set
         self._current: dict[str, Chunks] = {}  # chunks under the current DRs
         self._unchanged: dict[tuple[str, ...], dict[str, float]] = {}
+        self._kappas: dict[tuple[tuple[str, ...], bool], np.ndarray] = {}  # ``_kappa_matrix``
 
     def measured_duty(self, name: str, gpu: int) -> float:
         """The share of time the app keeps ``gpu`` busy in its current configuration: its measured
@@ -608,7 +614,7 @@ class Neighbourhood:
     def _renew(self) -> None:
         """Forget every value that depends on what the predictor learned (it learned since)."""
         self._generation = self.predictor.generation
-        for cache in (self._terms, self._alone, self._current, self._unchanged):
+        for cache in (self._terms, self._alone, self._current, self._unchanged, self._kappas):
             cache.clear()
 
     def affected(self, changes: Mapping[str, DataRatio]) -> list[str]:
@@ -680,6 +686,11 @@ class Neighbourhood:
                     entry = inside_on[gpu] = []
                 entry.append((name, position, slots))
                 slots += 1
+        if sum(len(here) * (len(here) - 1) for here in inside_on.values()) >= self.DENSE_PARTNERS:
+            result = self._solve_dense(names, index, chunks, fixed, times, inside_on)
+            if unchanged is not None:
+                self._unchanged[unchanged] = dict(result)
+            return result
         # per GPU the set uses: the apps there now that are not in the set (they count by their
         # measured duty), and whether an app there is in a crowd (it and two others or more, of the
         # set or staying put), which picks the kappas (``Predictor.pair_kappa``)
@@ -745,6 +756,121 @@ class Neighbourhood:
         if unchanged is not None:
             self._unchanged[unchanged] = dict(result)
         return result
+
+    def _outside_stretch(self, name: str, gpu: int, crowd: bool, index: Mapping[str, int]) -> float:
+        """1 plus the terms of the apps on ``gpu`` outside the set ``index`` (in ``on_gpu`` order)."""
+        terms = self._terms.get((name, gpu, crowd))
+        if terms is None:
+            terms = self._outside_terms(name, gpu, crowd)
+        outside = 1.0
+        for other, term in terms:
+            if other not in index:
+                outside += term
+        return outside
+
+    def _kappa_matrix(self, names: Sequence[str], crowd: bool) -> np.ndarray:
+        """``pair_kappa`` of every ordered pair of ``names`` in one context, as a matrix [app, other]
+        (the diagonal is never read); kept per set until the predictor learns something."""
+        key = (tuple(names), crowd)
+        found = self._kappas.get(key)
+        if found is None:
+            kappa_rows, pair_kappa = self.predictor.kappa_rows, self.predictor.pair_kappa
+            rows = []
+            for name in names:
+                row = kappa_rows(name)[crowd]
+                rows.append([row[other] if other in row else pair_kappa(name, other, crowd) for other in names])
+            found = self._kappas[key] = np.array(rows, dtype=float)
+        return found
+
+    def _solve_dense(self, names: Sequence[str], index: Mapping[str, int],
+                     chunks: Sequence[tuple[tuple[int, float], ...]], fixed: Sequence[float],
+                     alone: Sequence[float], inside_on: Mapping[int, list[tuple[str, int, int]]]) -> dict[str, float]:
+        """``solve``'s rounds with numpy, for a crowd: the same operations on the same values in the
+        same order, so the same floats to the last bit (what a decision compares must not depend
+        on which path solved it).
+
+        The chunks are a matrix [app, GPU]. A chunk's partners are the apps of the set on its GPU,
+        which a round of ``solve`` visits in the order of ``names`` (Gauss-Seidel: an app earlier
+        in the set counts by its stretched chunk of this round, a later one by the last round's),
+        so the rounds go app by app, each over all GPUs at once. Its stretch is summed as ``solve``
+        sums it: its outside term, then each partner's term in the order of the set, an app not
+        on the GPU adding an exact 0 (``np.add.accumulate`` adds row after row; ``np.add.reduce``
+        may add in pairs).
+        """
+        count, gpus = len(names), self.predictor.gpu_count
+        chunk = np.zeros((count, gpus))
+        present = np.zeros((count, gpus), dtype=bool)
+        for position, placed in enumerate(chunks):
+            for gpu, seconds in placed:
+                chunk[position, gpu] = seconds
+                present[position, gpu] = True
+        members = present.sum(axis=0)
+        outside = np.ones((count, gpus))
+        crowd = np.zeros(gpus, dtype=bool)
+        for gpu, here in inside_on.items():
+            strangers = sum(1 for other in self.on_gpu[gpu] if other not in index)
+            crowd[gpu] = len(here) + strangers > 2
+            if strangers:
+                for name, position, _ in here:
+                    outside[position, gpu] = self._outside_stretch(name, gpu, bool(crowd[gpu]), index)
+        coupled = present & (members >= 2)
+        base = np.fmax.reduce(np.where(present & ~coupled, chunk * outside, 0.0), axis=1, initial=0.0)
+        fixed_seconds = np.array(fixed, dtype=float)
+        times = np.array(alone, dtype=float)
+        rows = [position for position in range(count) if coupled[position].any()]
+        if not rows and self.ROUNDS:  # as ``solve``: one round is all
+            times = fixed_seconds + base
+        else:
+            weights = self._partner_weights(names, present, coupled, crowd)
+            times = self._dense_rounds(rows, chunk, coupled, outside, weights, base, fixed_seconds, times)
+        apps = self.predictor.apps
+        return {name: float(seconds) * apps[name].correction for name, seconds in zip(names, times)}
+
+    def _partner_weights(self, names: Sequence[str], present: np.ndarray, coupled: np.ndarray,
+                         crowd: np.ndarray) -> np.ndarray:
+        """[app, partner, GPU]: the kappa by which the partner's share of ``app``'s chunk on the GPU
+        counts, in that GPU's context; exactly 0 where either is not there, and for the app itself."""
+        used = coupled.any(axis=0)
+        contexts = {bool(value) for value in crowd[used]}
+        if len(contexts) == 1:
+            kappas = self._kappa_matrix(names, contexts.pop())[:, :, None]
+        else:
+            kappas = np.where(crowd[None, None, :], self._kappa_matrix(names, True)[:, :, None],
+                              self._kappa_matrix(names, False)[:, :, None])
+        together = coupled[:, None, :] & present[None, :, :]
+        together[np.arange(len(names)), np.arange(len(names)), :] = False
+        return np.where(together, kappas, 0.0)
+
+    def _dense_rounds(self, rows: Sequence[int], chunk: np.ndarray, coupled: np.ndarray, outside: np.ndarray,
+                      weights: np.ndarray, base: np.ndarray, fixed: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """``solve``'s rounds over the apps ``rows`` (those with a chunk beside another of the set);
+        seconds per iteration of every app after the last round.
+
+        A partner's share is its stretched chunk over its iteration time, at most 1: ``np.fmin``
+        gives 1 for a NaN as ``solve``'s ``share if share < 1.0 else 1.0`` does, so every share is
+        finite and a weight of exactly 0 (no chunk there, or the app itself) adds exactly 0."""
+        stretched = chunk.copy()
+        count, gpus = chunk.shape
+        terms = np.empty((count + 1, gpus))
+        sums = np.empty((count + 1, gpus))
+        columns = {position: np.flatnonzero(coupled[position]) for position in rows}
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            for _ in range(self.ROUNDS):
+                longest = base.copy()
+                share = np.fmin(stretched / times[:, None], 1.0)
+                for position in rows:
+                    mine = columns[position]
+                    terms[0] = outside[position]
+                    np.multiply(weights[position], share, out=terms[1:])
+                    np.add.accumulate(terms, axis=0, out=sums)
+                    value = chunk[position, mine] * sums[-1, mine]
+                    stretched[position, mine] = value
+                    np.fmin(stretched[position] / times[position], 1.0, out=share[position])
+                    largest = np.fmax.reduce(value)
+                    if largest > longest[position]:
+                        longest[position] = largest
+                times = fixed + longest
+        return times
 
     def _solve_one(self, name: str, changes: Mapping[str, DataRatio]) -> dict[str, float]:
         """``solve`` of a single app, written out: it shares no GPU with another app of the set,
