@@ -278,6 +278,12 @@ def test_simulate_json_keeps_its_shape_and_adds_utilisation_and_time_averages(ca
     assert set(run["final_sd"]) == {"dense1", "dense2", "res1", "res2", "alex1", "alex2"}
     assert 0 < run["mean_util"] <= 100 and run["mean_sd_time_avg"] > 0
     assert report["interference"] == "gavel" and run["max_sd"] >= report["bound_max_sd"] - 1e-9
+    # every value but the wall-clock seconds is the same on a second run (docs/simulator.md)
+    assert drbalance(["simulate", "e2e-a", "--policy", "fair", "--interference", "gavel", "--dr-total", "20",
+                      "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert run.pop("seconds") > 0 and again["runs"]["fair"].pop("seconds") > 0
+    assert again == report
 
 
 class _PushOnce:

@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Util_th in percent points (paper policy)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print results as JSON (keys: docs/simulator.md; every value but a run's "
+                             "wall-clock 'seconds' is the same on every run)")
     progress.add_argument(parser)
 
 
