@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery
 from drbalance.ipc.names import SHM_DIR
 from tests.conftest import wait_for
@@ -178,3 +179,67 @@ def test_segments_truncated_under_their_readers_cause_no_sigbus(ipc_env, tmp_pat
     assert code == 0 and "Traceback" not in err, err
     _, app_err = app.communicate()
     assert "Traceback" not in app_err and "restored it" in app_err
+
+
+BROKEN_SCRIPTS = {
+    "garbage": "this is not JSON {",  # e.g. an editor's half-saved buffer, left so
+    "a reading out of range": json.dumps({"gpus": 4, "steps": [{"at": 0, "util": [150, 0, 0, 0]}]}),
+}
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` at once (a rename): the manager never reads it half-written, so each change
+    is one error or one recovery, whatever the load."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+@pytest.mark.parametrize("kind", list(BROKEN_SCRIPTS))
+def test_a_failing_utilisation_source_is_one_fault_shown_in_the_status_not_a_warning_per_sample(
+        ipc_env, tmp_path, capsys, kind):
+    manager = ManagerProcess(tmp_path, ipc_env)  # samples every 0.1 s
+    status = ipc_env.manager_status()
+    try:
+        wait_for(lambda: manager.events("util"))
+        replace_text(manager.util_file, BROKEN_SCRIPTS[kind])
+        fault = wait_for(lambda: json.loads(status.read_text())["faults"].get("sample"))
+        wait_for(lambda: json.loads(status.read_text())["fault_counts"].get("sample", 0) >= 20)  # 2 s of samples
+        assert "scripted utilisation file" in fault or "outside 0..100" in fault, fault
+        assert drbalance(["status"]) == 0
+        assert "WARNING: the manager's sample is failing" in capsys.readouterr().out
+        during = manager.stderr()
+        replace_text(manager.util_file, json.dumps({"gpus": 4, "steps": [{"at": 0, "util": [10, 20, 30, 40]}]}))
+        recovered = wait_for(lambda: [e for e in manager.events("recovered") if e["task"] == "sample"])
+        wait_for(lambda: "sample" not in json.loads(status.read_text())["faults"])
+        assert json.loads(status.read_text())["util"] == [10, 20, 30, 40]
+    finally:
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
+    assert during.count("sample failed") == 1, during  # it used to be once per sample period
+    assert err.count("sample works again") == 1, err
+    assert len([e for e in manager.events("fault") if e["task"] == "sample"]) == 1
+    assert recovered[0]["failures"] >= 20
+
+
+def test_a_scripted_file_caught_mid_rewrite_keeps_its_last_script_and_one_left_broken_fails(tmp_path):
+    from drbalance.clock import ManualClock
+    from drbalance.manager.utilization import ScriptedSource, UtilizationUnavailable
+
+    path = tmp_path / "util.json"
+    path.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [10, 20]}]}))
+    source = ScriptedSource(path, ManualClock())
+    path.write_text("")  # truncated by a rewrite that has not written yet
+    assert source.sample() == (10.0, 20.0) and source.memory() == (None, None)
+    path.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [30, 40]}]}))
+    assert source.sample() == (30.0, 40.0)
+    path.write_bytes(b"\xff\xfe not text")
+    assert source.sample() == (30.0, 40.0)  # the first look: perhaps being rewritten
+    with pytest.raises(UtilizationUnavailable, match="scripted utilisation file"):
+        source.sample()  # the same bytes at the next look: broken
+    path.unlink()
+    source.sample()
+    with pytest.raises(UtilizationUnavailable, match="No such file"):
+        source.sample()
+    path.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 60]}]}))
+    assert source.sample() == (50.0, 60.0)

@@ -77,6 +77,10 @@ class ManagerStartError(RuntimeError):
     """The manager cannot start; the text says what, where, and what to do."""
 
 
+class SampleFailed(RuntimeError):
+    """The utilisation source raised; its readings count as unavailable (a fault of ``sample``)."""
+
+
 @dataclass(frozen=True)
 class ManagerSettings:
     """The daemon's options (seconds for periods; percent points for ``util_threshold``).
@@ -214,6 +218,7 @@ class Manager:
         self._memory_read: list[tuple[Any, float]] = [(None, -math.inf)] * self.gpu_count  # per GPU: reading, when
         self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
+        self.fault_counts: dict[str, int] = {}  # task -> times it failed in a row (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
         self._reported: set[tuple[str, ...]] = set()
         self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
@@ -390,17 +395,19 @@ class Manager:
         if self.faults.get(key) != text or now - self._fault_logged.get(key, -1e9) >= FAULT_REPEAT_SECONDS:
             self._fault_logged[key] = now
             self.log("fault", task=key, error=text)
-            if isinstance(error, (OSError, RecordError)):
+            if isinstance(error, (OSError, RecordError, SampleFailed)):
                 logger.error("drbalance-manager: %s failed: %s (serving on; trying again)", key, text)
             else:
                 logger.exception("drbalance-manager: %s failed (serving on; trying again)", key)
         self.faults[key] = text
+        self.fault_counts[key] = self.fault_counts.get(key, 0) + 1
 
     def _recovered(self, key: str) -> None:
         error = self.faults.pop(key)
+        failures = self.fault_counts.pop(key, 0)
         self._fault_logged.pop(key, None)
-        self.log("recovered", task=key, error=error)
-        logger.warning("drbalance-manager: %s works again (after: %s)", key, error)
+        self.log("recovered", task=key, error=error, failures=failures)
+        logger.warning("drbalance-manager: %s works again after %d failure(s) (last: %s)", key, failures, error)
 
     # --- notices: steps 3 to 6 ------------------------------------------------------------------
     def handle(self, notice: Notice) -> None:
@@ -583,14 +590,20 @@ class Manager:
             logger.warning("drbalance-manager: the heartbeat segment was truncated; restored it")
 
     def _sample(self, now: float) -> None:
+        """Read the GPUs' utilisation and memory. A source that fails counts as unavailable readings,
+        and the error is raised after them: a fault of this task (logged when it starts, changes or
+        ends, shown in ``faults``), not a warning at every period."""
+        failure = None
         try:
             reading = self.source.sample()
-        except Exception as error:  # a flaky driver must not stop the loop
-            logger.warning("drbalance-manager: utilisation sample failed: %s", error)
-            reading = (None,) * self.gpu_count
+        except Exception as error:  # a flaky driver or a broken script must not stop the loop
+            failure, reading = error, (None,) * self.gpu_count
         self.last_sample = tuple(reading)
         self.window.add(reading)
         self.server = ServerGpus(self.gpu_count, self._known_uuids(now), self._memory(now))
+        if failure is not None:
+            raise SampleFailed(f"the utilisation source {getattr(self.source, 'name', '?')!r} failed: "
+                               f"{type(failure).__name__}: {failure}") from failure
 
     def _memory(self, now: float) -> tuple:
         """The GPUs' memory now; a GPU whose reading failed keeps its last one for
@@ -901,6 +914,7 @@ class Manager:
                         for entry, uid in sorted(self.foreign.items())[:MAX_FOREIGN_LISTED]],
             "foreign_total": len(self.foreign),
             "faults": dict(self.faults),
+            "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
             "metrics": self.metrics.url() if self.metrics is not None else None,
         }
         write_private(self.names.manager_status(), json.dumps(status).encode())

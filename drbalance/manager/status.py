@@ -151,9 +151,21 @@ def format_table(status: dict[str, Any]) -> str:
     if unlisted > 0:
         lines.append(f"WARNING: and {unlisted} more objects of other users under this namespace's names "
                      f"(the manager log names each)")
-    for task, error in sorted(status.get("faults", {}).items()):
-        lines.append(f"WARNING: the manager's {task} is failing: {error}")
+    lines += fault_lines(status)
     return "\n".join(lines)
+
+
+def fault_lines(status: dict[str, Any]) -> list[str]:
+    """One warning per failing task of the manager, with how many times in a row it failed."""
+    counts = status.get("fault_counts")
+    counts = counts if isinstance(counts, dict) else {}
+    lines = []
+    for task, error in sorted(status.get("faults", {}).items()):
+        count = counts.get(task)
+        times = f" ({count} times in a row)" if isinstance(count, int) and not isinstance(count, bool) and count > 1 \
+            else ""
+        lines.append(f"WARNING: the manager's {printable(task)} is failing{times}: {printable(error)}")
+    return lines
 
 
 def app_state(app: dict[str, Any]) -> str:
@@ -208,8 +220,7 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
         lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd:>6} {app['epoch']:>5}/{app['epochs']:<5}  {dr}")
     if not status["apps"]:
         lines.append("(no apps)")
-    for task, error in sorted(status.get("faults", {}).items()):
-        lines.append(f"WARNING: the manager's {task} is failing: {error}")
+    lines += fault_lines(status)
     return "\n".join(lines)
 
 

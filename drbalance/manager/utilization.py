@@ -103,6 +103,9 @@ class NvmlSource:
         self.nvml.shutdown()
 
 
+_READABLE = object()  # ScriptedSource._unreadable when the last read succeeded
+
+
 class ScriptedSource:
     """Utilisations from a JSON file: ``{"gpus": 4, "steps": [{"at": 0, "util": [..]}, ...]}``.
 
@@ -110,6 +113,11 @@ class ScriptedSource:
     is re-read whenever it changes, so a test can steer utilisation while the manager runs. A
     ``null`` entry is an unavailable reading. Optional: ``"uuids": ["GPU-...", ...]`` (the GPUs'
     UUIDs), ``"memory_total": [bytes, ...]`` and, per step, ``"free": [bytes, ...]``.
+
+    A file that cannot be read or decoded once is taken to be being rewritten (the last good
+    script stays); found so again unchanged at the next read, or decoded but invalid, it makes
+    ``sample`` and ``memory`` raise ``UtilizationUnavailable`` until it is fixed (the manager
+    shows that as a fault of its ``sample`` task).
     """
 
     name = "scripted"
@@ -124,22 +132,31 @@ class ScriptedSource:
         self._uuids: tuple[str | None, ...] = ()
         self._memory_total: tuple[int | None, ...] = ()
         self._free: list[tuple[float, tuple[int | None, ...]]] = []
+        self._unreadable: object = _READABLE  # the stamp of the file when its last read failed (None: no file)
         self._load()
 
-    def _load(self) -> None:
+    def _load(self, judge: bool = True) -> None:
+        """Read the file if it changed. ``judge``: this read counts as the next look at a file that
+        could not be read (``memory`` reads right after ``sample``: too soon to tell a rewrite)."""
         try:
             info = self.path.stat()
             stamp = (info.st_mtime, info.st_size)
             if stamp == self._stamp:
                 return
             data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
             if self._stamp is None:
                 raise UtilizationUnavailable(f"scripted utilisation file {self.path}: {error}") from None
+            unreadable = stamp if isinstance(error, ValueError) else None
+            if not judge:
+                return
+            if unreadable == self._unreadable:  # unchanged since the last read failed: broken, not being rewritten
+                raise UtilizationUnavailable(f"scripted utilisation file {self.path}: {error}") from None
+            self._unreadable = unreadable
             return  # keep the last good script while the file is being rewritten
         gpus, steps = _parse_script(data, self.path)
         uuids, totals, free = _parse_gpu_info(data, gpus, self.path)
-        self._gpus, self._steps, self._stamp = gpus, steps, stamp
+        self._gpus, self._steps, self._stamp, self._unreadable = gpus, steps, stamp, _READABLE
         self._uuids, self._memory_total, self._free = uuids, totals, free
 
     def gpu_count(self) -> int:
@@ -149,7 +166,7 @@ class ScriptedSource:
         return self._uuids
 
     def memory(self) -> tuple[MemoryInfo | None, ...]:
-        self._load()
+        self._load(judge=False)
         elapsed = self.clock.monotonic() - self.start
         free: tuple[int | None, ...] = (None,) * self._gpus
         for at, values in self._free:
