@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import posix_ipc
@@ -11,7 +13,7 @@ import pytest
 from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery
 from drbalance.ipc.layout import Notice, NoticeKind
-from tests.conftest import leftovers, python_process, wait_for
+from tests.conftest import ROOT, leftovers, python_process, wait_for
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 
@@ -235,3 +237,55 @@ def test_the_lock_owner_is_the_first_line_and_an_empty_file_is_read_again(tmp_pa
         assert _lock_owner(fd, tries=3) == "unknown"
     finally:
         os.close(fd)
+
+
+PAUSED_AFTER_OPENING_THE_SOURCE = """
+import sys, time
+from pathlib import Path
+from drbalance.manager import cli
+
+opened, go = Path(sys.argv[1]), Path(sys.argv[2])
+real_open = cli.open_source
+
+def open_then_wait(*args, **kwargs):
+    source = real_open(*args, **kwargs)  # the emulated GPUs exist now
+    opened.write_text("opened")
+    deadline = time.monotonic() + 60
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return source
+
+cli.open_source = open_then_wait
+raise SystemExit(cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_cleanly(ipc_env, tmp_path, signum):
+    """The emulated GPUs were made before the stop handlers were installed: a SIGTERM then killed
+    the manager and left them in /dev/shm (a SIGINT, a KeyboardInterrupt traceback and the same)."""
+    from drbalance.emu.gpus import remove_emulated_gpus
+
+    opened, go = tmp_path / "opened", tmp_path / "go"
+    process = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_AFTER_OPENING_THE_SOURCE, str(opened), str(go), "--source", "emulated:2",
+         "--log", str(tmp_path / "m.jsonl")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, restore_signals=True)
+    try:
+        wait_for(lambda: opened.exists() or process.poll() is not None)
+        assert process.poll() is None, process.communicate()[1]
+        assert [e for e in leftovers(ipc_env) if ".emu." in e]  # what a stop must remove
+        process.send_signal(signum)
+        time.sleep(0.5)  # delivered while start-up is held
+        go.write_text("go")
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        remove_emulated_gpus(ipc_env, 2)
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and signal.Signals(signum).name in err, err
+    assert leftovers(ipc_env) == [], err  # the GPUs' segments and semaphores
+    assert not list(ipc_env.runtime_dir().glob("emu.*")), err  # and their lock files

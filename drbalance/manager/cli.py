@@ -124,6 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         datefmt="%Y-%m-%dT%H:%M:%S")
+    # The stop handlers come before anything is made (emulated GPUs are shared objects): a signal
+    # that arrives before the manager exists is kept and honoured once it does.
+    early_stop: list[str] = []
+    manager: Manager | None = None
+
+    def on_stop(number: int, frame: object) -> None:
+        name = signal.Signals(number).name
+        if manager is not None:
+            manager.request_stop(name)
+        elif not early_stop:
+            early_stop.append(name)
+
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    stop_on = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # a closed terminal; 'nohup' ignores it, and so do we
+        stop_on.append(signal.SIGHUP)
+    for signum in stop_on:
+        signal.signal(signum, on_stop)
     try:
         namespace = args.namespace if args.namespace is not None else env.namespace()
         settings = ManagerSettings(
@@ -150,13 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         source.close()
         logger.error("drbalance-manager: %s", error)
         return 2
-    if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    stop_on = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # a closed terminal; 'nohup' ignores it, and so do we
-        stop_on.append(signal.SIGHUP)
-    for signum in stop_on:
-        signal.signal(signum, lambda number, frame: manager.request_stop(signal.Signals(number).name))
+    if early_stop:
+        manager.request_stop(early_stop[0])
+    if manager.stopping is not None:  # stopped before it started: only the source to close
+        source.close()
+        logger.info("drbalance-manager: stopped by %s before it started; nothing left behind", manager.stopping)
+        return 0
     try:
         manager.start()
     except (ManagerAlreadyRunning, ManagerStartError, OSError, ValueError) as error:
