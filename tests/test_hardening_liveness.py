@@ -279,3 +279,73 @@ def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_wa
     invalid = [e for e in reported if e["event"] == "invalid" and e.get("app", "").startswith("ghost")]
     assert len(invalid) == 30 and all("still being written" in e["error"] for e in invalid)  # once each
     assert len(leftovers(ipc_env)) == 30  # kept: no claim says whose they are
+
+
+def test_what_the_manager_keeps_about_jobs_stays_bounded_as_jobs_come_and_go(ipc_env, tmp_path, monkeypatch, caplog):
+    """A long-running manager kept, for every job that ever had a problem, the problem reported
+    (``_reported``), the claim it could not collect (``_claims_left``) and the record it could
+    not view (the table's ``_unviewable``): sets that grew with the jobs that came and went.
+    Here 100 jobs come and go: each is adopted, cannot be viewed, dies while a new job takes its
+    name, and a stray notice comes from a name nobody claims."""
+    from drbalance.clock import ManualClock
+    from drbalance.ipc.layout import Notice, NoticeKind
+    from drbalance.manager import table
+    from drbalance.manager.daemon import REPORT_FORGET_SECONDS, Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    real_view = table.AppEntry.view
+
+    def view(entry, *args, **kwargs):  # what a record no view can be built from does
+        if entry.name.startswith("job"):
+            raise ValueError(f"no view of {entry.name}")
+        return real_view(entry, *args, **kwargs)
+
+    monkeypatch.setattr(table.AppEntry, "view", view)
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [0, 0, 0, 0]}]}')
+    clock = ManualClock()
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script, clock), clock=clock)
+    owner = subprocess.Popen(["sleep", "300"])  # the process the jobs' records name
+    sizes = []
+
+    def die(name: str, token: str) -> None:  # its pid now belongs to another process
+        record = AppRecord.open(ipc_env, name, token)
+        record.write_status(dataclasses.replace(record.read_status(), start_ticks=ticks + 7))
+        record.close()
+
+    try:
+        ticks = status_ticks(owner.pid)
+        manager.start()
+        for index in range(100):
+            name = f"job{index}"
+            token = plant_dead_app_with_a_reused_pid(ipc_env, name, owner.pid, ticks)  # alive: owner runs
+            manager._rescan(clock.monotonic())
+            assert name in manager.table
+            manager.table.views(4, manager.server)
+            manager.handle(Notice(NoticeKind.BOUNDARY, owner.pid, 1, f"stray{index}", 0.0))  # no claim: refused
+            die(name, token)
+            successor = plant_dead_app_with_a_reused_pid(ipc_env, name, owner.pid, ticks)  # a new job takes the name
+            manager._collect_garbage(clock.monotonic())  # the first one's claim is not its own any more: kept
+            manager._rescan(clock.monotonic())  # the successor adopted: that claim is forgotten
+            assert manager.table.get(name).token == successor
+            sizes.append((len(manager._reported), len(manager._claims_left), len(manager.table._unviewable)))
+            die(name, successor)
+            ipc_env.app_claim(name).unlink()  # before the manager collects it
+            manager._collect_garbage(clock.monotonic())
+            assert name not in manager.table
+            clock.advance(REPORT_FORGET_SECONDS / 10)
+            manager._rescan(clock.monotonic())
+            sizes.append((len(manager._reported), len(manager._claims_left), len(manager.table._unviewable)))
+        manager.handle(Notice(NoticeKind.BOUNDARY, owner.pid, 1, "stray99", 0.0))  # seen again soon: not again
+        clock.advance(REPORT_FORGET_SECONDS * 2)
+        manager._rescan(clock.monotonic())
+        manager.handle(Notice(NoticeKind.BOUNDARY, owner.pid, 1, "stray99", 0.0))  # long after: reported again
+    finally:
+        manager.stop()
+        kill(owner)
+    assert max(size[0] for size in sizes) <= 12, sizes  # the last minute's stray notices: 10, give or take
+    assert max(size[1] for size in sizes) == 0, sizes
+    assert max(size[2] for size in sizes) <= 1, sizes  # the successor, while it runs
+    warned = [r.getMessage() for r in caplog.records if "cannot admit 'stray99'" in r.getMessage()]
+    assert len(warned) == 2, warned

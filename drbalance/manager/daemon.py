@@ -63,6 +63,11 @@ MEMORY_KEPT_SECONDS = 10.0
 """A GPU's last memory reading stands in for one that failed (an NVML error on one call of many)
 for this long: without a reading the GPU has no free-memory cap, and a decision made meanwhile
 could send a job more than fits."""
+REPORT_FORGET_SECONDS = 60.0
+"""A problem reported once per app and reason (an unreadable claim or record, a notice that
+cannot be admitted) is forgotten when it has not been seen again for this long (its app gone), so
+the set of reported problems does not grow with every job that ever failed; seen again later, it
+is reported again."""
 MAX_FOREIGN_LISTED = 20
 """Other users' objects named in the status file and on stderr; the rest are only counted
 (``foreign_total``) and named in the manager log: a neighbour can plant thousands, and a status
@@ -220,7 +225,7 @@ class Manager:
         self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
         self.fault_counts: dict[str, int] = {}  # task -> times it failed in a row (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
-        self._reported: set[tuple[str, ...]] = set()
+        self._reported: dict[tuple[str, ...], float] = {}  # (kind, app, ...) reported once -> when last seen
         self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
@@ -560,8 +565,7 @@ class Manager:
             return None
         except (RecordError, OSError, discovery.DiscoveryError, posix_ipc.Error) as error:
             self.log("invalid", what="record", app=name, error=str(error))  # every time: the log is the record
-            if ("admit", name, str(error)) not in self._reported:  # stderr: once per app and reason
-                self._reported.add(("admit", name, str(error)))
+            if self._first_report(("admit", name, str(error))):  # stderr: once per app and reason
                 logger.warning("drbalance-manager: cannot admit %r: %s", name, error)
             return None
         self._log_added(entry, via)
@@ -670,9 +674,13 @@ class Manager:
         """Adopt live apps found through their claims; remove dead ones' objects; report objects of
         other users under this namespace's prefix."""
         referenced = {(entry.name, entry.token) for entry in self.table.entries.values()}
+        claims: dict[str, str | None] = {}  # app -> the token its claim names (None: unknown this time)
         for app in discovery.claimed_apps(self.names):
-            if app in self.table:
+            entry = self.table.get(app)
+            if entry is not None:
+                claims[app] = entry.token
                 continue
+            claims[app] = None
             try:
                 token = self._consider_claim(app, now)
             except OSError as error:  # one bad entry (a folder or a link as a claim) stops no other app's
@@ -681,7 +689,19 @@ class Manager:
                 continue
             if token is not None:
                 referenced.add((app, token))
+                claims[app] = token
         self._scan_listing(now, referenced)
+        self._forget_gone(claims)
+
+    def _forget_gone(self, claims: dict[str, str | None]) -> None:
+        """Drop what is kept about apps that are gone: a claim left locked whose file is gone or
+        now names another token (a new job took the name), and problems not seen for
+        ``REPORT_FORGET_SECONDS``."""
+        self._claims_left = {(app, token) for app, token in self._claims_left
+                             if app in claims and claims[app] in (token, None)}
+        horizon = self.clock.monotonic() - REPORT_FORGET_SECONDS
+        for key in [key for key, seen in self._reported.items() if seen < horizon]:
+            del self._reported[key]
 
     def _consider_claim(self, app: str, now: float) -> str | None:
         """Adopt ``app`` if its claim's process runs, collect it if dead; the token it names."""
@@ -816,10 +836,15 @@ class Manager:
             logger.warning("drbalance-manager: more objects of other users may follow; only the manager log "
                            "(event 'foreign') names them")
 
+    def _first_report(self, key: tuple[str, ...]) -> bool:
+        """Whether ``key`` (a problem: kind, app, ...) is new; it is marked as seen now either way."""
+        new = key not in self._reported
+        self._reported[key] = self.clock.monotonic()
+        return new
+
     def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
-        if key in self._reported:
+        if not self._first_report(key):
             return
-        self._reported.add(key)
         self.log(event, **fields)
         logger.warning("drbalance-manager: %s", fields.get("error", fields))
 

@@ -273,6 +273,7 @@ class AppTable:
         entry.note_batch()
 
     def remove(self, name: str, unlink: bool) -> AppEntry | None:
+        self._unviewable.discard(name)  # a later app of that name is reported afresh
         entry = self.entries.pop(name, None)
         if entry is not None:
             entry.channel.close()
