@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import select
 import socket
+import threading
+import time
 import urllib.request
 
 import prometheus_client
@@ -213,3 +216,61 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
     finally:
         server.close()
     assert "Traceback" not in capfd.readouterr().err  # a timed-out connection is not an error to print
+
+
+@pytest.mark.timeout(60)
+def test_connections_that_trickle_bytes_hold_no_thread_for_long_nor_more_than_a_few(monkeypatch, capfd):
+    """A client that sends a header line now and then is never idle: each such connection held a
+    server thread for as long as it went on, and any local user could open thousands of them
+    (threads count against the manager's user's process limit). At most MAX_CONNECTIONS are
+    served at once, and none for longer than CONNECTION_SECONDS."""
+    from drbalance.manager import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "IDLE_CONNECTION_SECONDS", 1.0)
+    monkeypatch.setattr(metrics_module, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(metrics_module, "CONNECTION_SECONDS", 3.0)
+    server = ManagerMetrics("ns6", "fair")
+    host, port = server.serve("127.0.0.1", 0)
+    threads_before = threading.active_count()
+    connections = []
+
+    def connect() -> socket.socket:
+        connection = socket.create_connection((host, port), timeout=30)
+        connection.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a request with no end yet
+        connections.append(connection)
+        time.sleep(0.05)
+        return connection
+
+    def trickle(sockets: list[socket.socket], seconds: float) -> dict[socket.socket, float]:
+        """A header line on each open socket every 0.2 s for ``seconds``: {socket: seconds until it was closed}."""
+        started = time.monotonic()
+        closed: dict[socket.socket, float] = {}
+        while time.monotonic() - started < seconds:
+            for connection in sockets:
+                if connection in closed:
+                    continue
+                readable, _, _ = select.select([connection], [], [], 0)
+                try:
+                    if readable and connection.recv(1) == b"":
+                        raise ConnectionResetError("closed")
+                    connection.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    closed[connection] = time.monotonic() - started
+            time.sleep(0.2)
+        return closed
+
+    try:
+        first = [connect() for _ in range(4)]
+        extra = connect()
+        closed = trickle([*first, extra], 2.0)  # past the idle limit: they are not idle
+        assert set(closed) == {extra} and closed[extra] < 0.5  # a fifth is closed at once: no thread for it
+        assert threading.active_count() - threads_before <= 4
+        closed = trickle(first, 4.0)
+        assert set(closed) == set(first)  # closed after CONNECTION_SECONDS, however they trickle
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as reply:
+            assert reply.status == 200 and b"drbalance" in reply.read()
+    finally:
+        for connection in connections:
+            connection.close()
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err

@@ -28,6 +28,7 @@ import errno
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,14 @@ IDLE_CONNECTION_SECONDS = 10.0
 runs a thread per connection: without a limit, idle connections that any local user can open
 (1,000 of them made 127 threads in 18 s) would hold threads, which count against the manager's
 user's process limit, for ever."""
+
+MAX_CONNECTIONS = 16
+"""Connections served at once; one more is closed as soon as it is accepted. A client that sends
+a byte now and then is never idle: without a limit, 40 of them held 40 threads."""
+
+CONNECTION_SECONDS = 30.0
+"""A connection still open this long after it was accepted is closed, however it trickles bytes
+(a scrape takes milliseconds; the server answers one request per connection)."""
 
 EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets of the exchange latency, seconds: sub-millisecond (an idle manager) to the
@@ -181,6 +190,7 @@ class ManagerMetrics:
             raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: not a host name or "
                                      f"address ({error})", ADDRESS_HINT) from None
         _close_idle_connections(server)
+        _limit_connections(server)
         self._server, self._thread = server, thread
         self.address = (address, server.server_address[1])
         return self.address
@@ -214,7 +224,54 @@ def _close_idle_connections(server: Any) -> None:
     report = server.handle_error
 
     def handle_error(request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], TimeoutError):
+        if not isinstance(sys.exc_info()[1], OSError):  # a timeout, a client gone or closed by _limit_connections
             report(request, client_address)
 
     server.handle_error = handle_error
+
+
+def _limit_connections(server: Any) -> None:
+    """Serve at most ``MAX_CONNECTIONS`` connections of ``server`` (a threading socketserver) at
+    once, closing any more at once, and shut down any still open ``CONNECTION_SECONDS`` after it
+    was accepted (checked by the server's loop every half second: no thread of its own)."""
+    lock = threading.Lock()
+    accepted: dict[Any, float] = {}  # open connection -> monotonic time it was accepted
+    process_request, process_request_thread = server.process_request, server.process_request_thread
+    service_actions = server.service_actions
+
+    def limited_process_request(request: Any, client_address: Any) -> None:
+        with lock:
+            full = len(accepted) >= MAX_CONNECTIONS
+            if not full:
+                accepted[request] = time.monotonic()
+        if full:
+            server.shutdown_request(request)
+            return
+        try:
+            process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            with lock:
+                accepted.pop(request, None)
+            raise
+
+    def tracked_process_request_thread(request: Any, client_address: Any) -> None:
+        try:
+            process_request_thread(request, client_address)
+        finally:
+            with lock:
+                accepted.pop(request, None)
+
+    def close_overdue() -> None:
+        service_actions()
+        now = time.monotonic()
+        with lock:
+            overdue = [request for request, since in accepted.items() if now - since > CONNECTION_SECONDS]
+        for request in overdue:
+            try:
+                request.shutdown(socket.SHUT_RDWR)  # its thread's read or write ends at once
+            except OSError:  # closed meanwhile by its thread
+                pass
+
+    server.process_request = limited_process_request
+    server.process_request_thread = tracked_process_request_thread
+    server.service_actions = close_overdue
