@@ -235,7 +235,8 @@ def finite_number(value: object) -> bool:
 
 
 def read_json_lines(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSON Lines file; a malformed line (e.g. cut off by a kill) is skipped."""
+    """Records of a JSON Lines file; a malformed line (e.g. cut off by a kill, or nested too deep
+    to decode) is skipped."""
     with Path(path).open(encoding="utf-8", errors="replace") as handle:
         for line in handle:
             line = line.strip()
@@ -243,7 +244,7 @@ def read_json_lines(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
             if isinstance(record, dict):
                 yield record

@@ -3,8 +3,11 @@ makespan (found by a review, 2026-11-24)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from drbalance import cli
 from drbalance.report.metrics import run_from_records, summarise
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,3 +22,52 @@ def test_mean_utilisation_leaves_out_the_samples_logged_while_the_apps_set_up():
     summary = summarise(run_from_records("r", apps, setup + running, {"started": started}))
     assert summary.makespan == pytest.approx(20.0)
     assert summary.mean_util == pytest.approx(70.0)
+
+
+def _write_run(root, apps: dict[str, list], manager: list) -> None:
+    """A run directory of JSON Lines logs; a line given as a str is written as it is."""
+    (root / "apps").mkdir(parents=True)
+    (root / "run.json").write_text(json.dumps({"started": 1000.0, "label": "r"}))
+    for name, lines in {**{f"apps/{app}.sd.jsonl": lines for app, lines in apps.items()},
+                        "manager.jsonl": manager}.items():
+        (root / name).write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                                         for line in lines))
+
+
+def _app(sds: list[float], finish: float, bad: list | tuple = ()) -> list:
+    """An app's SD log: its start, ``bad`` lines, one report a second from 1 s on, its finish."""
+    return [{"t": 1000.0, "event": "start"}, *bad,
+            *({"t": 1001.0 + index, "event": "report", "sd": sd} for index, sd in enumerate(sds)),
+            {"t": 1000.0 + finish, "event": "finish", "sd": sds[-1]}]
+
+
+def test_records_with_fields_of_the_wrong_kind_are_skipped_and_counted_never_a_traceback(tmp_path, capsys, caplog):
+    """An event that is not text was a TypeError traceback; a JSON line nested thousands deep
+    aborted the whole report (RecursionError); a negative SD was shown as an app's final SD; a
+    huge SD or utilisation was an OverflowError traceback."""
+    bad = [
+        {"t": 1000.5, "event": ["report"], "sd": 1.0},  # not text
+        {"t": 1000.6, "event": {"x": 1}},
+        "[" * 100_000 + "]" * 100_000,  # valid JSON, too deep to decode
+        {"t": 1000.7, "event": "report", "sd": -5.0},  # an SD is a ratio of times: never negative
+    ]
+    huge = 1e308  # finite, but two of them overflow a mean
+    manager = [{"t": 1000.0 + s, "event": "util", "util": [80.0, 60.0]} for s in range(11)]
+    manager += [{"t": 1002.0, "event": "util", "util": [huge, huge]},  # a percentage above 100
+                {"t": 1003.0, "event": "util", "util": [-1.0, 50.0]},
+                {"t": 1003.5, "event": "decision", "sd": {"a": 1.2}, "util": [50.0, 60.0]}]  # fine as it is
+    apps = {"a": _app([1.0, huge, 1.2, 1.4], 10, bad), "b": _app([1.0, huge, 1.1, 1.3], 10)}
+    _write_run(tmp_path / "run", apps, manager)
+    assert cli.main(["report", str(tmp_path / "run"), "--no-plots", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    (summary,) = json.loads(captured.out)
+    assert summary["final_sd"] == {"a": pytest.approx(1.4), "b": pytest.approx(1.3)}
+    assert summary["final_sd_diff"] == pytest.approx(0.1)
+    assert summary["mean_sd"] == pytest.approx(huge / 10, rel=0.01)  # 1 s of the 10 with SDs at 1e308
+    assert summary["mean_util"] == pytest.approx((70.0 * 11 + 50.0) / 12)  # only the valid samples
+    log = tmp_path / "run" / "apps" / "a.sd.jsonl"
+    assert f"{log}: skipped 2 record(s) without a numeric time 't' or a text 'event'" in caplog.text
+    assert f"{log}: ignored 1 value(s) out of range ('sd' must be a number >= 0)" in caplog.text
+    assert "manager.jsonl: ignored 3 value(s) out of range ('util' samples must be percentages" in caplog.text
+    assert caplog.text.count("manager.jsonl: ignored") == 1  # a decision's 'sd' (every app's) is not an SD value

@@ -99,17 +99,40 @@ def _read_run_info(path: Path) -> dict:
 
 
 def _timed_records(paths: list[Path]) -> list[dict]:
-    """The records of the JSON Lines files ``paths`` (in order) that carry a finite time ``t``;
-    others (cut off, hand-edited, of another program) are skipped with a warning naming the file,
-    like the malformed lines ``read_json_lines`` skips."""
+    """The records of the JSON Lines files ``paths`` (in order) that carry a finite time ``t`` and
+    a text ``event``; others (cut off, hand-edited, of another program) are skipped with a warning
+    naming the file, like the malformed lines ``read_json_lines`` skips. Values the report would
+    ignore (an ``sd`` that is not a number >= 0, ``util`` samples that are not percentages) are
+    counted in a warning too."""
     kept = []
     for path in paths:
         records = list(read_json_lines(path))
-        timed = [record for record in records if finite_number(record.get("t"))]
+        timed = [record for record in records
+                 if finite_number(record.get("t")) and isinstance(record.get("event"), str)]
         if len(timed) < len(records):
-            logger.warning("%s: skipped %d record(s) without a numeric time 't'", path, len(records) - len(timed))
+            logger.warning("%s: skipped %d record(s) without a numeric time 't' or a text 'event'", path,
+                           len(records) - len(timed))
+        bad_sd = sum(1 for record in timed if record["event"] in SD_EVENTS and record.get("sd") is not None
+                     and not sd_value(record["sd"]))
+        if bad_sd:
+            logger.warning("%s: ignored %d value(s) out of range ('sd' must be a number >= 0)", path, bad_sd)
+        bad_util = sum(1 for record in timed if record["event"] == "util" and isinstance(record.get("util"), list)
+                       for sample in record["util"] if sample is not None and not percent_value(sample))
+        if bad_util:
+            logger.warning("%s: ignored %d value(s) out of range ('util' samples must be percentages 0..100)",
+                           path, bad_util)
         kept.extend(timed)
     return kept
+
+
+def sd_value(value: object) -> bool:
+    """Whether a decoded ``sd`` is one the report uses: a finite number >= 0 (a ratio of times)."""
+    return finite_number(value) and value >= 0
+
+
+def percent_value(value: object) -> bool:
+    """Whether a decoded utilisation sample is one the report uses: a finite number in 0..100."""
+    return finite_number(value) and 0 <= value <= 100
 
 
 def run_from_records(label: str, app_records: dict[str, list[dict]], manager_records: list[dict],
@@ -125,7 +148,7 @@ def run_from_records(label: str, app_records: dict[str, list[dict]], manager_rec
         if record.get("event") != "util":
             continue
         samples = record.get("util")
-        known = [u for u in samples if finite_number(u)] if isinstance(samples, list) else []
+        known = [u for u in samples if percent_value(u)] if isinstance(samples, list) else []
         if known:
             util_times.append(record["t"] - start)
             util_means.append(fmean(known))
@@ -139,7 +162,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     for record in records:
         event, t = record.get("event"), record["t"] - start
         sd = record.get("sd")
-        if event in SD_EVENTS and finite_number(sd):
+        if event in SD_EVENTS and sd_value(sd):
             series.times.append(t)
             series.sds.append(float(sd))
         if event == "finish":
@@ -174,7 +197,7 @@ def sd_views(run: RunData, step: float = 1.0) -> tuple[list[float], list[float |
     for t in times:
         known = [sd for app in run.apps.values() if app.live_at(t) for sd in [app.sd_at(t)] if sd is not None]
         diffs.append(max(known) - min(known) if len(known) >= 2 else None)
-        means.append(fmean(known) if known else None)
+        means.append(_mean(known))
     return times, diffs, means
 
 
@@ -227,11 +250,17 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
         final_sd_diff=max(known) - min(known) if len(known) >= 2 else None,
         start_sd_diff=start_diff,
         mean_sd_diff=_mean(diffs), mean_sd=_mean(means),
-        final_mean_sd=fmean(known) if known else None,
-        mean_util=fmean(util) if util else None, unfinished=sorted(unfinished),
+        final_mean_sd=_mean(known), mean_util=_mean(util), unfinished=sorted(unfinished),
     )
 
 
 def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values that are not None (None if none are); one that would overflow (a
+    sum beyond the largest float, of values each below it) is taken of the values scaled down."""
     known = [v for v in values if v is not None]
-    return fmean(known) if known else None
+    if not known:
+        return None
+    try:
+        return fmean(known)
+    except OverflowError:
+        return fmean([v / len(known) for v in known]) * len(known)
