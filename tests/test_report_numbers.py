@@ -71,3 +71,23 @@ def test_records_with_fields_of_the_wrong_kind_are_skipped_and_counted_never_a_t
     assert f"{log}: ignored 1 value(s) out of range ('sd' must be a number >= 0)" in caplog.text
     assert "manager.jsonl: ignored 3 value(s) out of range ('util' samples must be percentages" in caplog.text
     assert caplog.text.count("manager.jsonl: ignored") == 1  # a decision's 'sd' (every app's) is not an SD value
+
+
+def test_an_app_of_the_run_without_sd_records_is_named_and_no_makespan_is_claimed(tmp_path, capsys, caplog):
+    """A job that exited before its first SD line (a missing profile: 'drbalance launch' on CUDA
+    GPUs; a full disk) has no SD log, or an empty one. It was left out without a word: the report
+    showed a makespan and a final spread as if the run had only the other apps."""
+    run_dir = tmp_path / "run"
+    _write_run(run_dir, {"a": _app([1.2, 1.4], 10), "b": _app([1.1, 1.3], 12), "d": []}, [])
+    info = {"started": 1000.0, "label": "r", "apps": {name: {"returncode": 0} for name in ("a", "b", "c", "d")}}
+    info["apps"]["c"]["returncode"] = 2  # it never wrote its SD log
+    (run_dir / "run.json").write_text(json.dumps(info))
+    assert cli.main(["report", str(run_dir), "--no-plots", "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["makespan"] is None and summary["no_records"] == ["c", "d"]
+    assert summary["final_sd"] == {"a": pytest.approx(1.4), "b": pytest.approx(1.3), "c": None, "d": None}
+    assert summary["final_sd_diff"] == pytest.approx(0.1)  # of the apps that have SDs
+    assert "apps c, d of the run have no SD records" in caplog.text
+    assert cli.main(["report", str(run_dir), "--no-plots"]) == 0
+    table = capsys.readouterr().out
+    assert "no SD records (in no number): r: c, d" in table and "final SD c" in table

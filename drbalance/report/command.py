@@ -51,6 +51,9 @@ def format_table(summaries: list[Summary]) -> str:
     unfinished = [f"{s.label}: {', '.join(s.unfinished)}" for s in summaries if s.unfinished]
     if unfinished:
         lines.append("not finished (final SD = last prediction): " + "; ".join(unfinished))
+    silent = [f"{s.label}: {', '.join(s.no_records)}" for s in summaries if s.no_records]
+    if silent:
+        lines.append("no SD records (in no number): " + "; ".join(silent))
     return "\n".join(lines)
 
 

@@ -8,9 +8,10 @@ Definitions (docs/report.md):
   at least two are known); ``mean SD(t)`` = their mean.
 - Utilisation: the manager's raw samples, averaged over GPUs; ``util(t)`` = the latest sample.
 - Summary: final SD per app (its SD at finish; the last known one if it did not finish),
-  makespan (last finish - start), final SD_max^diff (max - min of the final SDs), time averages
-  over the run (from its start to the makespan) of SD_max^diff, mean SD and mean utilisation, and
-  SD_max^diff at the start (the first time every app has an SD).
+  makespan (last finish - start; none if an app did not finish or has no SD records), final
+  SD_max^diff (max - min of the final SDs), time averages over the run (from its start to the
+  makespan) of SD_max^diff, mean SD and mean utilisation, and SD_max^diff at the start (the first
+  time every app has an SD).
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ class RunData:
     util_times: list[float]
     util_means: list[float]
     info: dict
+    no_records: list[str] = field(default_factory=list)  # apps of the run with no SD records at all
 
 
 def load_run(path: str | Path) -> RunData:
     """Read ``run.json``, ``apps/*.sd.jsonl`` and ``manager.jsonl`` of a run directory.
 
     The manager's log is read with its rotated predecessors (``manager.jsonl.N`` ... ``.1``,
-    oldest first), so a long run's early utilisation samples are not lost to rotation."""
+    oldest first), so a long run's early utilisation samples are not lost to rotation. An app
+    named in ``run.json`` without an SD log, or with a log of no records, is in ``no_records``
+    (with a warning): a job that exited before its first line is not silently left out."""
     root = Path(path)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -77,6 +81,13 @@ def load_run(path: str | Path) -> RunData:
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
     records = {log.name[: -len(".sd.jsonl")]: _timed_records([log]) for log in logs}
+    launched = info.get("apps")
+    for name in launched if isinstance(launched, dict) else ():
+        records.setdefault(str(name), [])
+    silent = sorted(name for name, app_records in records.items() if not app_records)
+    if silent:
+        logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
+                       "number of the report, and it claims no makespan", root, ", ".join(silent))
     manager = _timed_records(rotated_files(root / "manager.jsonl"))
     return run_from_records(str(info.get("label") or root.name), records, manager, info, root)
 
@@ -152,7 +163,8 @@ def run_from_records(label: str, app_records: dict[str, list[dict]], manager_rec
         if known:
             util_times.append(record["t"] - start)
             util_means.append(fmean(known))
-    return RunData(label, path or Path("."), start, apps, util_times, util_means, info)
+    silent = sorted(name for name, records in app_records.items() if not records)
+    return RunData(label, path or Path("."), start, apps, util_times, util_means, info, silent)
 
 
 def _series(name: str, records: list[dict], start: float) -> AppSeries:
@@ -226,15 +238,17 @@ class Summary:
     final_mean_sd: float | None
     mean_util: float | None
     unfinished: list[str]
+    no_records: list[str] = field(default_factory=list)  # apps of the run without SD records (final SD None)
 
 
 def summarise(run: RunData, step: float = 1.0) -> Summary:
     times, diffs, means = sd_views(run, step)
-    finals = {name: app.final_sd for name, app in sorted(run.apps.items())}
+    finals = dict(sorted({**{name: None for name in run.no_records},
+                          **{name: app.final_sd for name, app in run.apps.items()}}.items()))
     known = [sd for sd in finals.values() if sd is not None]
     unfinished = [name for name, app in run.apps.items() if not app.finished]
     ends = [app.end for app in run.apps.values() if app.end is not None]
-    makespan = max(ends) if ends and not unfinished else None
+    makespan = max(ends) if ends and not unfinished and not run.no_records else None
     all_known_at = max((app.times[0] for app in run.apps.values() if app.times), default=None)
     start_diff = None
     if all_known_at is not None:
@@ -251,6 +265,7 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
         start_sd_diff=start_diff,
         mean_sd_diff=_mean(diffs), mean_sd=_mean(means),
         final_mean_sd=_mean(known), mean_util=_mean(util), unfinished=sorted(unfinished),
+        no_records=list(run.no_records),
     )
 
 
