@@ -63,7 +63,7 @@ class JsonLinesWriter:
             raise ValueError(f"max_bytes must be positive or None; got {max_bytes}")
         if keep < 0:
             raise ValueError(f"keep must be >= 0; got {keep}")
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # a later chdir must not move the log (reopen_if_replaced)
         self.max_bytes = max_bytes
         self.keep = keep
         self._flush_every = max(1, flush_every)

@@ -294,3 +294,60 @@ def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_
             app.wait(timeout=30)
         code, err = manager.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("how", ["rotated", "removed"])
+def test_an_sd_log_moved_or_removed_while_its_job_runs_is_written_again_at_its_path(ipc_env, tmp_path, caplog,
+                                                                                     monkeypatch, how):
+    """logrotate (which renames the file) or an 'rm' of the logs folder while a job trains: the job
+    went on writing to the renamed or deleted file, and its path stayed empty until the job ended
+    (the manager's log was already reopened; the jobs' were not)."""
+    from drbalance.client import session as session_module
+
+    monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")
+    monkeypatch.setattr(session_module, "LOG_CHECK_SECONDS", 0.0)
+    log = tmp_path / "logs" / "job.sd.jsonl"
+    session = Session(SteeredModel(), "moved", 3, 10, solo_time=10.0, sd_log=log, report_every=1,
+                      handle_sigterm=False)
+    try:
+        for _ in range(10):
+            session.step()
+        if how == "rotated":
+            log.rename(log.with_name("job.sd.jsonl.1"))
+        else:
+            shutil.rmtree(log.parent)
+        for _ in range(20):
+            session.step()
+    finally:
+        session.close()
+    records = list(read_json_lines(log))
+    assert records and [r["event"] for r in records][-2:] == ["finish", "closed"]
+    assert sum(1 for r in records if r["event"] == "report") >= 15  # the iterations after the move
+    assert f"the SD log {log} was removed or replaced" in caplog.text
+    if how == "rotated":
+        assert list(read_json_lines(log.with_name("job.sd.jsonl.1")))[0]["event"] == "start"
+
+
+def test_a_relative_sd_log_path_stays_the_same_file_when_the_job_changes_folder(ipc_env, tmp_path, monkeypatch):
+    """The check for a removed log must not take a change of working folder for one: the lines
+    would go on in a second file under the new folder."""
+    from drbalance.client import session as session_module
+
+    monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")
+    monkeypatch.setattr(session_module, "LOG_CHECK_SECONDS", 0.0)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    session = Session(SteeredModel(), "wanders", 2, 10, solo_time=10.0, sd_log="logs/job.sd.jsonl", report_every=1,
+                      handle_sigterm=False)
+    try:
+        for _ in range(5):
+            session.step()
+        os.chdir(tmp_path / "second")
+        for _ in range(15):
+            session.step()
+    finally:
+        session.close()
+    records = list(read_json_lines(tmp_path / "first" / "logs" / "job.sd.jsonl"))
+    assert records[0]["event"] == "start" and records[-1]["event"] == "closed"
+    assert not (tmp_path / "second" / "logs").exists()

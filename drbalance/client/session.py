@@ -66,6 +66,11 @@ from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
 logger = logging.getLogger("drbalance.client")
 
+LOG_CHECK_SECONDS = 5.0
+"""How often (seconds, at most) a session looks whether its SD log was removed or replaced under
+it (an ``rm``, logrotate's rename): it then writes to a new file at the log's path, not to one
+nobody can read or a rotated one."""
+
 
 class RatioTarget(Protocol):
     """What a session steers: ``BalancedDataParallel`` (or anything with a DR to set)."""
@@ -210,6 +215,7 @@ class Session:
         self._warned_absent = False
         self._warned_closed = False
         self._warned_log = False  # the SD log could not be written (warned once)
+        self._log_checked = -math.inf  # monotonic time the SD log's path was last compared with the open file
         self._last_manager_look = self.clock.monotonic()
         self._closed = False
         self._closing = False
@@ -608,6 +614,11 @@ class Session:
     def _write_log(self, event: str, now: float, **extra: Any) -> None:
         if self.log is None:
             return
+        if now - self._log_checked >= LOG_CHECK_SECONDS:
+            self._log_checked = now
+            if self.log.reopen_if_replaced():
+                logger.warning("drbalance: the SD log %s was removed or replaced while %r ran; its lines go to a "
+                               "new file at that path", self.log.path, self.app)
         tracker = self.tracker
         ratio = self.model.ratio
         record = {
