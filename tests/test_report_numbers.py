@@ -91,3 +91,33 @@ def test_an_app_of_the_run_without_sd_records_is_named_and_no_makespan_is_claime
     assert cli.main(["report", str(run_dir), "--no-plots"]) == 0
     table = capsys.readouterr().out
     assert "no SD records (in no number): r: c, d" in table and "final SD c" in table
+
+
+def test_a_long_runs_logs_are_read_in_a_fraction_of_their_size_in_memory(tmp_path):
+    """A run of days has up to 384 MiB of manager log (6 files of 64 MiB, most of it decisions) and
+    tens of MB of SD log per app: the report kept every record whole, 4.8 GB of memory for 520 MB
+    of logs of a 96-hour run. It keeps only what it uses: the utilisation samples of the manager's
+    log and the time, event and SD of each SD log record."""
+    import tracemalloc
+
+    from drbalance.report.metrics import load_run
+
+    decision = {"event": "decision", "app": "a1", "trigger": "boundary", "generation": 5, "branch": "sd",
+                "old_dr": [3, 3, 2, 2], "new_dr": [3, 3, 3, 1], "dr_total": 10,
+                "sd": {f"a{i}": 1.2345678 for i in range(6)}, "dr": {f"a{i}": [3, 3, 2, 2] for i in range(6)},
+                "util": [55.1, 66.2, 77.3, 88.4], "details": {"gain": 0.01234, "partners": ["a1", "a2"]}}
+    report = {"event": "report", "sd": 1.5, "app": "a", "pid": 1, "epoch": 1, "iteration": 5,
+              "iterations_total": 100, "iter_time": 0.1, "dr": [3, 3, 2, 2], "dr_total": 10}
+    _write_run(tmp_path, {"a": [{"t": 1000.0, "event": "start"},
+                                *({"t": 1000.0 + s, "elapsed": float(s), **report} for s in range(1, 10_000))]},
+               [line for s in range(10_000) for line in ({"t": 1000.0 + s, "event": "util", "util": [50.0, 70.0]},
+                                                          {"t": 1000.0 + s, **decision})])
+    size = sum(path.stat().st_size for path in tmp_path.rglob("*.jsonl"))
+    tracemalloc.start()
+    try:
+        run = load_run(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(run.util_means) == 10_000 and len(run.apps["a"].sds) == 9_999
+    assert peak < 1.5 * size, f"{peak / 1e6:.1f} MB of memory to read {size / 1e6:.1f} MB of logs"

@@ -80,7 +80,7 @@ def load_run(path: str | Path) -> RunData:
     logs = sorted((root / "apps").glob("*.sd.jsonl")) if (root / "apps").is_dir() else []
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
-    records = {log.name[: -len(".sd.jsonl")]: _timed_records([log]) for log in logs}
+    records = {log.name[: -len(".sd.jsonl")]: _timed_records([log], fields=APP_FIELDS) for log in logs}
     launched = info.get("apps")
     for name in launched if isinstance(launched, dict) else ():
         records.setdefault(str(name), [])
@@ -88,7 +88,7 @@ def load_run(path: str | Path) -> RunData:
     if silent:
         logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
                        "number of the report, and it claims no makespan", root, ", ".join(silent))
-    manager = _timed_records(rotated_files(root / "manager.jsonl"))
+    manager = _timed_records(rotated_files(root / "manager.jsonl"), events={"util"}, fields=MANAGER_FIELDS)
     return run_from_records(str(info.get("label") or root.name), records, manager, info, root)
 
 
@@ -109,30 +109,42 @@ def _read_run_info(path: Path) -> dict:
     return info
 
 
-def _timed_records(paths: list[Path]) -> list[dict]:
+APP_FIELDS = ("t", "event", "sd")  # what the report reads of an SD log record
+MANAGER_FIELDS = ("t", "event", "util")  # ... and of a manager log record (its util records only)
+
+
+def _timed_records(paths: list[Path], events: set[str] | None = None,
+                   fields: tuple[str, ...] | None = None) -> list[dict]:
     """The records of the JSON Lines files ``paths`` (in order) that carry a finite time ``t`` and
     a text ``event``; others (cut off, hand-edited, of another program) are skipped with a warning
     naming the file, like the malformed lines ``read_json_lines`` skips. Values the report would
     ignore (an ``sd`` that is not a number >= 0, ``util`` samples that are not percentages) are
-    counted in a warning too."""
+    counted in a warning too.
+
+    Only records whose event is in ``events`` (None: every event) are kept, each with only the
+    keys ``fields`` (None: all), read one line at a time: a run of days has hundreds of MB of
+    logs, most of it the manager's decisions, which the report does not read."""
     kept = []
     for path in paths:
-        records = list(read_json_lines(path))
-        timed = [record for record in records
-                 if finite_number(record.get("t")) and isinstance(record.get("event"), str)]
-        if len(timed) < len(records):
-            logger.warning("%s: skipped %d record(s) without a numeric time 't' or a text 'event'", path,
-                           len(records) - len(timed))
-        bad_sd = sum(1 for record in timed if record["event"] in SD_EVENTS and record.get("sd") is not None
-                     and not sd_value(record["sd"]))
+        skipped = bad_sd = bad_util = 0
+        for record in read_json_lines(path):
+            event = record.get("event")
+            if not (finite_number(record.get("t")) and isinstance(event, str)):
+                skipped += 1
+                continue
+            if event in SD_EVENTS and record.get("sd") is not None and not sd_value(record["sd"]):
+                bad_sd += 1
+            if event == "util" and isinstance(record.get("util"), list):
+                bad_util += sum(1 for sample in record["util"] if sample is not None and not percent_value(sample))
+            if events is None or event in events:
+                kept.append(record if fields is None else {key: record[key] for key in fields if key in record})
+        if skipped:
+            logger.warning("%s: skipped %d record(s) without a numeric time 't' or a text 'event'", path, skipped)
         if bad_sd:
             logger.warning("%s: ignored %d value(s) out of range ('sd' must be a number >= 0)", path, bad_sd)
-        bad_util = sum(1 for record in timed if record["event"] == "util" and isinstance(record.get("util"), list)
-                       for sample in record["util"] if sample is not None and not percent_value(sample))
         if bad_util:
             logger.warning("%s: ignored %d value(s) out of range ('util' samples must be percentages 0..100)",
                            path, bad_util)
-        kept.extend(timed)
     return kept
 
 
