@@ -143,3 +143,24 @@ def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env):
     profile = load_profile("ddp-one")
     assert profile.iterations_total == 40 and profile.measured_iterations == 6
     assert profile.solo_time_s == pytest.approx(40 * profile.iteration_time_s)
+
+
+def test_a_hand_edited_profiles_file_is_refused_naming_it_never_a_traceback_nor_a_wrong_time(tmp_path):
+    """Bytes that are not UTF-8 and JSON nested too deep escaped without the file's name (a
+    UnicodeDecodeError, a RecursionError); a solo time of true was taken as 1 s, and one of 400
+    digits was an OverflowError traceback in the training script."""
+    store = tmp_path / "profiles.json"
+    entry = {"name": "x", "solo_time_s": 10.0, "iteration_time_s": 0.1, "iterations_total": 100,
+             "measured_iterations": 90, "warmup_iterations": 10, "device": "cpu", "command": ["true"],
+             "host": "h", "created": "c"}
+    for content, message in (
+        (b'{"version": 1, "profiles": {"x": \xff}}', "is not readable JSON"),
+        (b'{"version": 1, "profiles": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "is not readable JSON"),
+        (json.dumps({"version": 1, "profiles": {"x": {**entry, "solo_time_s": True}}}).encode(), "invalid solo time"),
+        (json.dumps({"version": 1, "profiles": {"x": entry}}).replace("10.0", "1" + "0" * 400, 1).encode(),
+         "invalid solo time"),
+    ):
+        store.write_bytes(content)
+        with pytest.raises(ValueError, match=message) as refused:
+            load_profile("x", store)
+        assert str(store) in str(refused.value)

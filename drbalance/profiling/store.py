@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import numbers
 import os
 import signal
@@ -28,6 +27,7 @@ from typing import Any
 
 from drbalance import env
 from drbalance.ipc.private import make_dirs, open_private, write_private
+from drbalance.jsonlog import finite_number
 
 PROFILES_VERSION = 1
 PROFILE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -65,7 +65,7 @@ def _read_store(path: Path) -> dict[str, Any]:
         return {"version": PROFILES_VERSION, "profiles": {}}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: not JSON, or not UTF-8
         raise ValueError(f"profiles file {path} is not readable JSON: {error}") from None
     if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
         raise ValueError(f"profiles file {path} has no 'profiles' object")
@@ -86,8 +86,7 @@ def load_profile(name: str, path: Path | None = None) -> Profile:
         profile = Profile(**profiles[name])
     except TypeError as error:
         raise ValueError(f"profile {name!r} in {path} is malformed: {error}") from None
-    if not (isinstance(profile.solo_time_s, (int, float)) and math.isfinite(profile.solo_time_s)
-            and profile.solo_time_s > 0):
+    if not (finite_number(profile.solo_time_s) and profile.solo_time_s > 0):  # not true, nor 400 digits
         raise ValueError(f"profile {name!r} in {path} has an invalid solo time {profile.solo_time_s!r}")
     return profile
 
