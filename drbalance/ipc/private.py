@@ -227,8 +227,8 @@ def read_private(path: str | os.PathLike[str], limit: int = MAX_PRIVATE_FILE) ->
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace a private file atomically with ``data`` (a new 0600 file renamed over it).
 
-    ``OSError`` when the folder is gone, the disk is full or ``path`` is a folder; nothing is
-    left behind then.
+    ``OSError`` when the folder is gone, the disk is full (the error names ``path``) or ``path``
+    is a folder; nothing is left behind then.
     """
     path = Path(os.fspath(path))
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
@@ -239,6 +239,8 @@ def write_private(path: str | os.PathLike[str], data: bytes) -> None:
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
+        except OSError as error:  # os.write's error names no file: ENOSPC, EFBIG, EDQUOT, EIO
+            raise OSError(error.errno, error.strerror, os.fspath(path)) from None
         finally:
             os.close(fd)
         os.replace(temporary, path)
