@@ -401,3 +401,23 @@ def test_the_mix_commands_refuse_unknown_names_and_no_workers_before_simulating(
         module.main(argv)
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_simulate_out_refuses_a_planted_link_and_writes_private_files(tmp_path, capsys):
+    """A run folder's ``apps`` planted as a link to another folder (a trap in a shared folder) is
+    refused before anything is simulated, and nothing is written there; what --out writes is
+    this user's alone (no group or other bits)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "runs" / "observe"
+    run_dir.mkdir(parents=True)
+    (run_dir / "apps").symlink_to(elsewhere)
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 1
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []
+    out = tmp_path / "private"
+    assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(out)]) == 0
+    written = out / "observe"
+    assert json.loads((written / "run.json").read_text())["simulated"] is True
+    for path in (out, written, written / "apps", written / "run.json", written / "manager.jsonl"):
+        assert path.stat().st_mode & 0o077 == 0, path

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from drbalance import defaults, progress
 from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_int
+from drbalance.ipc.private import make_dirs, write_private
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
 from drbalance.report.command import format_table
@@ -84,7 +85,8 @@ def to_run(result: SimResult, label: str, scenario: Scenario) -> RunData:
 
 def write_run_dir(result: SimResult, label: str, scenario: Scenario, out: Path) -> Path:
     """Logs in the launcher's run-directory layout, so 'drbalance report' reads them."""
-    (out / "apps").mkdir(parents=True, exist_ok=True)
+    _refuse_links(out)
+    make_dirs(out / "apps")
     for name, records in result.app_records.items():
         writer = JsonLinesWriter(out / "apps" / f"{name}.sd.jsonl", flush_every=4096)
         for record in records:
@@ -96,8 +98,16 @@ def write_run_dir(result: SimResult, label: str, scenario: Scenario, out: Path) 
     writer.close()
     info = {"label": label, "started": 0.0, "scenario": scenario.name, "simulated": True, "gpus": scenario.gpus,
             "final_sd": result.final_sd, "makespan": result.makespan, "events": result.events}
-    (out / "run.json").write_text(json.dumps(info, indent=2))
+    write_private(out / "run.json", json.dumps(info, indent=2).encode("utf-8"))
     return out
+
+
+def _refuse_links(run_dir: Path) -> None:
+    """A run folder, or its ``apps``, that is a symbolic link (planted in a shared folder: the logs
+    would go where it points) is refused: ``ValueError`` naming it."""
+    for path in (run_dir, run_dir / "apps"):
+        if path.is_symlink():
+            raise ValueError(f"--out: {path} is a symbolic link; give a folder of your own")
 
 
 def run_dir_name(variant: Variant) -> str:
@@ -112,6 +122,7 @@ def check_out_dirs(out: Path, names: list[str]) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
     for name in names:
+        _refuse_links(out / name)
         found = earlier_run(out / name)
         if found is not None:
             raise ValueError(f"--out {out}: {out / name} already holds an earlier run ({found} exists); "
