@@ -14,7 +14,13 @@ from torch import nn
 
 from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
-from drbalance.emu.gpus import EmulatedGpu, EmulatedSource, release_emulated_gpu, remove_emulated_gpus
+from drbalance.emu.gpus import (
+    EmulatedGpu,
+    EmulatedSource,
+    emulated_spec,
+    release_emulated_gpu,
+    remove_emulated_gpus,
+)
 from drbalance.manager.utilization import open_source
 from drbalance.workload.models import ModelCosts
 from tests.conftest import ROOT, python_process
@@ -411,3 +417,38 @@ def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks
             job.kill()
         job.wait(timeout=30)
         gpu.close()
+
+
+@pytest.mark.timeout(120)
+def test_processes_giving_one_emulated_gpu_different_memory_sizes_are_refused(emu):
+    """Each process used to apply its own N:MEMORY: a manager started with emulated:4:8GiB capped
+    shares by 8 GiB while its jobs (DRBALANCE_EMULATED_GPUS=4) reserved up to 24 GiB on the same
+    GPUs, and neither said a word."""
+    holder = python_process("tests.helpers.emu_memory_holder", "0", "1000", str(16 * 2**30))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(ValueError, match=r"emulated GPU 0 .* 16\.00 GiB .* 24\.00 GiB"):
+            EmulatedGpu(emu, 0)  # the default size, 24 GiB
+        same = EmulatedGpu(emu, 0, memory_bytes=16 * 2**30)  # the same spec as the holder's
+        assert same.memory_info().total == 16 * 2**30 and same.memory_info().used == 1000
+        same.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # its only user was killed: the GPU it left behind takes the next process's size
+    gpu = EmulatedGpu(emu, 0, memory_bytes=8 * 2**30)
+    assert gpu.memory_info().total == 8 * 2**30
+    other = EmulatedGpu(emu, 0, memory_bytes=8 * 2**30)  # a second user with the same spec
+    gpu.close()
+    other.close()
+
+
+def test_an_emulated_gpu_memory_size_beyond_a_pebibyte_is_refused_in_plain_words(emu):
+    """A size that its segment cannot record (8 bytes) ended in 'struct.error: argument out of range'."""
+    with pytest.raises(ValueError, match=r"at most 1 PiB"):
+        emulated_spec("2:99999999999999999999999TiB")
+    with pytest.raises(ValueError, match=r"at most 1 PiB"):
+        EmulatedGpu(emu, 0, memory_bytes=2**70)
+    assert emulated_spec("2:1024TiB").memory_bytes == 2**50  # the largest size still taken
+    with pytest.raises(ValueError, match=r"at most 1 PiB"):
+        EmulatedBackend(2, None, memory_bytes=2**50 + 1)

@@ -42,6 +42,7 @@ from drbalance.emu.gpus import (
     DEFAULT_MEMORY_BYTES,
     EmulatedGpu,
     EmulatedOutOfMemory,
+    check_memory_size,
     emulated_spec,
     release_at_exit,
     release_emulated_gpus,
@@ -85,8 +86,7 @@ class EmulatedBackend(CpuBackend):
             raise ValueError(f"need at least one emulated GPU; got {gpu_count!r}")
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
-        if memory_bytes < 1:
-            raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
+        check_memory_size(memory_bytes)
         self.gpu_count = gpu_count
         self.costs = costs
         # costs estimated from a forward without gradients (a validation pass first) count no saved

@@ -14,8 +14,10 @@ writer) accounts busy seconds in the segment; ``EmulatedSource`` turns them into
 of each sample period during which the GPU was busy, as NVML's ``utilization.gpu`` reports.
 
 An emulated GPU also has a memory size (default 24 GiB, the paper's Quadro RTX 6000) and a UUID.
-Every process (every backend object, in fact) that keeps memory on it records its reservation
-in a table in the segment, under a POSIX record lock; a reservation that would exceed the size
+Its creator records the size in the segment, and a process asking for another size while another
+process uses the GPU is refused. Every process (every backend object, in fact) that keeps memory on
+it records its reservation in a table in the segment, under a POSIX record lock; a reservation
+that would exceed the size
 minus what the others hold raises ``EmulatedOutOfMemory``, worded like CUDA's. Entries of dead
 processes do not count. ``memory_info()`` reports total / used / free as NVML's
 ``nvmlDeviceGetMemoryInfo`` does, and ``uuid`` is a stable ``GPU-...`` name derived from the user,
@@ -55,10 +57,14 @@ DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job
 GUARD_PATIENCE = 2.0  # seconds to wait for the namespace guard before going on without it
 YIELD_SECONDS = 0.002  # how long a holder steps aside after its turn when another job waits
 DEFAULT_MEMORY_BYTES = 24 * 2**30  # the paper's Quadro RTX 6000 (24 GB)
+MAX_MEMORY_BYTES = 2**50  # 1 PiB: what the segment records in 8 bytes, with room to spare
 MEMORY_OFFSET = 256  # the reservation table's area in the segment (after the busy-time account)
 MEMORY_ENTRIES = 32  # processes (backends) that can hold memory on one emulated GPU at once
 MEMORY_ENTRY = struct.Struct("<iIQ")  # pid, token (one per backend object), reserved bytes
 MEMORY_TABLE_SIZE = MEMORY_ENTRIES * MEMORY_ENTRY.size
+SPEC_OFFSET = 2048  # the memory size area (after the reservation table), written by the GPU's creator
+SPEC = struct.Struct("<Q")  # the emulated GPU's memory size, bytes
+SPEC_PATIENCE = 1.0  # seconds to wait for a creator to write the memory size before taking it as unset
 UUID_NAMESPACE = uuidlib.UUID("6f0b1d7e-3c1a-5b7e-9d2f-4a8c0e5b2d11")  # fixed: the same UUIDs in every process
 SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
               "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -91,9 +97,15 @@ def parse_memory_size(text: str) -> int:
     if match is None or unit not in SIZE_UNITS:
         raise ValueError(f"emulated GPU memory {text!r} is not a size: use e.g. 24GiB, 512MiB or a number of bytes")
     value = int(float(match.group(1)) * SIZE_UNITS[unit])
-    if value < 1:
-        raise ValueError(f"emulated GPU memory must be > 0 bytes; got {text!r}")
+    check_memory_size(value, repr(text))
     return value
+
+
+def check_memory_size(nbytes: int, shown: str | None = None) -> None:
+    """``ValueError`` unless ``nbytes`` is a possible emulated GPU memory size: 1 byte to 1 PiB."""
+    if not 1 <= nbytes <= MAX_MEMORY_BYTES:
+        raise ValueError(f"emulated GPU memory must be > 0 bytes and at most 1 PiB ({MAX_MEMORY_BYTES} bytes); "
+                         f"got {shown or nbytes}")
 
 
 def emulated_uuid(names: IpcNames, index: int) -> str:
@@ -116,8 +128,7 @@ class EmulatedGpu:
                  co_location_capacity: float = CO_LOCATION_CAPACITY, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         if index < 0:
             raise ValueError(f"emulated GPU index must be >= 0; got {index}")
-        if memory_bytes < 1:
-            raise ValueError(f"emulated GPU memory must be > 0 bytes; got {memory_bytes}")
+        check_memory_size(memory_bytes)
         self.names = names
         self.index = index
         self.clock = clock or SystemClock()
@@ -131,7 +142,8 @@ class EmulatedGpu:
             self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
             segment = None
             try:
-                segment = _open_or_create(names.emulated_gpu(index))
+                segment, created = _open_or_create(names.emulated_gpu(index))
+                _agree_on_memory(segment, names, index, self.memory_bytes, created)
                 self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
             except BaseException:
                 os.close(self._lock_fd)
@@ -312,19 +324,58 @@ def _close_inherited() -> None:
 os.register_at_fork(after_in_child=_close_inherited)
 
 
-def _open_or_create(name: str) -> Segment:
+def _open_or_create(name: str) -> tuple[Segment, bool]:
+    """The segment ``name``, and whether this call created it."""
     for _ in range(50):
         try:
-            return Segment.create(name, SegmentKind.EMULATED_GPU)
+            return Segment.create(name, SegmentKind.EMULATED_GPU), True
         except posix_ipc.ExistentialError:
             pass
         try:
-            return Segment.open(name, SegmentKind.EMULATED_GPU)
+            return Segment.open(name, SegmentKind.EMULATED_GPU), False
         except RecordEmpty:
             time.sleep(0.01)  # another process is initialising it right now
         except posix_ipc.ExistentialError:
             continue  # removed between our two calls: create it again
     raise RuntimeError(f"could not open emulated GPU segment {name}")
+
+
+def _agree_on_memory(segment: Segment, names: IpcNames, index: int, memory_bytes: int, created: bool) -> None:
+    """Make every process of the namespace use one memory size (bytes) for emulated GPU ``index``.
+
+    Its creator records its size in the segment; a process that asks for another size while
+    another process maps the GPU gets a ``ValueError`` naming both (each process used to apply its
+    own: a manager capped shares by one size while its jobs reserved up to another). A GPU that
+    nobody else maps (left behind by a killed job), or that no creator has sized yet within
+    ``SPEC_PATIENCE`` seconds (one of a release before 2026-11-25), takes this process's size.
+    Call with the namespace guard held (shared), so that no remover runs meanwhile.
+    """
+    area = segment.area(SPEC_OFFSET, SPEC.size, f"emulated GPU {index} memory size")
+    if created:
+        area.write(SPEC.pack(memory_bytes))
+        return
+    deadline = time.monotonic() + SPEC_PATIENCE
+    while True:
+        try:
+            recorded = SPEC.unpack(area.read())[0]
+            break
+        except RecordError:  # its creator has not written it yet (or never will: an older release)
+            if time.monotonic() >= deadline:
+                recorded = None
+                break
+            time.sleep(0.01)
+    if recorded == memory_bytes:
+        return
+    if recorded is not None:
+        users = [pid for pid in objects.shm_users(segment.name) if pid != os.getpid()]
+        if users:
+            raise ValueError(
+                f"emulated GPU {index} of namespace {names.namespace!r} has {_size(recorded)} of memory "
+                f"({recorded} bytes) for the processes using it ({', '.join(map(str, users[:8]))}), but this "
+                f"process asks for {_size(memory_bytes)} ({memory_bytes} bytes): give every process of the "
+                f"namespace the same spec (DRBALANCE_EMULATED_GPUS=N:MEMORY, --source emulated:N:MEMORY, "
+                f"--devices emulated:N:MEMORY; default {_size(DEFAULT_MEMORY_BYTES)})")
+    area.write(SPEC.pack(memory_bytes))
 
 
 @contextmanager
@@ -435,7 +486,7 @@ class EmulatedSpec:
 def emulated_spec(argument: str | None = None) -> EmulatedSpec:
     """Parse ``N`` or ``N:MEMORY`` (e.g. ``4``, ``4:16GiB``): ``argument`` (from ``--source
     emulated:4:16GiB``) or ``DRBALANCE_EMULATED_GPUS``. Every process of a namespace should use
-    the same spec (each applies its own memory size)."""
+    the same memory size (a different one is refused while another process uses the GPU)."""
     raw = argument or env.emulated_gpus()
     if not raw:
         raise ValueError("how many emulated GPUs? use --source emulated:N or set DRBALANCE_EMULATED_GPUS=N")
