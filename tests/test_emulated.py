@@ -452,3 +452,49 @@ def test_an_emulated_gpu_memory_size_beyond_a_pebibyte_is_refused_in_plain_words
     assert emulated_spec("2:1024TiB").memory_bytes == 2**50  # the largest size still taken
     with pytest.raises(ValueError, match=r"at most 1 PiB"):
         EmulatedBackend(2, None, memory_bytes=2**50 + 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_jobs_memory_and_busy_turn_do_not_come_back_with_a_process_that_reuses_its_pid(emu):
+    """Entries were checked by pid alone: once a killed job's pid named another process (pids wrap
+    at 32768 on many machines), its reservation counted again and a job beside it ran out of
+    memory on an idle GPU (reproduced as root with /proc/sys/kernel/ns_last_pid: 5 GiB of a
+    killed job came back with a 'sleep'); its open turn counted the GPU busy as well. Here the
+    reuse is written into the segment: the dead job's entries then name a live process."""
+    from drbalance.emu import gpus as emu_gpus
+    from drbalance.ipc.objects import process_start_ticks
+
+    memory = 8 * 2**30
+    holder = python_process("tests.helpers.emu_memory_holder", "0", str(5 * 2**30), str(memory))
+    other = None
+    gpu = EmulatedGpu(emu, 0, memory_bytes=memory)  # another job keeps the GPU mapped meanwhile
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        time.sleep(0.05)  # a few clock ticks: the pid's next owner starts later, as a reuse does
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        assert process_start_ticks(other.pid) != process_start_ticks(holder.pid)
+        assert gpu.memory_info().used == 5 * 2**30
+        # the holder is in its turn, as it writes it (busy since now, its pid and start time)
+        account = [1.5, time.monotonic(), holder.pid, process_start_ticks(holder.pid) & 0xFFFFFFFF, 1]
+        gpu.area.write(emu_gpus.ACCOUNT.pack(*account))
+        holder.kill()
+        holder.wait(timeout=30)
+        assert gpu.memory_info().used == 0
+        table = bytearray(gpu.memory_area.read())
+        entry = list(emu_gpus.MEMORY_ENTRY.unpack_from(table, 0))
+        assert entry[0] == holder.pid
+        entry[0] = other.pid  # the killed job's pid now names a live process
+        emu_gpus.MEMORY_ENTRY.pack_into(table, 0, *entry)
+        gpu.memory_area.write(bytes(table))
+        account[2] = other.pid
+        gpu.area.write(emu_gpus.ACCOUNT.pack(*account))
+        assert gpu.memory_info().used == 0  # not the dead job's 5 GiB
+        gpu.reserve(1, 6 * 2**30)  # fits: the GPU is idle
+        now = time.monotonic()
+        assert gpu.busy_seconds(now) == pytest.approx(account[0])  # no open turn of a dead job
+    finally:
+        for process in (holder, other):
+            if process is not None:
+                process.kill()
+                process.wait(timeout=30)
+        gpu.close()

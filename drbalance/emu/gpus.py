@@ -19,7 +19,8 @@ process uses the GPU is refused. Every process (every backend object, in fact) t
 it records its reservation in a table in the segment, under a POSIX record lock; a reservation
 that would exceed the size
 minus what the others hold raises ``EmulatedOutOfMemory``, worded like CUDA's. Entries of dead
-processes do not count. ``memory_info()`` reports total / used / free as NVML's
+processes do not count (a process is named by pid and start time: a later process that reuses a
+killed job's pid does not inherit its memory). ``memory_info()`` reports total / used / free as NVML's
 ``nvmlDeviceGetMemoryInfo`` does, and ``uuid`` is a stable ``GPU-...`` name derived from the user,
 the namespace and the index, so the manager's UUID mapping is exercised on CPU-only machines.
 """
@@ -52,7 +53,9 @@ from drbalance.ipc.records import RecordEmpty, Segment
 from drbalance.manager.nvml import MemoryInfo
 from drbalance.workload.models import CO_LOCATION_CAPACITY
 
-ACCOUNT = struct.Struct("<ddiiQ")  # busy seconds so far, busy since (monotonic, 0 = idle), holder pid, pad, count
+# busy seconds so far, busy since (monotonic, 0 = idle), holder pid, the low 32 bits of its start time
+# (clock ticks since boot, 0 = unknown: see _same_process), count
+ACCOUNT = struct.Struct("<ddiIQ")
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn
 GUARD_PATIENCE = 2.0  # seconds to wait for the namespace guard before going on without it
 YIELD_SECONDS = 0.002  # how long a holder steps aside after its turn when another job waits
@@ -60,7 +63,8 @@ DEFAULT_MEMORY_BYTES = 24 * 2**30  # the paper's Quadro RTX 6000 (24 GB)
 MAX_MEMORY_BYTES = 2**50  # 1 PiB: what the segment records in 8 bytes, with room to spare
 MEMORY_OFFSET = 256  # the reservation table's area in the segment (after the busy-time account)
 MEMORY_ENTRIES = 32  # processes (backends) that can hold memory on one emulated GPU at once
-MEMORY_ENTRY = struct.Struct("<iIQ")  # pid, token (one per backend object), reserved bytes
+# pid, token (one per backend object), reserved bytes, the process's start time (clock ticks since boot)
+MEMORY_ENTRY = struct.Struct("<iIQQ")
 MEMORY_TABLE_SIZE = MEMORY_ENTRIES * MEMORY_ENTRY.size
 SPEC_OFFSET = 2048  # the memory size area (after the reservation table), written by the GPU's creator
 SPEC = struct.Struct("<Q")  # the emulated GPU's memory size, bytes
@@ -119,6 +123,30 @@ class Account:
     busy_since: float
     holder: int
     acquisitions: int
+    holder_ticks: int = 0  # the low 32 bits of the holder's start time (0 = unknown)
+
+
+_OWN_TICKS: dict[int, int] = {}  # pid -> its start time, for this process (a forked child has its own pid)
+
+
+def _own_ticks() -> int:
+    """This process's start time (clock ticks since boot; 0 where /proc cannot tell)."""
+    pid = os.getpid()
+    if pid not in _OWN_TICKS:
+        _OWN_TICKS[pid] = objects.process_start_ticks(pid) or 0
+    return _OWN_TICKS[pid]
+
+
+def _same_process(pid: int, ticks: int, bits: int = 64) -> bool:
+    """Whether ``pid`` is alive and still the process that started at ``ticks`` (the low ``bits``
+    bits; 0 = unknown, then the pid alone decides): a later process that reuses a killed job's pid
+    must not take over its memory reservation or its turn on the GPU."""
+    if not objects.pid_alive(pid):
+        return False
+    if ticks <= 0:
+        return True
+    current = objects.process_start_ticks(pid)
+    return current is None or current & ((1 << bits) - 1) == ticks
 
 
 class EmulatedGpu:
@@ -159,10 +187,10 @@ class EmulatedGpu:
 
     def read(self) -> Account | None:
         try:
-            busy_total, busy_since, holder, _pad, count = ACCOUNT.unpack(self.area.read())
+            busy_total, busy_since, holder, holder_ticks, count = ACCOUNT.unpack(self.area.read())
         except RecordError:
             return None
-        return Account(busy_total, busy_since, holder, count)
+        return Account(busy_total, busy_since, holder, count, holder_ticks)
 
     def busy_seconds(self, now: float) -> float:
         """Busy seconds accumulated up to ``now``, the current occupation included."""
@@ -170,7 +198,7 @@ class EmulatedGpu:
         if account is None:
             return 0.0
         ongoing = 0.0
-        if account.busy_since > 0 and objects.pid_alive(account.holder):
+        if account.busy_since > 0 and _same_process(account.holder, account.holder_ticks, bits=32):
             ongoing = max(0.0, now - account.busy_since)
         return account.busy_total + ongoing
 
@@ -218,7 +246,7 @@ class EmulatedGpu:
         previous = self.read()
         total = previous.busy_total if previous is not None else 0.0  # a dead holder's time is lost
         count = previous.acquisitions + 1 if previous is not None else 1
-        self.area.write(ACCOUNT.pack(total, start, os.getpid(), 0, count))
+        self.area.write(ACCOUNT.pack(total, start, os.getpid(), _own_ticks() & 0xFFFFFFFF, count))
         try:
             while remaining > 1e-9 and not (cancel is not None and cancel.is_set()):
                 shared = self._others_waiting()
@@ -248,17 +276,22 @@ class EmulatedGpu:
             finally:
                 fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, 0)
 
-    def _entries(self) -> list[tuple[int, int, int]]:
+    def _entries(self) -> list[tuple[int, int, int, int]]:
+        """The reservation table: (pid, token, bytes, start ticks) of every entry holding memory."""
         try:
             raw = self.memory_area.read()
         except RecordError:  # never written (RecordEmpty), or unreadable: nobody holds memory we can see
             return []
         entries = [MEMORY_ENTRY.unpack_from(raw, i * MEMORY_ENTRY.size) for i in range(MEMORY_ENTRIES)]
-        return [(pid, token, nbytes) for pid, token, nbytes in entries if pid > 0 and nbytes > 0]
+        return [entry for entry in entries if entry[0] > 0 and entry[2] > 0]
+
+    def _live_entries(self) -> list[tuple[int, int, int, int]]:
+        """The entries of processes still alive (not of later processes that reuse a dead one's pid)."""
+        return [entry for entry in self._entries() if _same_process(entry[0], entry[3])]
 
     def memory_info(self) -> MemoryInfo:
         """Total, used (by live processes) and free bytes, as NVML reports them."""
-        used = sum(nbytes for pid, _token, nbytes in self._entries() if objects.pid_alive(pid))
+        used = sum(entry[2] for entry in self._live_entries())
         used = min(used, self.memory_bytes)
         return MemoryInfo(self.memory_bytes, used, self.memory_bytes - used)
 
@@ -270,15 +303,15 @@ class EmulatedGpu:
         """
         pid = os.getpid()
         with self._memory_locked():
-            live = [(p, t, n) for p, t, n in self._entries() if objects.pid_alive(p)]
-            others = sum(n for p, t, n in live if (p, t) != (pid, token))
-            mine = sum(n for p, t, n in live if (p, t) == (pid, token))
+            live = self._live_entries()
+            others = sum(n for p, t, n, _ticks in live if (p, t) != (pid, token))
+            mine = sum(n for p, t, n, _ticks in live if (p, t) == (pid, token))
             if nbytes > mine and nbytes > self.memory_bytes - others:
                 free = self.memory_bytes - others - mine
                 raise EmulatedOutOfMemory(self.index, nbytes - mine, self.memory_bytes, free)
-            kept = [(p, t, n) for p, t, n in live if (p, t) != (pid, token)]
+            kept = [entry for entry in live if entry[:2] != (pid, token)]
             if nbytes > 0:
-                kept.append((pid, token, int(nbytes)))
+                kept.append((pid, token, int(nbytes), _own_ticks()))
             if len(kept) > MEMORY_ENTRIES:
                 raise EmulatedOutOfMemory(self.index, nbytes, self.memory_bytes, 0)  # the table is full
             payload = bytearray(MEMORY_TABLE_SIZE)
