@@ -412,8 +412,8 @@ class Simulation:
         app.boundary_due = None if app.cadence is None else self.now + app.cadence
         ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
         refused = self._refusal(snapshot.app(app.name), ratio)
-        if refused is not None:  # the daemon keeps the app's DR and pushes nothing (Manager.decide)
-            ratio, branch, details = app.ratio, "policy-error", {"error": refused}
+        if refused is not None:  # the daemon keeps the app's DR (a DR pushed to it included) and pushes nothing
+            ratio, branch, details = app.pushed or app.ratio, "policy-error", {"error": refused}
         if self.config.record:
             self.manager_records.append({
                 "t": self.now, "event": "decision", "app": app.name, "trigger": trigger, "branch": branch,
@@ -421,9 +421,11 @@ class Simulation:
                 "sd": {view.name: view.slowdown for view in snapshot.apps}, "util": list(snapshot.utilization),
                 "iter_time": snapshot.app(app.name).iteration_time, "details": details,
             })
+        # the answer replaces a DR pushed to the app before (Manager.decide writes it into the same
+        # command record), even when it is the DR the app runs now
+        app.pushed = None
         if ratio != app.ratio:
             old, app.ratio = app.ratio, ratio
-            app.pushed = None
             self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=branch)
         if refused is not None:
             return
