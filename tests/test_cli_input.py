@@ -111,6 +111,19 @@ def test_a_scenario_app_that_would_escape_its_folder_or_crash_is_refused_naming_
     assert message in str(raised.value) and "mine.json" in str(raised.value)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("dr_total", 0, r"dr_total must be an integer 1\.\.65535"),
+    ("dr_total", 70_000, r"dr_total must be an integer 1\.\.65535"),  # the daemon refuses it: 16-bit shares
+    ("dr_total", "10", r"dr_total must be an integer 1\.\.65535"),
+    ("dr_total", 10.0, r"dr_total must be an integer 1\.\.65535"),
+    ("gpu_speed", [1e300], r"gpu_speed must hold 1 positive numbers of at most 1000"),  # the bound's LP fails
+])
+def test_a_scenario_dr_total_or_gpu_speed_the_simulator_cannot_use_is_refused_naming_the_file(field, value, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        scenario_from_json(json.dumps({"name": "x", "gpus": 1, field: value, "apps": [_app()]}), "mine.json")
+    assert "mine.json" in str(raised.value)
+
+
 def test_a_scenario_of_more_gpus_than_a_record_carries_or_too_deep_is_refused():
     with pytest.raises(ValueError, match=r"gpus must be 1\.\.32"):
         scenario_from_json(json.dumps({"name": "x", "gpus": 10**12, "apps": [_app()]}), "mine.json")

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how co-located apps slow each other: one fitted capacity for every pair "
                         "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
     parser.add_argument("--dr-total", type=positive_int, default=None,
-                        help="DR granularity (shares per mini-batch; default: the scenario's, 10)")
+                        help="DR granularity (shares per mini-batch, 1..65535 as for the manager; default: the "
+                        "scenario's, 10)")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions besides epoch ends (default, or 0: the policy's choice)")
     parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.SD_THRESHOLD,

@@ -10,8 +10,9 @@ down versions for the demo and the end-to-end test. New scenarios can be written
 
 ``placement`` gives the initial DR of apps without a ``ratio``: ``round-robin`` puts app i alone
 on GPU i mod m (the usual one-GPU-per-job launch); ``spread`` splits evenly over every GPU (plain
-DataParallel on all GPUs). ``gpu_speed`` (optional, one positive factor per GPU, default all 1)
-makes GPUs of different speeds: a GPU of speed 0.5 needs twice as long for the same work.
+DataParallel on all GPUs). ``gpu_speed`` (optional, one positive factor of at most
+``MAX_GPU_SPEED`` per GPU, default all 1) makes GPUs of different speeds: a GPU of speed 0.5 needs
+twice as long for the same work. ``dr_total`` (optional, default 10) is 1..65535, as for the daemon.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from drbalance.workload.models import SHORT_NAMES, model_costs
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("round-robin", "spread")
+MAX_DR_TOTAL = 65535  # the largest DR total the daemon accepts (a record's shares are 16-bit)
+MAX_GPU_SPEED = 1000.0
+"""The largest ``gpu_speed`` factor: 1000 times the reference GPU is far beyond any real one, and
+the lower bound's linear programme fails on speeds near 10^15."""
 SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res
 
 
@@ -93,13 +98,17 @@ class Scenario:
         if not 1 <= self.gpus <= MAX_GPUS:
             raise ValueError(f"scenario {self.name!r}: gpus must be 1..{MAX_GPUS} (what a job's record "
                              f"carries); got {self.gpus}")
+        if isinstance(self.dr_total, bool) or not isinstance(self.dr_total, int) or not (
+                1 <= self.dr_total <= MAX_DR_TOTAL):
+            raise ValueError(f"scenario {self.name!r}: dr_total must be an integer 1..{MAX_DR_TOTAL} (what the "
+                             f"daemon's 16-bit shares carry); got {self.dr_total!r}")
         if self.gpu_speed is not None:
             speeds = tuple(self.gpu_speed)
             if len(speeds) != self.gpus or not all(
-                    finite_number(v) and v > 0
+                    finite_number(v) and 0 < v <= MAX_GPU_SPEED
                     for v in speeds):
-                raise ValueError(f"scenario {self.name!r}: gpu_speed must hold {self.gpus} positive numbers; "
-                                 f"got {list(speeds)}")
+                raise ValueError(f"scenario {self.name!r}: gpu_speed must hold {self.gpus} positive numbers of at "
+                                 f"most {MAX_GPU_SPEED:g}; got {list(speeds)}")
             object.__setattr__(self, "gpu_speed", tuple(float(v) for v in speeds))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"scenario {self.name!r}: placement must be one of {PLACEMENTS}")
