@@ -9,7 +9,7 @@ from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.lp import solve_lp
 from drbalance.sim.model import make_interference
 from drbalance.sim.sharing_bound import AppTerms, order_bound, sharing_bound
-from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario
+from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario, sized_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +74,16 @@ def test_the_sharing_bound_is_not_computed_where_it_does_not_apply():
                                           AppSpec("y", "resnet50", 32, 1, 10, arrival=5.0)))
     assert sharing_bound(staggered) is None
     assert sharing_bound(SCENARIOS["c"]) is None  # 720 finish orders: only with max_orders=None
+
+
+def test_the_sharing_bound_is_for_dr_policies_time_slicing_that_pauses_apps_can_end_below_it():
+    # three ResNet-50s on one GPU under gavel: overlapping serves them 0.18 each (0.53 together), so
+    # pausing two while one runs (themis) beats every DR policy, which can never pause an app
+    gavel = make_interference("gavel")
+    scenario = Scenario("three-on-one", 1, tuple(sized_app(f"r{i}", "resnet50", 32, 120, 2) for i in range(3)))
+    found = bounds(scenario, gavel)
+    assert found.sharing is not None and found.sharing.value > found.capacity + 1.0  # 3.77 against 2.21
+    themis = simulate(scenario, SimConfig(scheduler="themis", record=False, contention=gavel)).max_sd
+    assert found.capacity <= themis < found.value - 0.3  # 3.29: own speed and capacity still hold for it
+    for policy in ("observe", "fair"):
+        assert simulate(scenario, SimConfig(policy=policy, record=False, contention=gavel)).max_sd >= found.value
