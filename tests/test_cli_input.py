@@ -150,6 +150,16 @@ def test_a_run_the_simulator_could_not_finish_is_refused_at_once(tmp_path, capsy
     assert "app 'a': arriving at 2e+07 s" in capsys.readouterr().err
 
 
+def test_a_run_the_simulator_could_not_finish_is_refused_naming_the_file_before_any_log(tmp_path, capsys):
+    scenario = tmp_path / "slow.json"
+    scenario.write_text(json.dumps({"name": "slow", "gpus": 2, "gpu_speed": [1, 1e-9], "apps": [_app()]}))
+    out = tmp_path / "runs"
+    assert cli.main(["simulate", str(scenario), "--compare", "--out", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert f"{scenario}: app 'a': arriving at 0 s" in error and "alone on the slowest GPU (speed 1e-09)" in error
+    assert not out.exists()
+
+
 def test_simulate_refuses_an_out_that_holds_an_earlier_run_or_is_a_file_before_simulating(tmp_path, capsys):
     assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 0
     before = sorted(path.name for path in (tmp_path / "runs" / "observe" / "apps").iterdir())

@@ -346,3 +346,17 @@ def test_a_run_past_the_horizon_names_the_unfinished_apps_and_how_far_they_got()
     assert "horizon" in message and "3 app(s) unfinished" in message and "/400 iterations" in message, message
     done = [int(count) for count in re.findall(r"r\d (\d+)/400 iterations", message)]
     assert len(done) == 3 and all(0 < count < 400 for count in done), message  # they ran, but not to the end
+
+
+@pytest.mark.timeout(60)
+def test_the_horizon_check_times_an_app_alone_on_the_slowest_gpu_with_its_host_phase_unscaled():
+    app = AppSpec("r", "resnet50", 32, 1, 100, (10,))
+    costs = model_costs("resnet50")
+    half = 100 * (costs.host_seconds(32) + costs.device_seconds(32) / 0.5)  # 27.0 s; solo / 0.5 would say 31.1
+    result = simulate(Scenario("half", 1, (app,), gpu_speed=(0.5,)),
+                      SimConfig(policy="observe", record=False, max_time=29.0))  # it fits: accepted
+    assert result.finish["r"] == pytest.approx(half, rel=1e-9)
+    fast = 100 * (costs.host_seconds(32) + costs.device_seconds(32) / 4)  # 7.0 s; solo / 4 would say 3.9
+    with pytest.raises(ValueError, match=r"app 'r': .* 6\.98\d* s alone on the slowest GPU \(speed 4\)"):
+        Simulation(Scenario("fast", 1, (app,), gpu_speed=(4.0,)), SimConfig(policy="observe", max_time=5.0))
+    assert fast == pytest.approx(6.98, abs=0.01)

@@ -23,7 +23,7 @@ from drbalance.report.command import format_table
 from drbalance.report.metrics import RunData, run_from_records, summarise
 from drbalance.runs.launch import earlier_run
 from drbalance.sim.bound import bounds
-from drbalance.sim.engine import SimConfig, SimResult, simulate
+from drbalance.sim.engine import SimConfig, SimResult, check_horizon, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import PLACEMENTS, Scenario, load_scenario
 
@@ -148,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(policy=policy, placement=args.placement, scheduler=args.scheduler,
                      decide_every=args.decide_every, sd_threshold=args.sd_threshold,
                      util_threshold=args.util_threshold, contention=make_interference(args.interference))
+    try:  # before anything is simulated or written, naming the scenario file
+        check_horizon(scenario, base.max_time)
+    except ValueError as error:
+        raise ValueError(f"{args.scenario}: {error}") from None
     variants = baselines(base) if args.compare else [Variant(args.scheduler or policy, base)]
     if args.out:
         check_out_dirs(args.out, [run_dir_name(variant) for variant in variants])

@@ -199,16 +199,7 @@ class Simulation:
         self._next_util_log = self.config.util_log_period
 
     def _check_horizon(self) -> None:
-        """ValueError for an app that could not finish within ``max_time`` even alone on the slowest
-        GPU (a huge arrival, batch or run length, a GPU speed near 0): said at once, not after
-        minutes of simulating towards the horizon."""
-        slowest = min(self.scenario.speed(g) for g in range(self.scenario.gpus))
-        for spec in self.scenario.apps:
-            solo = spec.solo_time()
-            if not spec.arrival + solo / slowest <= self.config.max_time:
-                raise ValueError(f"app {spec.name!r}: arriving at {spec.arrival:g} s and running "
-                                 f"{solo:g} s alone on the reference GPU, it would not finish within "
-                                 f"the simulator's horizon of {self.config.max_time:g} s")
+        check_horizon(self.scenario, self.config.max_time)
 
     def _past_horizon(self) -> str:
         """Why the simulation stopped at ``max_time``: the unfinished apps and how far each got
@@ -532,6 +523,21 @@ class Simulation:
             gpu_served=[g.served for g in self.gpus], decisions=self.decisions, events=self.processed,
             app_records={a.name: a.records for a in self.apps}, manager_records=self.manager_records,
         )
+
+
+def check_horizon(scenario: Scenario, max_time: float) -> None:
+    """ValueError for an app that could not finish within ``max_time`` seconds alone on the
+    slowest GPU (a huge arrival, batch or run length, a GPU speed near 0): said at once, not
+    after minutes of simulating towards the horizon. Alone on a GPU of speed v an iteration takes
+    ``host + device / v`` seconds: the host phase is not scaled."""
+    slowest = min(scenario.speed(g) for g in range(scenario.gpus))
+    for spec in scenario.apps:
+        costs = model_costs(spec.model)
+        alone = spec.iterations * (costs.host_seconds(spec.batch) + costs.device_seconds(spec.batch) / slowest)
+        if not spec.arrival + alone <= max_time:
+            where = "on the reference GPU" if slowest == 1.0 else f"on the slowest GPU (speed {slowest:g})"
+            raise ValueError(f"app {spec.name!r}: arriving at {spec.arrival:g} s and running {alone:g} s alone "
+                             f"{where}, it would not finish within the simulator's horizon of {max_time:g} s")
 
 
 def _published_batch(app: _App) -> int | None:
