@@ -1,6 +1,8 @@
 """The ``drbalance`` command: one subcommand per module, imported only when used.
 
-Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``, and may provide
+``check_arguments(args)``: checks across options that one option's type cannot make; its
+ValueError is a usage error (exit status 2), before anything runs.
 """
 
 from __future__ import annotations
@@ -56,12 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # everything after '--' is another program's command line
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    parser, _sub, module = build_parser(argv)
+    parser, sub, module = build_parser(argv)
     args = parser.parse_args(argv)
     args.passthrough = passthrough
     if module is None:
         parser.print_help()
         return 2
+    check_arguments = getattr(importlib.import_module(module), "check_arguments", None)
+    if check_arguments is not None:
+        try:
+            check_arguments(args)
+        except ValueError as error:
+            sub.error(str(error))  # usage and the message, exit status 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     previous = _stop_on_sigterm()
     try:

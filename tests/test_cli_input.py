@@ -53,6 +53,29 @@ def test_numbers_that_would_change_meaning_or_crash_are_refused(argv, message, c
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "x", "--iterations", "5", "--warmup", "5", "--", "true"],
+     "--warmup (5) must be smaller than --iterations (5)"),
+    (["profile", "x", "--warmup", "200", "--", "true"], "--warmup (200) must be smaller than --iterations (200)"),
+    (["profile", "x", "--iterations", "3", "--warmup", "7", "--", "true"],
+     "--warmup (7) must be smaller than --iterations (3)"),
+    (["profile", "a b", "--", "true"], "argument NAME: profile name 'a b' is not valid"),
+    (["profile", "", "--", "true"], "argument NAME: profile name '' is not valid"),
+    (["profile", "x"], "give the training command after '--'"),
+    (["profile", "x", "--"], "give the training command after '--'"),
+    (["profile", "x", "--profiles", "", "--", "true"], "argument --profiles: expected a file path, got ''"),
+])
+def test_a_profile_command_line_that_cannot_measure_is_a_usage_error_before_anything_runs(
+        argv, message, ipc_env, tmp_path, capsys):
+    # found by a review, 2026-11-25: these were 'error:' lines with exit status 1, and --profiles ''
+    # silently meant the default file
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err and "usage: drbalance profile" in err, err
+    assert not (tmp_path / "profiles.json.lock").exists()  # refused before the store is touched
+
+
 def test_manager_duration_must_be_positive():
     code, _out, err = run("drbalance.manager.cli", "--source", "emulated:2", "--duration", "-1")
     assert code == 2 and "--duration: must be a positive number" in err and "Traceback" not in err
