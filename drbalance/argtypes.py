@@ -80,3 +80,23 @@ def names_from(known: Iterable[str], what: str) -> Callable[[str], list[str]]:
         return names
 
     return parse
+
+
+def seconds_or_profile_name(text: str) -> float | str:
+    """A solo-run time: a finite number > 0 is seconds (any float spelling: ``60``, ``2.5``,
+    ``1e3``, ``.5e2``), anything else the name of a stored profile (``drbalance profile``),
+    checked as one. A number that is not finite and positive (``-5``, ``0``, ``inf``, ``nan``) is
+    refused rather than taken for a name."""
+    from drbalance.profiling.store import check_profile_name  # no torch; only when used
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            return check_profile_name(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{text} seconds: must be a finite number of seconds > 0, or the name "
+                                         f"of a stored profile")
+    return seconds

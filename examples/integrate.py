@@ -9,8 +9,9 @@ mini-batch is split over the GPUs; without one the job trains on with its own sp
     DRBALANCE_EMULATED_GPUS=4 python examples/integrate.py         # four emulated GPUs, no GPU needed
     python examples/integrate.py --epochs 90 --batch-size 256 --image-size 224 --solo-time resnet50
 
-``--solo-time`` is this job's run time alone (seconds), or the name of a time stored with
-``drbalance profile NAME -- python examples/integrate.py ...``.
+``--solo-time`` is this job's run time alone in seconds (any number > 0: ``5400``, ``5.4e3``), or
+the name of a time stored with ``drbalance profile NAME -- python examples/integrate.py ...``;
+a number that is not finite and positive, or an invalid name, is a usage error.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from drbalance.argtypes import seconds_or_profile_name
 from drbalance.client import BalancedDataParallel, Session
 
 
@@ -30,7 +32,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4, help="iterations per epoch")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=32, help="image side, pixels")
-    parser.add_argument("--solo-time", default="60", help="seconds alone, or a stored profile's name")
+    parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
+                        help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -49,11 +52,10 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    solo_time = float(args.solo_time) if args.solo_time.replace(".", "", 1).isdigit() else args.solo_time
 
     iterations = 0
     with Session(model, app=args.app, epochs=args.epochs, iterations_per_epoch=loader,
-                 solo_time=solo_time) as session:
+                 solo_time=args.solo_time) as session:
         for _epoch in range(args.epochs):
             for images, labels in loader:
                 loss = criterion(model(images), labels.to(target_device))

@@ -19,6 +19,7 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from drbalance.argtypes import seconds_or_profile_name
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 
 
@@ -29,7 +30,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4, help="global batches per epoch")
     parser.add_argument("--batch-size", type=int, default=16, help="the GLOBAL batch, all ranks together")
     parser.add_argument("--image-size", type=int, default=32, help="image side, pixels")
-    parser.add_argument("--solo-time", default="60", help="seconds alone, or a stored profile's name")
+    parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
+                        help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()
     torch.manual_seed(0)  # the same initial weights on every rank
 
@@ -51,11 +53,10 @@ def main() -> None:
     loader = DataLoader(data, batch_sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     criterion = torch.nn.CrossEntropyLoss()  # the mean over this rank's samples
-    solo_time = float(args.solo_time) if args.solo_time.replace(".", "", 1).isdigit() else args.solo_time
 
     iterations = 0
     with Session(model, app=args.app, epochs=args.epochs, iterations_per_epoch=len(sampler),
-                 solo_time=solo_time) as session:  # on EVERY rank, with the same arguments
+                 solo_time=args.solo_time) as session:  # on EVERY rank, with the same arguments
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             for images, labels in loader:

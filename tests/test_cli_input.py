@@ -467,3 +467,25 @@ def test_simulate_out_refuses_a_planted_link_and_writes_private_files(tmp_path, 
     assert json.loads((written / "run.json").read_text())["simulated"] is True
     for path in (out, written, written / "apps", written / "run.json", written / "manager.jsonl"):
         assert path.stat().st_mode & 0o077 == 0, path
+
+
+@pytest.mark.parametrize("text, expected", [("1e3", 1000.0), (".5e2", 50.0), ("60", 60.0), ("2.5", 2.5),
+                                            ("resnet50", "resnet50"), ("resnet50-b64.v2", "resnet50-b64.v2")])
+def test_seconds_or_profile_name_reads_any_finite_positive_float_as_seconds(text, expected):
+    from drbalance.argtypes import seconds_or_profile_name
+
+    assert seconds_or_profile_name(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("-5", "-5 seconds: must be a finite number of seconds > 0"), ("0", "0 seconds"), ("-inf", "-inf seconds"),
+    ("1e999", "1e999 seconds"), ("NaN", "NaN seconds"), ("x/y", "profile name 'x/y' is not valid"),
+])
+def test_seconds_or_profile_name_refuses_other_numbers_and_invalid_names(text, message):
+    import argparse
+
+    from drbalance.argtypes import seconds_or_profile_name
+
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        seconds_or_profile_name(text)
+    assert message in str(refused.value)

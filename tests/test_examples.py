@@ -43,3 +43,30 @@ def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env,
     assert set(ranks) == {0, 1} and sum(ranks.values()) == 12, result.stdout
     events = _log_events(tmp_path / "logs" / "copied-ddp.sd.jsonl")  # rank 0's session speaks for the job
     assert events[0] == "start" and "finish" in events
+
+
+@pytest.mark.timeout(240)
+def test_integrate_takes_a_solo_time_in_seconds_written_with_an_exponent(ipc_env, tmp_path):
+    # found by a review, 2026-11-25: '1e3' was taken for a profile name, and the job died with a traceback
+    result = _run([sys.executable, str(EXAMPLES / "integrate.py"), "--app", "exponent", "--epochs", "1",
+                   "--iterations", "1", "--solo-time", "1e3"])
+    assert result.returncode == 0, result.stderr
+    start = json.loads((tmp_path / "logs" / "exponent.sd.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["solo_time"] == 1000.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
+@pytest.mark.parametrize("value, message", [
+    ("-5", "--solo-time: -5 seconds: must be a finite number of seconds > 0"),
+    ("0", "--solo-time: 0 seconds: must be a finite number of seconds > 0"),
+    ("inf", "--solo-time: inf seconds: must be a finite number of seconds > 0"),
+    ("nan", "--solo-time: nan seconds: must be a finite number of seconds > 0"),
+    ("a b", "--solo-time: profile name 'a b' is not valid"),
+    ("", "--solo-time: profile name '' is not valid"),
+])
+def test_an_example_refuses_a_solo_time_that_is_neither_seconds_nor_a_profile_name_in_one_line(
+        ipc_env, script, value, message):
+    result = _run([sys.executable, str(EXAMPLES / script), f"--solo-time={value}"], timeout=100)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
