@@ -9,7 +9,14 @@ from torch import nn
 from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
-from drbalance.profiling.store import Measurement, ProfileNotFound, extrapolate, load_profile, run_profile
+from drbalance.profiling.store import (
+    Measurement,
+    ProfileNotFound,
+    extrapolate,
+    load_profile,
+    resolve_solo_time,
+    run_profile,
+)
 from tests.helpers.processes import running
 
 
@@ -92,6 +99,28 @@ def test_extrapolation_uses_the_mean_after_warmup():
     assert mean == pytest.approx(2.0) and solo == pytest.approx(200.0)
 
 
+def test_profile_not_found_reads_as_one_sentence_with_its_hint_before_the_command(ipc_env, tmp_path):
+    # found by a review, 2026-11-25: the hint followed the command's "..." as ".... For 12.5 seconds"
+    path = tmp_path / "profiles.json"
+    with pytest.raises(ProfileNotFound) as missing:
+        resolve_solo_time("12.5")
+    assert str(missing.value) == (
+        f"no solo-run profile named '12.5' in {path} (profiles there: none); for 12.5 seconds, give the number "
+        f"(12.5), not a string; or create the profile with: drbalance profile 12.5 -- python your_train.py ..."
+    )
+    with pytest.raises(ProfileNotFound) as missing:
+        load_profile("nope")
+    assert str(missing.value) == (f"no solo-run profile named 'nope' in {path} (profiles there: none); "
+                                  f"create it with: drbalance profile nope -- python your_train.py ...")
+    for not_seconds in ("inf", "0", "-5"):  # no "give the number" for numbers that are not a solo time
+        with pytest.raises(ProfileNotFound) as missing:
+            resolve_solo_time(not_seconds)
+        assert "give the number" not in str(missing.value) and str(missing.value).endswith("your_train.py ...")
+    with pytest.raises(ValueError) as invalid:  # no "create it with: drbalance profile a b -- ..."
+        resolve_solo_time("a b")
+    assert str(invalid.value) == "profile name 'a b' is not valid: use 1-64 letters, digits, '_', '.' or '-'"
+
+
 def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such(ipc_env):
     import numpy
 
@@ -99,7 +128,7 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
         return Session(BalancedDataParallel(nn.Linear(2, 2)), "solo", 1, 2, solo_time=solo_time, sd_log=False,
                        handle_sigterm=False)
 
-    with pytest.raises(ProfileNotFound, match=r"For 12\.5 seconds, give the number \(12\.5\), not a string"):
+    with pytest.raises(ProfileNotFound, match=r"for 12\.5 seconds, give the number \(12\.5\), not a string"):
         session("12.5")
     for wrong in (None, [12.5], True):
         with pytest.raises(ValueError, match="solo_time must be the solo-run time in seconds"):

@@ -74,13 +74,20 @@ def _read_store(path: Path) -> dict[str, Any]:
 
 def load_profile(name: str, path: Path | None = None) -> Profile:
     """The stored profile ``name``; ``ProfileNotFound`` lists the names that exist."""
+    return _load_profile(name, path)
+
+
+def _load_profile(name: str, path: Path | None, hint: str = "") -> Profile:
+    """``load_profile``; ``hint`` (a clause ending in "; ") goes into a ``ProfileNotFound``'s
+    message before the command that creates the profile, which ends the message."""
     path = path or env.profiles_path()
     profiles = _read_store(path)["profiles"]
     if name not in profiles:
         known = ", ".join(sorted(profiles)) or "none"
+        create = "or create the profile with" if hint else "create it with"
         raise ProfileNotFound(
             f"no solo-run profile named {name!r} in {path} (profiles there: {known}); "
-            f"create one with: drbalance profile {name} -- python your_train.py ..."
+            f"{hint}{create}: drbalance profile {name} -- python your_train.py ..."
         )
     try:
         profile = Profile(**profiles[name])
@@ -126,28 +133,27 @@ def _lock_path(path: Path) -> Path:
 
 def resolve_solo_time(solo_time: float | str) -> float:
     """Seconds from a number, or from the stored profile of that name. ``ProfileNotFound`` for a
-    name with no profile (saying so when the name reads as a number: ``"12.5"`` instead of
-    ``12.5``); ValueError for anything that is neither."""
+    name with no profile (saying so when the name reads as a solo time in seconds: ``"12.5"``
+    instead of ``12.5``); ValueError for an invalid profile name and for anything that is neither."""
     if isinstance(solo_time, str):
-        try:
-            return load_profile(solo_time).solo_time_s
-        except ProfileNotFound as error:
-            if _reads_as_number(solo_time):
-                raise ProfileNotFound(f"{error}. For {solo_time} seconds, give the number ({solo_time}), "
-                                      f"not a string") from None
-            raise
+        check_profile_name(solo_time)  # before "create it with: drbalance profile NAME", which would refuse it
+        hint = ""
+        if _reads_as_seconds(solo_time):
+            hint = f"for {solo_time} seconds, give the number ({solo_time}), not a string; "
+        return _load_profile(solo_time, None, hint).solo_time_s
     if isinstance(solo_time, bool) or not isinstance(solo_time, numbers.Real):
         raise ValueError(f"solo_time must be the solo-run time in seconds (a number) or the name of a stored "
                          f"profile; got {solo_time!r}")
     return float(solo_time)
 
 
-def _reads_as_number(text: str) -> bool:
+def _reads_as_seconds(text: str) -> bool:
+    """Whether ``text`` is a finite number > 0, as a solo time in seconds must be."""
     try:
-        float(text)
+        seconds = float(text)
     except ValueError:
         return False
-    return True
+    return math.isfinite(seconds) and seconds > 0
 
 
 @dataclass(frozen=True)
