@@ -19,17 +19,17 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance.argtypes import seconds_or_profile_name
+from drbalance.argtypes import positive_int, seconds_or_profile_name
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--app", default="torchrun-ddp", help="this job's name for the manager")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=4, help="global batches per epoch")
-    parser.add_argument("--batch-size", type=int, default=16, help="the GLOBAL batch, all ranks together")
-    parser.add_argument("--image-size", type=int, default=32, help="image side, pixels")
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--iterations", type=positive_int, default=4, help="global batches per epoch")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="the GLOBAL batch, all ranks together")
+    parser.add_argument("--image-size", type=positive_int, default=32, help="image side, pixels")
     parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
                         help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()

@@ -70,3 +70,21 @@ def test_an_example_refuses_a_solo_time_that_is_neither_seconds_nor_a_profile_na
     result = _run([sys.executable, str(EXAMPLES / script), f"--solo-time={value}"], timeout=100)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
+@pytest.mark.parametrize("option, value, message", [
+    ("--image-size", "0", "argument --image-size: must be an integer >= 1; got 0"),
+    ("--image-size", "-3", "argument --image-size: must be an integer >= 1; got -3"),
+    ("--image-size", "2.5", "argument --image-size: expected an integer, got '2.5'"),
+    ("--epochs", "0", "argument --epochs: must be an integer >= 1; got 0"),
+    ("--iterations", "-1", "argument --iterations: must be an integer >= 1; got -1"),
+    ("--batch-size", "0", "argument --batch-size: must be an integer >= 1; got 0"),
+])
+def test_an_example_refuses_a_size_or_count_under_one_in_one_line(ipc_env, script, option, value, message):
+    # found by a review, 2026-11-25: these were tracebacks from FakeData, the sampler or the session
+    result = _run([sys.executable, str(EXAMPLES / script), f"{option}={value}"], timeout=100)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.startswith("usage: ")
+    assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {message}"  # one line after the usage
