@@ -489,3 +489,48 @@ def test_seconds_or_profile_name_refuses_other_numbers_and_invalid_names(text, m
     with pytest.raises(argparse.ArgumentTypeError) as refused:
         seconds_or_profile_name(text)
     assert message in str(refused.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module, model, size, batch, message", [
+    ("drbalance.runs.train", "alexnet", "32", "8", "alexnet trains on images of at least 63 pixels a side"),
+    ("drbalance.runs.train", "densenet121", "28", "8", "densenet121 trains on images of at least 29 pixels a side"),
+    ("drbalance.runs.train", "resnet50", "16", "1", "resnet50 trains a chunk of one sample on images of at "
+                                                     "least 33 pixels a side"),
+    ("drbalance.runs.train_ddp", "resnet50", "32", "8", "resnet50 trains a chunk of one sample on images of at "
+                                                        "least 33 pixels a side"),
+    ("drbalance.runs.train_ddp", "alexnet", "8", "8", "alexnet trains on images of at least 63 pixels a side"),
+])
+def test_an_image_size_too_small_for_the_model_is_a_usage_error_not_a_traceback_from_its_forward(
+        ipc_env, module, model, size, batch, message):
+    # found by a review, 2026-11-25: '--model alexnet --image-size 32' passed the positive-integer check and
+    # died in the first forward ("Output size is too small"); resnet50 at 16 with one-sample chunks likewise
+    code, _out, err = run(module, "--model", model, "--image-size", size, "--batch-size", batch, "--devices", "cpu",
+                          "--epochs", "1", "--iterations", "1", "--solo-time", "10", "--no-progress",
+                          env=_one_rank_env())
+    assert code == 2 and "Traceback" not in err, err
+    assert f"error: argument --image-size: {message}; got {size}" in err and "usage: " in err, err
+
+
+@pytest.mark.timeout(300)
+def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
+    """The table the training scripts check --image-size against, measured: each model trains a
+    forward and backward at its smallest side and fails one pixel under it."""
+    import torchvision
+
+    from drbalance.runs.train import MIN_IMAGE_SIZE, MODELS
+
+    assert set(MIN_IMAGE_SIZE) == set(MODELS)
+
+    def trains(model: str, side: int, samples: int) -> bool:
+        network = getattr(torchvision.models, model)(weights=None, num_classes=10)
+        try:
+            network(torch.randn(samples, 3, side, side)).sum().backward()
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    for model, (shared, alone) in MIN_IMAGE_SIZE.items():
+        for side, samples in ((shared, 2), (alone, 1)):
+            assert trains(model, side, samples), (model, side, samples)
+            assert side == 1 or not trains(model, side - 1, samples), (model, side - 1, samples)

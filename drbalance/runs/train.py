@@ -32,6 +32,28 @@ from drbalance.ratio import DataRatio
 
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
 
+MIN_IMAGE_SIZE: dict[str, tuple[int, int]] = {
+    "densenet121": (29, 61), "resnet50": (1, 33), "alexnet": (63, 63), "resnext50_32x4d": (1, 33),
+    "shufflenet_v2_x1_0": (1, 33), "mnasnet1_0": (1, 33),
+}
+"""The smallest image side, pixels, at which each model trains (forward and backward in training
+mode): (on chunks of two samples or more, on a chunk of one sample). Under it a pooling layer's
+output is empty, or a batch norm sees one value per channel. Measured on the CPU with torchvision
+0.29; ``tests/test_cli_input.py`` measures it again."""
+
+
+def check_image_size(parser: argparse.ArgumentParser, args: argparse.Namespace, one_sample: bool) -> None:
+    """A usage error (exit status 2) for an ``--image-size`` on which ``--model`` cannot train
+    (``MIN_IMAGE_SIZE``), instead of a traceback from its first forward. ``one_sample``: a chunk
+    (a replica's or a rank's share of a batch) may hold a single sample."""
+    shared, alone = MIN_IMAGE_SIZE[args.model]
+    if args.image_size < shared:
+        parser.error(f"argument --image-size: {args.model} trains on images of at least {shared} pixels a side; "
+                     f"got {args.image_size}")
+    if one_sample and args.image_size < alone:
+        parser.error(f"argument --image-size: {args.model} trains a chunk of one sample on images of at least "
+                     f"{alone} pixels a side; got {args.image_size}")
+
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The options train.py and train_ddp.py share word for word: reporting, decisions, the
@@ -196,7 +218,9 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_image_size(parser, args, one_sample=args.batch_size == 1)  # larger batches: no chunk of one sample
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     try:  # bad input found while setting up (a DR, a profile name, ...) is one line, not a traceback

@@ -36,7 +36,7 @@ from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.runs.launch import follow_parent
-from drbalance.runs.train import MODELS, add_training_options, parse_integers, solo_time
+from drbalance.runs.train import MODELS, add_training_options, check_image_size, parse_integers, solo_time
 
 PROGRAM = "train_ddp.py"
 
@@ -170,7 +170,9 @@ def app_name(args: argparse.Namespace, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_image_size(parser, args, one_sample=True)  # a rank's share of a global batch can be one sample
     rank, local_rank, world_size = torchrun_environment()
     follow_parent()  # a rank dies with its torchrun agent instead of waiting for a peer that never comes
     torch.manual_seed(args.seed)
