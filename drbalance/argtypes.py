@@ -100,3 +100,14 @@ def seconds_or_profile_name(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text} seconds: must be a finite number of seconds > 0, or the name "
                                          f"of a stored profile")
     return seconds
+
+
+def app_name(text: str) -> str:
+    """An app name the manager takes (``drbalance.ipc.names.check_app_name``: 1-48 letters, digits,
+    ``_ . -``, not starting with ``.`` or ``-``)."""
+    from drbalance.ipc.names import check_app_name  # no torch; only when used
+
+    try:
+        return check_app_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

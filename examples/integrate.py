@@ -21,13 +21,13 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance.argtypes import positive_int, seconds_or_profile_name
+from drbalance.argtypes import app_name, positive_int, seconds_or_profile_name
 from drbalance.client import BalancedDataParallel, Session
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--app", default="integrate", help="this job's name for the manager")
+    parser.add_argument("--app", type=app_name, default="integrate", help="this job's name for the manager")
     parser.add_argument("--epochs", type=positive_int, default=2)
     parser.add_argument("--iterations", type=positive_int, default=4, help="iterations per epoch")
     parser.add_argument("--batch-size", type=positive_int, default=8)

@@ -19,13 +19,13 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance.argtypes import positive_int, seconds_or_profile_name
+from drbalance.argtypes import app_name, positive_int, seconds_or_profile_name
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--app", default="torchrun-ddp", help="this job's name for the manager")
+    parser.add_argument("--app", type=app_name, default="torchrun-ddp", help="this job's name for the manager")
     parser.add_argument("--epochs", type=positive_int, default=2)
     parser.add_argument("--iterations", type=positive_int, default=4, help="global batches per epoch")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="the GLOBAL batch, all ranks together")
@@ -33,6 +33,10 @@ def main() -> None:
     parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
                         help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()
+    missing = [name for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE") if name not in os.environ]  # set by torchrun
+    if missing:
+        parser.error(f"{', '.join(missing)} not set: start it with torchrun, e.g. "
+                     f"torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py")
     torch.manual_seed(0)  # the same initial weights on every rank
 
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun

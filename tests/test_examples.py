@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from tests.conftest import ROOT
 
 EXAMPLES = ROOT / "examples"
+TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _run(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
@@ -88,3 +90,26 @@ def test_an_example_refuses_a_size_or_count_under_one_in_one_line(ipc_env, scrip
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stderr.startswith("usage: ")
     assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {message}"  # one line after the usage
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
+@pytest.mark.parametrize("value", ["a/b", "", ".hidden"])
+def test_an_example_refuses_an_app_name_the_manager_would_refuse_in_one_line(ipc_env, script, value):
+    # found by a review, 2026-11-25: a ValueError traceback from the Session, after the model was built
+    result = _run([sys.executable, str(EXAMPLES / script), f"--app={value}"], timeout=100)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"{script}: error: argument --app: app name {value!r} is not valid"), result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_env):
+    # found by a review, 2026-11-25: 'python examples/torchrun_ddp.py' was a KeyError: 'LOCAL_RANK' traceback
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "torchrun_ddp.py")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=100, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "torchrun_ddp.py: error: LOCAL_RANK, RANK, WORLD_SIZE not set: start it with torchrun, e.g. "
+        "torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py")
