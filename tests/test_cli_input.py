@@ -534,3 +534,29 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
         for side, samples in ((shared, 2), (alone, 1)):
             assert trains(model, side, samples), (model, side, samples)
             assert side == 1 or not trains(model, side - 1, samples), (model, side - 1, samples)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
+@pytest.mark.parametrize("option, message", [
+    (("--seed", "99999999999999999999999"), "argument --seed: must be an integer within -2**63..2**63-1; "
+                                            "got 99999999999999999999999"),
+    (("--threads", "100000"), f"argument --threads: must be at most {os.cpu_count()} (this machine's CPUs); "
+                              f"got 100000"),
+])
+def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceback(ipc_env, module, option, message):
+    # found by a review, 2026-11-25: "ValueError: Overflow when unpacking long long" from torch.manual_seed and
+    # "MemoryError: Not enough memory" from torch.set_num_threads, both tracebacks
+    code, _out, err = run(module, "--model", "alexnet", "--devices", "cpu", "--epochs", "1", "--iterations", "1",
+                          "--solo-time", "10", "--no-progress", *option, env=_one_rank_env())
+    assert code == 2 and "Traceback" not in err and f"error: {message}" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_them(ipc_env):
+    # found by a review, 2026-11-25: '--devices cpu --gpus 0,1' trained on the CPU without a word about --gpus
+    code, _out, err = run("drbalance.runs.train", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
+                          "--iterations", "1", "--solo-time", "10", "--no-progress", "--gpus", "0,1")
+    assert code == 2 and "Traceback" not in err, err
+    assert ("drbalance.runs.train: error: --gpus 0,1 chooses CUDA GPUs, but this job trains on the cpu; "
+            "leave --gpus out or use --devices cuda") in err, err

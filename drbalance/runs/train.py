@@ -55,6 +55,28 @@ def check_image_size(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                      f"{alone} pixels a side; got {args.image_size}")
 
 
+def seed(text: str) -> int:
+    """``--seed``: a signed 64-bit integer (``torch.manual_seed`` takes no more, and the DDP sampler
+    seeds each epoch with ``seed + epoch``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer within -2**63..2**63-1; got {text}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: CPU threads for torch, 1 up to this machine's CPU count (``torch.set_num_threads``
+    fails with a MemoryError far above it, and threads beyond the CPUs only slow it down)."""
+    value = positive_int(text)
+    cpus = os.cpu_count() or 1
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must be at most {cpus} (this machine's CPUs); got {text}")
+    return value
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The options train.py and train_ddp.py share word for word: reporting, decisions, the
     learning rate, and the emulated GPUs' time and sample scales."""
@@ -91,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's cost table). Required unless profiling.")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
     add_training_options(parser)
-    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--threads", type=thread_count, default=1,
+                        help="CPU threads for torch, at most the CPU count (default 1)")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed, a signed 64-bit integer (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--start-gate", default=None, metavar="PATH",
                         help="set up (model, data, optimizer), write PATH.ready, then wait until PATH exists "
@@ -177,6 +200,9 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
     ratio = DataRatio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
+    if args.gpus and kind != "cuda":  # was ignored without a word
+        raise ValueError(f"--gpus {args.gpus} chooses CUDA GPUs, but this job trains on the {kind}; leave --gpus "
+                         f"out or use --devices cuda")
     if kind == "cuda":
         gpus = parse_integers(args.gpus, "--gpus", "0,1") if args.gpus else list(range(torch.cuda.device_count()))
         return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)

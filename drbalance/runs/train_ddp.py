@@ -36,7 +36,15 @@ from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.runs.launch import follow_parent
-from drbalance.runs.train import MODELS, add_training_options, check_image_size, parse_integers, solo_time
+from drbalance.runs.train import (
+    MODELS,
+    add_training_options,
+    check_image_size,
+    parse_integers,
+    seed,
+    solo_time,
+    thread_count,
+)
 
 PROGRAM = "train_ddp.py"
 
@@ -66,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=non_negative_int, default=0,
                         help="DataLoader worker processes per rank (default 0)")
     add_training_options(parser)
-    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch per rank (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0; the same on every rank)")
+    parser.add_argument("--threads", type=thread_count, default=1,
+                        help="CPU threads for torch per rank, at most the CPU count (default 1)")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="random seed, a signed 64-bit integer (default 0; the same on every rank)")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="seconds a collective may wait for another rank before failing (default 300)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
