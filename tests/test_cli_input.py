@@ -560,3 +560,21 @@ def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_t
     assert code == 2 and "Traceback" not in err, err
     assert ("drbalance.runs.train: error: --gpus 0,1 chooses CUDA GPUs, but this job trains on the cpu; "
             "leave --gpus out or use --devices cuda") in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gpus, message", [
+    ("0,5", r"--gpus 0,5: device 5 does not exist \(2 CUDA GPUs: 0\.\.1\)"),
+    ("-1", r"--gpus -1: device -1 does not exist \(2 CUDA GPUs: 0\.\.1\)"),
+    ("", r"--gpus takes comma-separated integers, e.g. 0,1; got ''"),
+])
+def test_the_training_script_refuses_a_cuda_gpu_that_does_not_exist_before_moving_the_model(monkeypatch, gpus,
+                                                                                            message):
+    # found by a review, 2026-11-25: network.cuda(gpus[0]) ran before any check ("invalid device ordinal"
+    # traceback), and '--gpus ""' meant every GPU without a word
+    from drbalance.runs import train
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = train.build_parser().parse_args(["--model", "alexnet", f"--gpus={gpus}"])
+    with pytest.raises(ValueError, match=message):
+        train.build_model(args, 10, "cuda", None)

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", default="auto",
                         help="'cuda', 'emulated:N[:MEMORY]' (e.g. emulated:4:16GiB), 'cpu', or 'auto' (CUDA if "
                         "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
-    parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all)")
+    parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all); CUDA only")
     parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
@@ -200,11 +200,16 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
     ratio = DataRatio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
-    if args.gpus and kind != "cuda":  # was ignored without a word
+    if args.gpus is not None and kind != "cuda":  # was ignored without a word
         raise ValueError(f"--gpus {args.gpus} chooses CUDA GPUs, but this job trains on the {kind}; leave --gpus "
                          f"out or use --devices cuda")
     if kind == "cuda":
-        gpus = parse_integers(args.gpus, "--gpus", "0,1") if args.gpus else list(range(torch.cuda.device_count()))
+        count = torch.cuda.device_count()
+        gpus = parse_integers(args.gpus, "--gpus", "0,1") if args.gpus is not None else list(range(count))
+        missing = [gpu for gpu in gpus if not 0 <= gpu < count]
+        if missing:  # before network.cuda(), whose "invalid device ordinal" is a traceback
+            raise ValueError(f"--gpus {args.gpus}: device {missing[0]} does not exist ({count} CUDA GPUs: "
+                             f"0..{count - 1})")
         return BalancedDataParallel(network.cuda(gpus[0]), device_ids=gpus, ratio=ratio)
     if kind == "emulated":
         from drbalance.client.emulated import EmulatedBackend
