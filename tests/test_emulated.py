@@ -498,3 +498,27 @@ def test_a_killed_jobs_memory_and_busy_turn_do_not_come_back_with_a_process_that
                 process.kill()
                 process.wait(timeout=30)
         gpu.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_source_or_job_refused_at_one_gpu_leaves_none_of_the_gpus_it_opened_before_it(emu):
+    """A memory size refused at emulated GPU 1 (another process uses it with another size) used to
+    leave GPU 0, opened (and created) just before, in /dev/shm with its lock files open: the
+    manager exited 2 ('drbalance-manager --source emulated:2' beside a job of 16 GiB GPUs on
+    GPU 1 only, as a train_ddp rank with --gpus 1) and nothing removed it."""
+    segment = f"/dev/shm/{emu.emulated_gpu(0).lstrip('/')}"
+    holder = python_process("tests.helpers.emu_memory_holder", "1", "1000", str(16 * 2**30))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        assert not os.path.exists(segment)
+        files = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ValueError, match=r"emulated GPU 1 .* 16\.00 GiB .* 24\.00 GiB"):
+            EmulatedSource(emu, [0, 1])  # the default size, 24 GiB
+        assert not os.path.exists(segment)  # GPU 0, which it created, is removed again
+        with pytest.raises(ValueError, match=r"emulated GPU 1 .* 16\.00 GiB .* 24\.00 GiB"):
+            assert not EmulatedBackend(2, None).gpus  # a job's backend opens its GPUs on first use
+        assert not os.path.exists(segment)
+        assert len(os.listdir("/proc/self/fd")) == files  # no lock file of GPU 0 left open
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -44,6 +44,7 @@ from drbalance.emu.gpus import (
     EmulatedOutOfMemory,
     check_memory_size,
     emulated_spec,
+    open_emulated_gpus,
     release_at_exit,
     release_emulated_gpus,
 )
@@ -128,7 +129,7 @@ class EmulatedBackend(CpuBackend):
         """The emulated GPUs (opened on first use, and again in a forked child, where they are closed)."""
         if self._gpus is None or self._gpus[0].closed:
             names = IpcNames.current(self.namespace)
-            gpus = [EmulatedGpu(names, index, memory_bytes=self.memory_bytes) for index in range(self.gpu_count)]
+            gpus = open_emulated_gpus(names, range(self.gpu_count), memory_bytes=self.memory_bytes)
             self._gpus = gpus
             self._release_at_exit = release_at_exit(gpus)
             # a model deleted or replaced without close(): its memory and files go with it (at exit,

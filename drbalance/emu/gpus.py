@@ -466,6 +466,25 @@ def release_emulated_gpus(gpus: Sequence[EmulatedGpu]) -> dict[int, list[int]]:
     return in_use
 
 
+def open_emulated_gpus(names: IpcNames, indices: Sequence[int], clock: Clock | None = None,
+                       memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[EmulatedGpu]:
+    """Open emulated GPUs ``indices`` of a namespace (``memory_bytes`` each), all or none: when one
+    cannot be opened (another process uses it with another memory size, an unsafe file), those
+    opened before it are released (``release_emulated_gpus``: removed unless another process
+    uses them) and the error is raised. They used to stay in /dev/shm, their lock files open."""
+    opened: list[EmulatedGpu] = []
+    try:
+        for index in indices:
+            opened.append(EmulatedGpu(names, index, clock, memory_bytes=memory_bytes))
+    except BaseException:
+        try:
+            release_emulated_gpus(opened)
+        except OSError:  # the folder or the objects went away meanwhile: nothing more to release
+            pass
+        raise
+    return opened
+
+
 def release_emulated_gpu(gpu: EmulatedGpu) -> list[int]:
     """``release_emulated_gpus`` for one GPU: the pids still using it."""
     return release_emulated_gpus([gpu]).get(gpu.index, [])
@@ -553,7 +572,7 @@ class EmulatedSource:
                  memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.clock = clock or SystemClock()
         self.names = names
-        self.gpus = [EmulatedGpu(names, index, self.clock, memory_bytes=memory_bytes) for index in indices]
+        self.gpus = open_emulated_gpus(names, indices, self.clock, memory_bytes)
         self._last: tuple[float, list[float]] | None = None
         self.left_in_use: dict[int, list[int]] = {}  # after close: GPU index -> pids still using it
 
