@@ -522,3 +522,13 @@ def test_a_source_or_job_refused_at_one_gpu_leaves_none_of_the_gpus_it_opened_be
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_an_emulated_gpu_memory_size_of_hundreds_of_digits_is_refused_in_plain_words():
+    """A size past a float's range (309 digits or more) was an 'OverflowError: cannot convert float
+    infinity to integer' traceback from 'drbalance-manager --source emulated:2:999...' and the
+    training scripts, where any other size beyond 1 PiB is a one-line ValueError."""
+    for text in ("9" * 400, "9" * 400 + "GiB", "1" + "0" * 320 + ".5MiB"):
+        with pytest.raises(ValueError, match=r"at most 1 PiB"):
+            emulated_spec(f"2:{text}")
+    assert emulated_spec("2:0.5GiB").memory_bytes == 2**29  # fractions of a unit still taken

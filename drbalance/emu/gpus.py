@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import functools
+import math
 import os
 import re
 import struct
@@ -100,7 +101,8 @@ def parse_memory_size(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in SIZE_UNITS:
         raise ValueError(f"emulated GPU memory {text!r} is not a size: use e.g. 24GiB, 512MiB or a number of bytes")
-    value = int(float(match.group(1)) * SIZE_UNITS[unit])
+    scaled = float(match.group(1)) * SIZE_UNITS[unit]  # infinity for 309 digits or more
+    value = int(scaled) if math.isfinite(scaled) else MAX_MEMORY_BYTES + 1
     check_memory_size(value, repr(text))
     return value
 
