@@ -289,3 +289,31 @@ def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_clean
     assert "Traceback" not in err and signal.Signals(signum).name in err, err
     assert leftovers(ipc_env) == [], err  # the GPUs' segments and semaphores
     assert not list(ipc_env.runtime_dir().glob("emu.*")), err  # and their lock files
+
+
+def test_a_second_signal_during_a_start_up_that_hangs_stops_the_manager_at_once(ipc_env, tmp_path):
+    """A stop signal during start-up waits for start-up to end (so the manager cleans up what it
+    made); a second one ends it at once: a start-up that hangs (a driver call that never returns)
+    must not need SIGKILL."""
+    from drbalance.emu.gpus import remove_emulated_gpus
+
+    opened, never = tmp_path / "opened", tmp_path / "never"
+    process = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_AFTER_OPENING_THE_SOURCE, str(opened), str(never), "--source", "emulated:2",
+         "--log", str(tmp_path / "m.jsonl")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, restore_signals=True)
+    try:
+        wait_for(lambda: opened.exists() or process.poll() is not None)
+        assert process.poll() is None, process.communicate()[1]
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert process.poll() is None  # the first is kept for when start-up ends
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)  # the start-up holds for 60 s: only the second signal ends it
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        remove_emulated_gpus(ipc_env, 2)
+    assert process.returncode == -signal.SIGINT, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         datefmt="%Y-%m-%dT%H:%M:%S")
     # The stop handlers come before anything is made (emulated GPUs are shared objects): a signal
-    # that arrives before the manager exists is kept and honoured once it does.
+    # that arrives before the manager exists is kept and honoured once it does; a second one then
+    # ends the process at once (a start-up that hangs, e.g. in a driver call, needs no SIGKILL).
     early_stop: list[str] = []
     manager: Manager | None = None
 
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             manager.request_stop(name)
         elif not early_stop:
             early_stop.append(name)
+        else:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
 
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit makes writes fail (logged, retried) instead of killing us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
