@@ -1,5 +1,6 @@
 """The real drbalance-manager process with real apps over real IPC and a scripted utilisation source."""
 
+import contextlib
 import json
 import os
 import signal
@@ -260,13 +261,13 @@ raise SystemExit(cli.main(sys.argv[3:]))
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_cleanly(ipc_env, tmp_path, signum):
-    """The emulated GPUs were made before the stop handlers were installed: a SIGTERM then killed
-    the manager and left them in /dev/shm (a SIGINT, a KeyboardInterrupt traceback and the same)."""
+@contextlib.contextmanager
+def manager_paused_in_start_up(ipc_env, tmp_path, go):
+    """A real manager on 2 emulated GPUs, held in its start-up just after they were made, until
+    ``go`` exists (60 s at most); killed and its GPUs removed at the end, whatever happened."""
     from drbalance.emu.gpus import remove_emulated_gpus
 
-    opened, go = tmp_path / "opened", tmp_path / "go"
+    opened = tmp_path / "opened"
     process = subprocess.Popen(
         [sys.executable, "-c", PAUSED_AFTER_OPENING_THE_SOURCE, str(opened), str(go), "--source", "emulated:2",
          "--log", str(tmp_path / "m.jsonl")],
@@ -275,45 +276,39 @@ def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_clean
     try:
         wait_for(lambda: opened.exists() or process.poll() is not None)
         assert process.poll() is None, process.communicate()[1]
-        assert [e for e in leftovers(ipc_env) if ".emu." in e]  # what a stop must remove
-        process.send_signal(signum)
-        time.sleep(0.5)  # delivered while start-up is held
-        go.write_text("go")
-        _, err = process.communicate(timeout=60)
+        yield process
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         remove_emulated_gpus(ipc_env, 2)
-    assert process.returncode == 0, err
-    assert "Traceback" not in err and signal.Signals(signum).name in err, err
-    assert leftovers(ipc_env) == [], err  # the GPUs' segments and semaphores
-    assert not list(ipc_env.runtime_dir().glob("emu.*")), err  # and their lock files
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_cleanly(ipc_env, tmp_path, signum):
+    """The emulated GPUs were made before the stop handlers were installed: a SIGTERM then killed
+    the manager and left them in /dev/shm (a SIGINT, a KeyboardInterrupt traceback and the same)."""
+    go = tmp_path / "go"
+    with manager_paused_in_start_up(ipc_env, tmp_path, go) as process:
+        assert [e for e in leftovers(ipc_env) if ".emu." in e]  # what a stop must remove
+        process.send_signal(signum)
+        time.sleep(0.5)  # delivered while start-up is held
+        go.write_text("go")
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        assert "Traceback" not in err and signal.Signals(signum).name in err, err
+        assert leftovers(ipc_env) == [], err  # the GPUs' segments and semaphores
+        assert not list(ipc_env.runtime_dir().glob("emu.*")), err  # and their lock files
 
 
 def test_a_second_signal_during_a_start_up_that_hangs_stops_the_manager_at_once(ipc_env, tmp_path):
     """A stop signal during start-up waits for start-up to end (so the manager cleans up what it
     made); a second one ends it at once: a start-up that hangs (a driver call that never returns)
     must not need SIGKILL."""
-    from drbalance.emu.gpus import remove_emulated_gpus
-
-    opened, never = tmp_path / "opened", tmp_path / "never"
-    process = subprocess.Popen(
-        [sys.executable, "-c", PAUSED_AFTER_OPENING_THE_SOURCE, str(opened), str(never), "--source", "emulated:2",
-         "--log", str(tmp_path / "m.jsonl")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True, restore_signals=True)
-    try:
-        wait_for(lambda: opened.exists() or process.poll() is not None)
-        assert process.poll() is None, process.communicate()[1]
+    with manager_paused_in_start_up(ipc_env, tmp_path, tmp_path / "never") as process:
         process.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert process.poll() is None  # the first is kept for when start-up ends
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)  # the start-up holds for 60 s: only the second signal ends it
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        remove_emulated_gpus(ipc_env, 2)
-    assert process.returncode == -signal.SIGINT, err
+        assert process.returncode == -signal.SIGINT, err
