@@ -223,9 +223,9 @@ class EmulatedBackend(CpuBackend):
             self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
         started = time.monotonic()
         cancel = threading.Event()
-        try:  # the submissions too: an interrupt between the first and the wait must cancel what was queued
-            futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
-                       for slot, seconds in zip(plan.slots, device)]
+        futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
+                   for slot, seconds in zip(plan.slots, device)]
+        try:
             ends = [future.result() for future in futures]
         except BaseException:
             # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
