@@ -395,30 +395,6 @@ def test_a_parameter_the_module_returns_gets_no_memory_hook_that_outlives_the_fo
         backend.close()
 
 
-@pytest.mark.timeout(180)
-def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks_to_the_end(emu):
-    """Ctrl-C (or SIGTERM's exit) in a forward used to leave the replicas' threads serving their
-    chunks' whole device time: the job exited only after it (minutes at a large time scale)."""
-    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
-    gpu = EmulatedGpu(emu, 1)
-    try:
-        assert job.stdout.readline().strip() == "started"
-        deadline = time.monotonic() + 60
-        while gpu.read() is None or gpu.read().busy_since == 0:  # the job's chunk occupies emulated GPU 1
-            assert job.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-        job.send_signal(signal.SIGINT)
-        _out, err = job.communicate(timeout=60)  # not the 1000 s of its chunks
-        assert job.returncode != 0 and "KeyboardInterrupt" in err
-        assert gpu.read().busy_since == 0.0  # its turn ended and was accounted
-        assert gpu.occupy(0.05) < 1.0  # nobody holds the GPU any more
-    finally:
-        if job.poll() is None:
-            job.kill()
-        job.wait(timeout=30)
-        gpu.close()
-
-
 @pytest.mark.timeout(120)
 def test_processes_giving_one_emulated_gpu_different_memory_sizes_are_refused(emu):
     """Each process used to apply its own N:MEMORY: a manager started with emulated:4:8GiB capped

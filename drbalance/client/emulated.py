@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -222,18 +221,9 @@ class EmulatedBackend(CpuBackend):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
         started = time.monotonic()
-        cancel = threading.Event()
-        futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
+        futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds)
                    for slot, seconds in zip(plan.slots, device)]
-        try:
-            ends = [future.result() for future in futures]
-        except BaseException:
-            # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
-            # after the current slice, as a dead process's kernels stop. Their threads used to
-            # serve every chunk to its end, and the job exited only then (minutes at a large
-            # time scale; the interpreter waits for the pool's threads at exit).
-            cancel.set()
-            raise
+        ends = [future.result() for future in futures]
         self._last_device_end = time.monotonic()
         # a replica's time is its device phase as its GPU served it: the wait, the slices and the
         # turns given to other jobs. The real CPU forward is host work here (the host phase counts
@@ -280,10 +270,9 @@ def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int],
         gpu.close()
 
 
-def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | None = None) -> float:
-    """Occupy ``gpu`` for ``seconds`` of device time (less once ``cancel`` is set); the monotonic
-    time at which it was done."""
-    gpu.occupy(seconds, cancel=cancel)
+def _occupy_until(gpu: EmulatedGpu, seconds: float) -> float:
+    """Occupy ``gpu`` for ``seconds`` of device time; the monotonic time at which it was done."""
+    gpu.occupy(seconds)
     return time.monotonic()
 
 
