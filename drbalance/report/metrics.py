@@ -84,12 +84,12 @@ def load_run(path: str | Path) -> RunData:
     launched = info.get("apps")
     for name in launched if isinstance(launched, dict) else ():
         records.setdefault(str(name), [])
-    silent = sorted(name for name, app_records in records.items() if not app_records)
-    if silent:
-        logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
-                       "number of the report, and it claims no makespan", root, ", ".join(silent))
     manager = _timed_records(rotated_files(root / "manager.jsonl"), events={"util"}, fields=MANAGER_FIELDS)
-    return run_from_records(str(info.get("label") or root.name), records, manager, info, root)
+    run = run_from_records(str(info.get("label") or root.name), records, manager, info, root)
+    if run.no_records:
+        logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
+                       "number of the report, and it claims no makespan", root, ", ".join(run.no_records))
+    return run
 
 
 def _read_run_info(path: Path) -> dict:
