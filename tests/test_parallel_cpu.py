@@ -665,3 +665,23 @@ def test_a_buffer_updated_in_place_and_saved_for_the_backward_keeps_each_chunks_
     torch.testing.assert_close(model.linear.weight.grad, expected_grad)
     torch.testing.assert_close(model.scale, expected_scale)  # advanced once, by the chunks' weighted change
     assert model.scale is buffer  # the module keeps its own buffer object
+
+
+@pytest.mark.timeout(60)
+def test_with_one_device_the_modules_own_exception_passes_through_as_data_parallel_lets_it():
+    """nn.DataParallel on one device calls the module itself, so the module's exception reaches
+    the caller as it was raised; it used to be rebuilt with 'Caught ... in replica 0' in its
+    message (a changed ``args``), which broke code that reads it."""
+    raised = KeyError("missing-key")
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise raised
+
+    for wrapper in (nn.DataParallel(Fails()), BalancedDataParallel(Fails(), device_ids=[0])):
+        with pytest.raises(KeyError) as caught:
+            wrapper(torch.ones(4, 1))
+        assert caught.value is raised and caught.value.args == ("missing-key",)
+    with pytest.raises(KeyError, match="in replica 0") as caught:  # two devices: named, as before
+        BalancedDataParallel(Fails(), device_ids=[0, 1], ratio=[10, 0])(torch.ones(4, 1))
+    assert caught.value is not raised and caught.value.__cause__ is raised

@@ -69,13 +69,21 @@ class OutOfMemory:
     error: BaseException
 
 
-def reraise_in_replica(error: BaseException, where: str, slot: int | None = None) -> None:
+def reraise_in_replica(error: BaseException, where: str, slot: int | None = None, only_device: bool = False) -> None:
     """Re-raise ``error`` with ``where`` (replica and device) added to its message.
 
     Keeps the exception type when it can be built from a message (as torch's ExceptionWrapper
     does), else raises a RuntimeError; the original is chained as the cause either way. The DR
-    slot is kept on the new exception as ``drbalance_slot``.
+    slot is kept on the new exception as ``drbalance_slot``. With ``only_device`` (the model
+    has one device, where ``nn.DataParallel`` calls the module itself) the original is raised
+    unchanged, only tagged with its slot where it takes attributes.
     """
+    if only_device:
+        try:
+            error.drbalance_slot = slot  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):  # slots or read-only attributes: one device is slot 0 anyway
+            pass
+        raise error
     message = f"Caught {type(error).__name__} {where}: {error}"
     try:
         wrapped = type(error)(message)
@@ -289,7 +297,8 @@ class CpuBackend(DeviceBackend):
                     self.after_chunk(device_ids, plan, position, output)
                     outputs.append(output)
                 except Exception as error:
-                    reraise_in_replica(error, self.where(device_ids, plan, position), plan.slots[position])
+                    reraise_in_replica(error, self.where(device_ids, plan, position), plan.slots[position],
+                                       only_device=len(device_ids) == 1)
                 spans.append(clock() - started)
                 if merge is not None:
                     merge.add_module_values(plan.sizes[position] / batch)
@@ -482,7 +491,8 @@ class CudaBackend(DeviceBackend):
         for position in range(len(replicas)):
             result = results[position]
             if isinstance(result, Exception):
-                reraise_in_replica(result, self.where(device_ids, plan, position), plan.slots[position])
+                reraise_in_replica(result, self.where(device_ids, plan, position), plan.slots[position],
+                                   only_device=len(device_ids) == 1)
             outputs.append(result)
         timings = [
             _cuda_timing(plan.slots[p], f"cuda:{devices[p]}", plan.sizes[p], *events[p])
