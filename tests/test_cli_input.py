@@ -103,6 +103,13 @@ def test_report_json_is_json_with_plots_and_a_second_report_over_the_same_glob_w
      '"iterations_per_epoch": 5, "bogus": 1}]}', "app 0: unknown key(s) 'bogus'"),
     ('{"name": "x", "gpus": 2, "gpu_speed": 2, "apps": []}', "'gpu_speed' must be a list of one speed factor"),
     ('{"name": "x", "gpus": 2, "paper": [1], "apps": []}', "'paper' must be a JSON object"),
+    ('{"name": "x", "gpus": 2, "paper": {"sd_diff_end": "low"}, "apps": []}', "'paper' must be a JSON object"),
+    ('{"name": ["x"], "gpus": 2, "apps": []}', "'name' must be printable text"),
+    ('{"name": "x\\u001b[2J", "gpus": 2, "apps": []}', "'name' must be printable text"),
+    ('{"name": "x", "description": 7, "gpus": 2, "apps": []}', "'description' must be printable text"),
+    ('{"name": "x", "gpus": 2, "gpus": 4, "apps": []}', "key 'gpus' is given twice"),
+    ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "batch": 64, "epochs": 1, '
+     '"iterations_per_epoch": 5}]}', "key 'batch' is given twice"),
     ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '
      '"iterations_per_epoch": 5, "ratio": 10}]}', "app 0: 'ratio' must be a list of shares"),
     ('{"name": "x", "gpus": 2, "apps": [{"name": "a", "model": "alexnet", "batch": 32, "epochs": 1, '

@@ -39,6 +39,8 @@ MAX_DR_TOTAL = 65535  # the largest DR total the daemon accepts (a record's shar
 MAX_GPU_SPEED = 1000.0
 """The largest ``gpu_speed`` factor: 1000 times the reference GPU is far beyond any real one, and
 the lower bound's linear programme fails on speeds near 10^15."""
+MAX_TEXT = 1000
+"""The longest scenario ``name`` or ``description`` (characters): they are printed and logged."""
 SHORT_NAME = {full: short for short, full in SHORT_NAMES.items()}  # resnet50 -> res
 
 
@@ -176,8 +178,27 @@ def _check_keys(data: object, kind: type, what: str) -> dict:
     return data
 
 
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; ValueError on a key given twice (json keeps the last one
+    silently, so a scenario edited by hand would run with a value its author did not see)."""
+    data: dict = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} is given twice in one object")
+        data[key] = value
+    return data
+
+
+def _check_text(data: dict, key: str) -> None:
+    value = data.get(key, "")
+    if not isinstance(value, str) or not value.isprintable() or len(value) > MAX_TEXT:
+        raise ValueError(f"{key!r} must be printable text of at most {MAX_TEXT} characters; got {value!r:.80}")
+
+
 def _check_types(data: dict) -> None:
     """The top-level values a scenario cannot be built from otherwise (ValueError naming the key)."""
+    _check_text(data, "name")
+    _check_text(data, "description")
     if not isinstance(data["gpus"], int) or isinstance(data["gpus"], bool):
         raise ValueError(f"'gpus' must be an integer, got {data['gpus']!r}")
     if not isinstance(data["apps"], list):
@@ -185,8 +206,9 @@ def _check_types(data: dict) -> None:
     if data.get("gpu_speed") is not None and not isinstance(data["gpu_speed"], list):
         raise ValueError(f"'gpu_speed' must be a list of one speed factor per GPU, e.g. [1, 1, 0.5, 0.5]; "
                          f"got {data['gpu_speed']!r}")
-    if not isinstance(data.get("paper", {}), dict):
-        raise ValueError(f"'paper' must be a JSON object of the paper's reported values; got {data['paper']!r}")
+    paper = data.get("paper", {})
+    if not isinstance(paper, dict) or not all(finite_number(value) for value in paper.values()):
+        raise ValueError(f"'paper' must be a JSON object of the paper's reported values (numbers); got {paper!r:.80}")
     for index, app in enumerate(data["apps"]):
         if isinstance(app, dict) and app.get("ratio") is not None and not isinstance(app["ratio"], list):
             raise ValueError(f"app {index}: 'ratio' must be a list of shares, one per GPU, e.g. [10, 0]; "
@@ -195,7 +217,7 @@ def _check_types(data: dict) -> None:
 
 def scenario_from_json(text: str, source: str = "scenario") -> Scenario:
     try:
-        data = _check_keys(json.loads(text), Scenario, "the scenario")
+        data = _check_keys(json.loads(text, object_pairs_hook=_refuse_duplicate_keys), Scenario, "the scenario")
         _check_types(data)
         for index, app in enumerate(data["apps"]):
             _check_keys(app, AppSpec, f"app {index}")
