@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
     parser.add_argument("--dr-total", type=positive_int, default=None,
                         help="DR granularity (shares per mini-batch, 1..65535 as for the manager; default: the "
-                        "scenario's, 10)")
+                        "scenario's, 10); a DDP app keeps one unit on each rank")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions besides epoch ends (default, or 0: the policy's choice)")
     parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.SD_THRESHOLD,
@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     check_compare(args)
     scenario = load_scenario(args.scenario)
     if args.dr_total is not None:
-        scenario = scenario.with_dr_total(args.dr_total)
+        try:
+            scenario = scenario.with_dr_total(args.dr_total)
+        except ValueError as error:  # a DDP app of more ranks than --dr-total
+            raise ValueError(f"{args.scenario}: --dr-total: {error}") from None
     policy = args.policy or DEFAULT_POLICY
     base = SimConfig(policy=policy, placement=args.placement, scheduler=args.scheduler,
                      decide_every=args.decide_every, sd_threshold=args.sd_threshold,

@@ -29,7 +29,7 @@ from types import MappingProxyType
 from drbalance.ipc.layout import MAX_GPUS
 from drbalance.ipc.names import check_app_name
 from drbalance.jsonlog import finite_number
-from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+from drbalance.ratio import DEFAULT_TOTAL, DataRatio, apportion
 from drbalance.workload.models import SHORT_NAMES, model_costs
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,14 @@ class Scenario:
         return 1.0 if self.gpu_speed is None else self.gpu_speed[gpu]
 
     def with_dr_total(self, total: int) -> Scenario:
-        """The same scenario with DRs of granularity ``total`` (explicit DRs rescaled)."""
-        apps = tuple(replace(a, ratio=DataRatio(a.ratio, self.dr_total).rescale(total).shares) if a.ratio else a
-                     for a in self.apps)
+        """The same scenario with DRs of granularity ``total`` (explicit DRs rescaled, largest remainder).
+
+        A DDP app's ranks are the GPUs of its non-zero shares, and a rank must keep at least one
+        unit (docs/ddp.md), so its DR is rescaled with one unit on each rank: a rank the plain
+        rescale would leave at 0 gets 1 and the others share the rest. A DDP app of more ranks
+        than ``total`` is refused (ValueError naming the app).
+        """
+        apps = tuple(replace(a, ratio=_rescaled(a, self.dr_total, total)) if a.ratio else a for a in self.apps)
         return replace(self, dr_total=total, apps=apps)
 
     def with_placement(self, placement: str) -> Scenario:
@@ -160,6 +165,30 @@ class Scenario:
             "apps": [{**asdict(app), "ratio": list(app.ratio) if app.ratio is not None else None} for app in self.apps],
         }
         return json.dumps(data, indent=2)
+
+
+def _rescaled(app: AppSpec, old_total: int, total: int) -> tuple[int, ...]:
+    """``app``'s explicit DR (of ``old_total``) in ``total`` units; a DDP app keeps one unit on each rank."""
+    ratio = DataRatio(app.ratio, old_total)  # type: ignore[arg-type]
+    if not app.ddp:
+        return ratio.rescale(total).shares
+    ranks = [gpu for gpu, share in enumerate(ratio.shares) if share]
+    if len(ranks) > total:
+        raise ValueError(f"app {app.name!r}: a DDP job of {len(ranks)} ranks needs a DR total of at least "
+                         f"{len(ranks)} (one unit per rank); got {total}")
+    pinned: set[int] = set()  # ranks held at one unit
+    while True:
+        free = [gpu for gpu in ranks if gpu not in pinned]
+        split = apportion([ratio[gpu] for gpu in free], total - len(pinned)) if free else ()
+        starved = {gpu for gpu, share in zip(free, split, strict=True) if share == 0}
+        if not starved:
+            shares = [0] * len(ratio)
+            for gpu in pinned:
+                shares[gpu] = 1
+            for gpu, share in zip(free, split, strict=True):
+                shares[gpu] = share
+            return tuple(shares)
+        pinned |= starved
 
 
 def _check_keys(data: object, kind: type, what: str) -> dict:
