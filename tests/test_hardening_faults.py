@@ -243,3 +243,59 @@ def test_a_scripted_file_caught_mid_rewrite_keeps_its_last_script_and_one_left_b
         source.sample()
     path.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 60]}]}))
     assert source.sample() == (50.0, 60.0)
+
+
+class _FailingLog:
+    """A manager log whose writes fail while ``error`` is set (as JsonLinesWriter reports a full disk)."""
+
+    def __init__(self) -> None:
+        self.error: OSError | None = None
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> int:
+        return 0
+
+
+def _in_process_manager(ipc_env, tmp_path, clock=None):
+    from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.utilization import ScriptedSource
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script), clock=clock)
+    manager.start()
+    manager._log.close()
+    manager._log = _FailingLog()
+    return manager
+
+
+@pytest.mark.timeout(60)
+def test_the_manager_log_failing_is_counted_in_fault_counts_like_other_faults(ipc_env, tmp_path):
+    """status.json's fault_counts gave the log 1 however many writes had failed in a row, while
+    every other failing task was counted (drbalance status says "N times in a row")."""
+    from drbalance.manager.status import fault_lines
+
+    manager = _in_process_manager(ipc_env, tmp_path)
+    try:
+        manager._log.error = OSError(28, "No space left on device")
+        for _ in range(3):
+            manager.log("decision", app="x")
+        manager._write_status(manager.clock.monotonic())
+        status = json.loads(ipc_env.manager_status().read_text())
+        assert status["faults"]["log"] == "[Errno 28] No space left on device"
+        assert status["fault_counts"]["log"] == 3
+        assert "the manager's log is failing (3 times in a row)" in fault_lines(status)[0]
+        manager._log.error = None
+        manager.log("decision", app="x")
+        manager._write_status(manager.clock.monotonic())
+        status = json.loads(ipc_env.manager_status().read_text())
+        assert "log" not in status["faults"] and "log" not in status["fault_counts"]
+        manager._log.error = OSError(28, "No space left on device")
+        manager.log("decision", app="x")  # a new run of failures counts from 1
+        assert manager.fault_counts["log"] == 1
+    finally:
+        manager.stop()

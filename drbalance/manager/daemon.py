@@ -983,13 +983,17 @@ class Manager:
             return
         self._log.write({"t": self.clock.wall(), "event": event, **fields})
         error = self._log.error
-        if error is not None and self.faults.get("log") != str(error):
-            self.faults["log"] = str(error)
-            logger.error("drbalance-manager: cannot write the manager log %s: %s (lines are kept in memory and "
-                         "written when it works again)", self._log_path, error)
-        elif error is None and "log" in self.faults:
+        if error is not None:  # counted in fault_counts like every other task: writes failed in a row
+            self.fault_counts["log"] = self.fault_counts.get("log", 0) + 1
+            if self.faults.get("log") != str(error):
+                self.faults["log"] = str(error)
+                logger.error("drbalance-manager: cannot write the manager log %s: %s (lines are kept in memory and "
+                             "written when it works again)", self._log_path, error)
+        elif "log" in self.faults:
             previous = self.faults.pop("log")
-            logger.warning("drbalance-manager: the manager log works again (after: %s)", previous)
+            failures = self.fault_counts.pop("log", 0)
+            logger.warning("drbalance-manager: the manager log works again after %d failed write(s) (last: %s)",
+                           failures, previous)
 
 
 def _gpu_uuids(source: UtilizationSource, count: int, quiet: bool = False) -> tuple[str | None, ...]:
