@@ -299,3 +299,33 @@ def test_the_manager_log_failing_is_counted_in_fault_counts_like_other_faults(ip
         assert manager.fault_counts["log"] == 1
     finally:
         manager.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_persisting_fault_is_logged_again_once_a_minute_of_the_managers_own_clock(ipc_env, tmp_path):
+    """The once-a-minute reminder read time.monotonic, not the manager's clock: on an injected
+    clock a fault that persisted for minutes was never logged again."""
+    from drbalance.clock import ManualClock
+    from drbalance.manager.daemon import FAULT_REPEAT_SECONDS
+
+    clock = ManualClock(start=1000.0)
+    manager = _in_process_manager(ipc_env, tmp_path, clock)
+
+    def broken(now: float) -> None:
+        raise OSError(5, "Input/output error")
+
+    def faults_logged() -> int:
+        return len([r for r in manager._log.records if r["event"] == "fault" and r["task"] == "gc"])
+
+    try:
+        manager._run_task("gc", broken, clock.monotonic())
+        assert faults_logged() == 1
+        clock.advance(FAULT_REPEAT_SECONDS / 2)
+        manager._run_task("gc", broken, clock.monotonic())
+        assert faults_logged() == 1  # the same error within a minute: counted, not logged
+        clock.advance(FAULT_REPEAT_SECONDS / 2)
+        manager._run_task("gc", broken, clock.monotonic())
+        assert faults_logged() == 2  # a minute on the manager's clock: logged again
+        assert manager.fault_counts["gc"] == 3
+    finally:
+        manager.stop()
