@@ -312,3 +312,41 @@ def test_a_second_signal_during_a_start_up_that_hangs_stops_the_manager_at_once(
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)  # the start-up holds for 60 s: only the second signal ends it
         assert process.returncode == -signal.SIGINT, err
+
+
+def _sentinel(signum, frame):  # a handler main must leave in place
+    raise AssertionError(f"sentinel handler called for {signum}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "expected"), [
+    ("unknown source", 2), ("missing script", 2), ("dr total", 2), ("already running", 1), ("ran", 0)])
+def test_the_manager_command_restores_the_signal_handlers_it_found_on_every_return(ipc_env, tmp_path, case,
+                                                                                    expected):
+    """main() installed its stop handlers (and ignored SIGXFSZ) and left them installed when it
+    returned, an error included: called in-process (tests, an embedding program), a later SIGTERM
+    or Ctrl-C went to a manager that was gone instead of the caller's own handler."""
+    from drbalance.manager import cli as manager_cli
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    argv = {"unknown source": ["--source", "bogus"],
+            "missing script": ["--source", f"scripted:{tmp_path / 'missing.json'}"],
+            "dr total": ["--source", f"scripted:{script}", "--dr-total", "70000"],
+            "already running": ["--source", f"scripted:{script}"],
+            "ran": ["--source", f"scripted:{script}", "--duration", "0.2"]}[case]
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGXFSZ]
+    before = {signum: signal.getsignal(signum) for signum in handled}
+    other = None
+    try:
+        for signum in handled:
+            signal.signal(signum, _sentinel)
+        if case == "already running":
+            other = ManagerProcess(tmp_path, ipc_env)
+        assert manager_cli.main([*argv, "--log", str(tmp_path / "m.jsonl")]) == expected
+        assert {signum: signal.getsignal(signum) for signum in handled} == dict.fromkeys(handled, _sentinel)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        if other is not None:
+            other.stop()

@@ -122,9 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``drbalance-manager``; the exit status (0, 1: a fault, 2: a usage error).
+
+    The signal handlers it installs (stop on SIGINT, SIGTERM, SIGHUP; SIGXFSZ ignored) are
+    restored to the ones it found on every return, so a caller in the same process (a test, a
+    program embedding the manager) gets its own handlers back.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         datefmt="%Y-%m-%dT%H:%M:%S")
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    if hasattr(signal, "SIGXFSZ"):
+        handled.append(signal.SIGXFSZ)
+    previous = {signum: signal.getsignal(signum) for signum in handled}
+    try:
+        return _serve(args)
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(signum, handler)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Install the stop handlers, then start the manager and serve until it stops; the exit status."""
     # The stop handlers come before anything is made (emulated GPUs are shared objects): a signal
     # that arrives before the manager exists is kept and honoured once it does; a second one then
     # ends the process at once (a start-up that hangs, e.g. in a driver call, needs no SIGKILL).
