@@ -102,6 +102,25 @@ def seconds_or_profile_name(text: str) -> float | str:
     return seconds
 
 
+def check_stored_profile(parser: argparse.ArgumentParser, solo_time: float | str,
+                         option: str = "--solo-time") -> None:
+    """Exit with a usage error (status 2, one line after the usage) when ``solo_time`` (a
+    ``seconds_or_profile_name`` value given as ``option``) names no stored profile, or the profiles
+    file cannot be read; the message names the profiles file and the ``drbalance profile`` command
+    that records one. Call it right after ``parse_args``, before the model is built: a ``Session``
+    would raise ``ProfileNotFound`` only then. Seconds pass, and so does any name while this run
+    is being measured by ``drbalance profile`` (its solo time is what is being measured)."""
+    from drbalance import env  # no torch; only when used
+    from drbalance.profiling.store import ProfileNotFound, resolve_solo_time
+
+    if not isinstance(solo_time, str) or env.profile_output() is not None:
+        return
+    try:
+        resolve_solo_time(solo_time)
+    except (ProfileNotFound, ValueError, OSError) as error:  # ValueError: an unreadable profiles file
+        parser.error(f"argument {option}: {error}")
+
+
 def app_name(text: str) -> str:
     """An app name the manager takes (``drbalance.ipc.names.check_app_name``: 1-48 letters, digits,
     ``_ . -``, not starting with ``.`` or ``-``)."""

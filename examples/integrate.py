@@ -11,7 +11,8 @@ mini-batch is split over the GPUs; without one the job trains on with its own sp
 
 ``--solo-time`` is this job's run time alone in seconds (any number > 0: ``5400``, ``5.4e3``), or
 the name of a time stored with ``drbalance profile NAME -- python examples/integrate.py ...``;
-a number that is not finite and positive, or an invalid name, is a usage error.
+a number that is not finite and positive, an invalid name, or a name with no stored profile
+(unless ``drbalance profile`` is measuring this run) is a usage error.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance.argtypes import app_name, positive_int, seconds_or_profile_name
+from drbalance.argtypes import app_name, check_stored_profile, positive_int, seconds_or_profile_name
 from drbalance.client import BalancedDataParallel, Session
 
 
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
                         help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()
+    check_stored_profile(parser, args.solo_time)  # a name no profile has: a usage error, before any work
     torch.manual_seed(0)
 
     net = torchvision.models.resnet18(weights=None, num_classes=10)

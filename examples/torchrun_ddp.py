@@ -19,7 +19,7 @@ import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from drbalance.argtypes import app_name, positive_int, seconds_or_profile_name
+from drbalance.argtypes import app_name, check_stored_profile, positive_int, seconds_or_profile_name
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 
 
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
                         help="seconds alone (a number > 0), or a stored profile's name")
     args = parser.parse_args()
+    check_stored_profile(parser, args.solo_time)  # a name no profile has: a usage error, before any work
     missing = [name for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE") if name not in os.environ]  # set by torchrun
     if missing:
         parser.error(f"{', '.join(missing)} not set: start it with torchrun, e.g. "

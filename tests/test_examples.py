@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -17,6 +18,12 @@ TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 
 def _run(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _log_events(path) -> list[str]:
@@ -113,3 +120,31 @@ def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_e
     assert result.stderr.strip().splitlines()[-1] == (
         "torchrun_ddp.py: error: LOCAL_RANK, RANK, WORLD_SIZE not set: start it with torchrun, e.g. "
         "torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
+def test_an_example_given_a_profile_name_with_no_stored_profile_says_so_in_one_line(ipc_env, tmp_path, script):
+    # found by a review, 2026-11-25: a valid name that no 'drbalance profile' stored was a ProfileNotFound
+    # traceback from the Session, after the model was built
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}  # what torchrun sets, for torchrun_ddp.py
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), "--solo-time", "some-name"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=100, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("usage: "), result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: argument --solo-time: no solo-run profile named 'some-name' in "
+                           f"{tmp_path / 'profiles.json'} "), result.stderr
+    assert last.endswith("create it with: drbalance profile some-name -- python your_train.py ..."), result.stderr
+
+
+@pytest.mark.timeout(240)
+def test_an_example_measured_by_drbalance_profile_takes_the_name_it_is_being_stored_under(ipc_env, tmp_path):
+    # the name is not stored yet while 'drbalance profile NAME' measures the example: no error then
+    result = _run([sys.executable, "-m", "drbalance", "profile", "fresh", "--iterations", "4", "--warmup", "1",
+                   "--", sys.executable, str(EXAMPLES / "integrate.py"), "--app", "measured", "--epochs", "1",
+                   "--iterations", "6", "--solo-time", "fresh"])
+    assert result.returncode == 0, result.stderr
+    stored = json.loads((tmp_path / "profiles.json").read_text())["profiles"]
+    assert stored["fresh"]["solo_time_s"] > 0
