@@ -585,3 +585,67 @@ def test_the_training_script_refuses_a_cuda_gpu_that_does_not_exist_before_movin
     args = train.build_parser().parse_args(["--model", "alexnet", f"--gpus={gpus}"])
     with pytest.raises(ValueError, match=message):
         train.build_model(args, 10, "cuda", None)
+
+
+def _no_start(*_args, **_kwargs):
+    raise AssertionError("a process was started")
+
+
+def _scenario_file(tmp_path, apps: list[dict]) -> str:
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps({"name": "checked", "gpus": 2, "apps": apps}))
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("apps, image_size, message", [
+    ([{"name": "a1", "model": "alexnet", "batch": 32, "epochs": 1, "iterations_per_epoch": 2}], "32",
+     "argument --image-size: app 'a1' trains alexnet, on images of at least 63 pixels a side; got 32"),
+    ([{"name": "r1", "model": "resnet50", "batch": 32, "epochs": 1, "iterations_per_epoch": 2, "ddp": True}], "16",
+     "argument --image-size: app 'r1' trains resnet50 as a DDP job, whose ranks may hold one sample each, on "
+     "images of at least 33 pixels a side; got 16"),
+    ([{"name": "d1", "model": "dense", "batch": 32, "epochs": 1, "iterations_per_epoch": 2}], "64",
+     "app 'd1': model 'dense' is not one the training scripts train (densenet121, resnet50, alexnet, "
+     "resnext50_32x4d, shufflenet_v2_x1_0, mnasnet1_0); write 'densenet121' for 'dense'"),
+])
+def test_launch_refuses_a_model_or_image_size_its_jobs_would_refuse_before_anything_starts(
+        tmp_path, monkeypatch, capsys, apps, image_size, message):
+    # found by a review, 2026-11-25: the manager and every job were started, and each job then exited 2 with
+    # one line in its .out file; 'dense' (a short name the simulator takes) likewise
+    from drbalance.runs import launch
+
+    monkeypatch.setattr(launch.subprocess, "Popen", _no_start)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["launch", _scenario_file(tmp_path, apps), "--devices", "emulated", "--run-dir", str(run_dir),
+                  "--image-size", image_size])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("usage: "), err
+    assert err.strip().splitlines()[-1] == f"drbalance launch: error: {message}", err
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_launch_takes_an_image_size_that_only_one_sample_chunks_could_not_train_on(tmp_path, monkeypatch):
+    # a DataParallel job of --real-batch 4 has no chunk of one sample: resnet50 trains on 16 pixels there
+    from drbalance.runs import launch
+
+    checked = []
+    monkeypatch.setattr(launch, "launch", lambda options: checked.append(options) or options.run_dir)
+    monkeypatch.setattr("drbalance.report.command.summarise_runs", lambda _runs: "")
+    apps = [{"name": "r1", "model": "resnet50", "batch": 32, "epochs": 1, "iterations_per_epoch": 2}]
+    assert cli.main(["launch", _scenario_file(tmp_path, apps), "--devices", "emulated", "--run-dir",
+                     str(tmp_path / "run"), "--image-size", "16"]) == 0
+    assert [options.image_size for options in checked] == [16]
+
+
+@pytest.mark.timeout(60)
+def test_the_launch_function_refuses_an_image_size_before_anything_starts(tmp_path, monkeypatch):
+    from drbalance.runs import launch
+
+    monkeypatch.setattr(launch.subprocess, "Popen", _no_start)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"app 'alex1' trains alexnet, on images of at least 63 pixels a side; "
+                                         r"got 32"):
+        launch.launch(launch.LaunchOptions(load_scenario("e2e-a"), "fair", run_dir, "emulated", image_size=32))
+    assert not run_dir.exists()

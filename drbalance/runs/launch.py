@@ -33,6 +33,7 @@ from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
 from drbalance.policy import DEFAULT_POLICY, POLICIES
+from drbalance.workload.models import MIN_IMAGE_SIZE, SHORT_NAMES
 from drbalance.workload.scenarios import Scenario, load_scenario
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,42 @@ def resolve_devices(requested: str, gpus: int) -> str:
         raise ValueError(f"--devices cuda: the scenario needs {gpus} GPUs and torch sees {found} CUDA device(s) "
                          "here; use --devices emulated (or auto)")
     return requested
+
+
+def check_launchable(scenario: Scenario, devices: str, image_size: int, real_batch: int) -> None:
+    """ValueError, before anything starts, for an app whose training script would refuse it at
+    once: a model the scripts do not train (``MIN_IMAGE_SIZE`` lists those; the simulator also
+    takes short names and other torchvision models), or an ``image_size`` (pixels a side) under
+    its model's smallest (``MIN_IMAGE_SIZE``): the one for chunks of one sample for a DDP app (a
+    rank may hold one sample of a global batch) and for a DataParallel app of one sample per
+    iteration (``real_batch`` on emulated GPUs, the app's batch on CUDA ``devices``)."""
+    for app in scenario.apps:
+        if app.model not in MIN_IMAGE_SIZE:
+            full = SHORT_NAMES.get(app.model)
+            hint = f"; write {full!r} for {app.model!r}" if full else ""
+            raise ValueError(f"app {app.name!r}: model {app.model!r} is not one the training scripts train "
+                             f"({', '.join(MIN_IMAGE_SIZE)}){hint}")
+        shared, alone = MIN_IMAGE_SIZE[app.model]
+        batch = real_batch if devices == "emulated" else app.batch
+        if image_size < shared:
+            raise ValueError(f"argument --image-size: app {app.name!r} trains {app.model}, on images of at least "
+                             f"{shared} pixels a side; got {image_size}")
+        if (app.ddp or batch == 1) and image_size < alone:
+            how = ("as a DDP job, whose ranks may hold one sample each" if app.ddp
+                   else "one sample per iteration")
+            raise ValueError(f"argument --image-size: app {app.name!r} trains {app.model} {how}, on images of "
+                             f"at least {alone} pixels a side; got {image_size}")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Usage errors found before anything starts: the scenario's models and ``--image-size``
+    (``check_launchable``). A scenario that cannot be loaded is left to ``run``, which says so."""
+    try:
+        scenario = load_scenario(args.scenario)
+    except (ValueError, OSError):
+        return
+    devices = args.devices if args.devices != "auto" else resolve_devices("auto", scenario.gpus)
+    check_launchable(scenario, devices, args.image_size, args.real_batch)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,8 +325,10 @@ def launch(options: LaunchOptions) -> Path:
     """Run the scenario to completion (or ``timeout``); return the run directory.
 
     Raises ``RunDirectoryInUse`` before anything starts if the run directory already holds an
-    earlier run's logs (they are left as they are)."""
+    earlier run's logs (they are left as they are), and ValueError if an app's training script
+    would refuse its model or ``image_size`` (``check_launchable``)."""
     scenario, run_dir = options.scenario, options.run_dir
+    check_launchable(scenario, options.devices, options.image_size, options.real_batch)
     found = earlier_run(run_dir)
     if found is not None:
         raise RunDirectoryInUse(f"run directory {run_dir} already holds an earlier run ({found} exists); this run's "

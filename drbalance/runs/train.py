@@ -29,17 +29,9 @@ from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.ratio import DataRatio
+from drbalance.workload.models import MIN_IMAGE_SIZE
 
-MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
-
-MIN_IMAGE_SIZE: dict[str, tuple[int, int]] = {
-    "densenet121": (29, 61), "resnet50": (1, 33), "alexnet": (63, 63), "resnext50_32x4d": (1, 33),
-    "shufflenet_v2_x1_0": (1, 33), "mnasnet1_0": (1, 33),
-}
-"""The smallest image side, pixels, at which each model trains (forward and backward in training
-mode): (on chunks of two samples or more, on a chunk of one sample). Under it a pooling layer's
-output is empty, or a batch norm sees one value per channel. Measured on the CPU with torchvision
-0.29; ``tests/test_cli_input.py`` measures it again."""
+MODELS = tuple(MIN_IMAGE_SIZE)  # the models these scripts train
 
 
 def check_image_size(parser: argparse.ArgumentParser, args: argparse.Namespace, one_sample: bool) -> None:

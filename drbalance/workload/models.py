@@ -172,6 +172,16 @@ SHORT_NAMES: Mapping[str, str] = MappingProxyType({
 })
 
 
+MIN_IMAGE_SIZE: Mapping[str, tuple[int, int]] = MappingProxyType({
+    "densenet121": (29, 61), "resnet50": (1, 33), "alexnet": (63, 63), "resnext50_32x4d": (1, 33),
+    "shufflenet_v2_x1_0": (1, 33), "mnasnet1_0": (1, 33),
+})
+"""The models the training scripts (``drbalance.runs.train``, ``train_ddp``, so ``drbalance launch``)
+train, by torchvision name, each with the smallest image side, pixels, at which it trains (forward
+and backward in training mode): (on chunks of two samples or more, on a chunk of one sample).
+Under it a pooling layer's output is empty, or a batch norm sees one value per channel. Measured
+on the CPU with torchvision 0.29; ``tests/test_cli_input.py`` measures it again."""
+
 def model_costs(name: str) -> ModelCosts:
     """The cost table of a model by torchvision name (or the paper's short name, e.g. ``dense``).
 
