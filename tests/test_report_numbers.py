@@ -121,3 +121,49 @@ def test_a_long_runs_logs_are_read_in_a_fraction_of_their_size_in_memory(tmp_pat
         tracemalloc.stop()
     assert len(run.util_means) == 10_000 and len(run.apps["a"].sds) == 9_999
     assert peak < 1.5 * size, f"{peak / 1e6:.1f} MB of memory to read {size / 1e6:.1f} MB of logs"
+
+
+def test_an_unfinished_apps_final_sd_is_the_one_its_closed_record_gives(tmp_path):
+    # found by a review, 2026-11-25: a job stopped before its finish (SIGTERM, --timeout) writes its SD once more
+    # in its 'closed' record, its last word; the report took the report before it as the final SD
+    apps = {"a": [{"t": 1000.0, "event": "start"}, {"t": 1001.0, "event": "report", "sd": 1.2},
+                  {"t": 1002.0, "event": "report", "sd": 1.3}, {"t": 1003.0, "event": "closed", "sd": 1.5}],
+            "b": _app([1.0, 1.1], 3)}
+    _write_run(tmp_path / "run", apps, [])
+    from drbalance.report.metrics import load_run
+
+    run = load_run(tmp_path / "run")
+    summary = summarise(run)
+    assert summary.final_sd == {"a": 1.5, "b": 1.1}
+    assert summary.unfinished == ["a"] and summary.makespan is None
+    assert run.apps["a"].end == pytest.approx(3.0) and run.apps["a"].sd_at(3.0) == 1.5
+
+
+def test_a_wall_clock_step_back_leaves_an_apps_sd_times_in_the_order_the_session_measured_them(tmp_path):
+    # found by a review, 2026-11-25: records are timed by the wall clock ('t'); after it stepped back (NTP, a
+    # hand-set clock) the SD times were out of order and 'SD at t' (a bisection) read the wrong records
+    stepped = -100.0  # the wall clock jumps back 100 s between the second and third report
+    lines = [(0.0, "start", None), (1.0, "report", 1.0), (2.0, "report", 2.0), (3.0, "report", 3.0),
+             (4.0, "finish", 3.5), (4.5, "closed", 3.5)]
+    records = [{"t": 1000.0 + elapsed + (stepped if elapsed > 2.5 else 0.0), "elapsed": elapsed, "event": event,
+                "sd": sd} for elapsed, event, sd in lines]
+    _write_run(tmp_path / "run", {"a": records, "b": _app([1.0, 1.0, 1.0, 1.0], 5)}, [])
+    from drbalance.report.metrics import load_run
+
+    run = load_run(tmp_path / "run")
+    app = run.apps["a"]
+    assert app.times == sorted(app.times) and app.times == pytest.approx([1.0, 2.0, 3.0, 4.0, 4.5])
+    assert app.end == pytest.approx(4.0) and app.finished
+    assert [app.sd_at(t) for t in (0.5, 1.5, 2.5, 3.5, 10.0)] == [None, 1.0, 2.0, 3.0, 3.5]
+    summary = summarise(run)
+    assert summary.makespan == pytest.approx(5.0) and summary.final_sd == {"a": 3.5, "b": 1.0}
+
+
+def test_records_without_a_session_clock_are_ordered_by_time_and_the_last_one_gives_the_final_sd():
+    # records that carry no 'elapsed' (the simulator's, hand-made ones) are sorted by 't'
+    apps = {"a": [{"t": 1000.0, "event": "start"}, {"t": 1002.0, "event": "report", "sd": 2.0},
+                  {"t": 1001.0, "event": "report", "sd": 1.0}, {"t": 1001.5, "event": "closed", "sd": 1.7}]}
+    run = run_from_records("r", apps, [], {"started": 1000.0})
+    app = run.apps["a"]
+    assert app.times == pytest.approx([1.0, 1.5, 2.0]) and app.sds == [1.0, 1.7, 2.0]
+    assert app.sd_at(1.2) == 1.0 and app.final_sd == 1.7 and app.end == pytest.approx(1.5)

@@ -7,7 +7,11 @@ Definitions (docs/report.md):
   first measurement). ``SD_max^diff(t)`` = max - min of the known SDs of live apps (defined when
   at least two are known); ``mean SD(t)`` = their mean.
 - Utilisation: the manager's raw samples, averaged over GPUs; ``util(t)`` = the latest sample.
-- Summary: final SD per app (its SD at finish; the last known one if it did not finish),
+- An app's records are placed at their session's clock (``elapsed`` since its ``start`` record,
+  which a wall-clock step does not move) where they have one, at their wall time ``t`` otherwise,
+  and its SD points are sorted by that time.
+- Summary: final SD per app (the SD of its last record in the log's order: its ``finish``, or the
+  ``closed`` record of an app stopped before it, else the last known one),
   makespan (last finish - start; none if an app did not finish or has no SD records), final
   SD_max^diff (max - min of the final SDs), time averages over the run (from its start to the
   makespan) of SD_max^diff, mean SD and mean utilisation, and SD_max^diff at the start (the first
@@ -27,7 +31,7 @@ from drbalance.jsonlog import finite_number, read_json_lines, rotated_files
 
 logger = logging.getLogger("drbalance.report")
 
-SD_EVENTS = {"report", "boundary", "finish", "update"}
+SD_EVENTS = {"report", "boundary", "finish", "update", "closed"}  # records whose SD the report reads
 
 
 @dataclass
@@ -36,8 +40,9 @@ class AppSeries:
     start: float
     end: float | None  # finish (or close) time; None if still running when the logs end
     finished: bool
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # seconds since the run's start, ascending
     sds: list[float] = field(default_factory=list)
+    last_sd: float | None = None  # the SD of its last record that has one, in the log's order: its last word
 
     def sd_at(self, t: float) -> float | None:
         index = bisect_right(self.times, t)
@@ -48,7 +53,7 @@ class AppSeries:
 
     @property
     def final_sd(self) -> float | None:
-        return self.sds[-1] if self.sds else None
+        return self.last_sd
 
 
 @dataclass
@@ -109,7 +114,7 @@ def _read_run_info(path: Path) -> dict:
     return info
 
 
-APP_FIELDS = ("t", "event", "sd")  # what the report reads of an SD log record
+APP_FIELDS = ("t", "elapsed", "event", "sd")  # what the report reads of an SD log record
 MANAGER_FIELDS = ("t", "event", "util")  # ... and of a manager log record (its util records only)
 
 
@@ -180,21 +185,32 @@ def run_from_records(label: str, app_records: dict[str, list[dict]], manager_rec
 
 
 def _series(name: str, records: list[dict], start: float) -> AppSeries:
-    begin = records[0]["t"] - start
-    end, finished = None, False
-    series = AppSeries(name, begin, None, False)
-    for record in records:
-        event, t = record.get("event"), record["t"] - start
+    """An app's SD series from its records in the log's order. A record is placed at its session's
+    clock where it has one (``elapsed``: monotonic seconds since the session's ``start`` record, so
+    a wall-clock step does not move it), at its wall time ``t`` otherwise; the SD points are then
+    sorted by that time, and the final SD is the last one in the log's order (a ``closed`` record's
+    if the app was stopped)."""
+    anchor = None  # wall time of the session's start: its 't' less its 'elapsed'
+    points: list[tuple[float, int, float]] = []  # (time, order in the log, SD)
+    begin = end = None
+    finished, last_sd = False, None
+    for order, record in enumerate(records):
+        event, elapsed = record.get("event"), record.get("elapsed")
+        if finite_number(elapsed) and (anchor is None or event == "start"):
+            anchor = record["t"] - elapsed
+        t = (anchor + elapsed if anchor is not None and finite_number(elapsed) else record["t"]) - start
+        begin = t if begin is None else begin
         sd = record.get("sd")
         if event in SD_EVENTS and sd_value(sd):
-            series.times.append(t)
-            series.sds.append(float(sd))
+            points.append((t, order, float(sd)))
+            last_sd = float(sd)
         if event == "finish":
             end, finished = t, True
-        elif event == "closed" and end is None:
+        elif event == "closed" and not finished:
             end = t
-    series.end, series.finished = end, finished
-    return series
+    points.sort()
+    return AppSeries(name, begin if begin is not None else 0.0, end, finished, [t for t, _, _ in points],
+                     [sd for _, _, sd in points], last_sd)
 
 
 MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
