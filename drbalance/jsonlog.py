@@ -2,7 +2,8 @@
 
 Files are created with mode 0600 and missing folders with 0700, whatever the umask; a log is
 never opened through a symbolic link nor appended to when it is another user's (see
-``drbalance.ipc.private``). A full disk or a vanished folder does not raise from ``write``:
+``drbalance.ipc.private``); a ``..`` in its path is the parent of the folder the kernel reached,
+not a name dropped as text (``kernel_path``). A full disk or a vanished folder does not raise from ``write``:
 lines wait in memory (at most ``MAX_PENDING_LINES``, the oldest dropped beyond that, counted)
 and are written when the fault goes away, after a ``log_gap`` record when any were lost.
 With ``max_bytes`` the file is rotated by size: ``x.jsonl`` becomes ``x.jsonl.1``, the older
@@ -46,6 +47,19 @@ def encode_line(record: dict[str, Any]) -> bytes:
     return (line + "\n").encode("utf-8")
 
 
+def kernel_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute with each ``..`` taken as the kernel takes it: the parent of the
+    folder reached so far, symbolic links on the way followed (``os.path.abspath`` drops the name
+    before it as text, which means another folder when that name is a link: ``a/link/../x`` is
+    then ``a/x``, where the kernel opens ``x`` beside the link's target). Other names, links
+    included, are kept as given; a name that does not exist yet is taken as the folder it will be."""
+    given = Path(os.getcwd(), path)  # the current folder is physical; Path keeps '..' (and drops '.')
+    resolved = Path(given.anchor)
+    for part in given.parts[1:]:
+        resolved = Path(os.path.realpath(resolved)).parent if part == ".." else resolved / part
+    return resolved
+
+
 class JsonLinesWriter:
     """Append records to a file; ``flush_every`` lines are buffered at most.
 
@@ -63,7 +77,7 @@ class JsonLinesWriter:
             raise ValueError(f"max_bytes must be positive or None; got {max_bytes}")
         if keep < 0:
             raise ValueError(f"keep must be >= 0; got {keep}")
-        self.path = Path(os.path.abspath(path))  # a later chdir must not move the log (reopen_if_replaced)
+        self.path = kernel_path(path)  # absolute: a later chdir must not move the log (reopen_if_replaced)
         self.max_bytes = max_bytes
         self.keep = keep
         self._flush_every = max(1, flush_every)

@@ -263,3 +263,26 @@ def test_the_manager_log_rotates(ipc_env, tmp_path):
     assert not Path(f"{manager.log_path}.3").exists() and manager.log_path.stat().st_size <= 4096
     rotated = rotated_files(manager.log_path)
     assert len(rotated) == 3 and all(mode(path) == 0o600 for path in rotated), [oct(mode(p)) for p in rotated]
+
+
+@pytest.mark.timeout(30)
+def test_a_log_path_with_dot_dot_after_a_symbolic_link_is_the_file_the_kernel_opens(tmp_path, monkeypatch):
+    # found by a review, 2026-11-25: the writer made the path absolute as text (os.path.abspath), which drops
+    # 'link/..' whole; the kernel takes '..' of the folder the link leads to, so the log landed elsewhere
+    tmp_path = Path(os.path.realpath(tmp_path))
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "real" / "deep")
+    monkeypatch.chdir(tmp_path)
+    for given, meant in [(tmp_path / "a" / "link" / ".." / "x.jsonl", tmp_path / "real" / "x.jsonl"),
+                         (Path("a/link/../new/y.jsonl"), tmp_path / "real" / "new" / "y.jsonl"),
+                         (Path("a/link/../../a/z.jsonl"), tmp_path / "a" / "z.jsonl"),
+                         (Path("real/deep/../w.jsonl"), tmp_path / "real" / "w.jsonl")]:
+        writer = JsonLinesWriter(given)
+        writer.write({"n": 1})
+        writer.close()
+        assert writer.path == meant, given
+        assert [record["n"] for record in read_json_lines(meant)] == [1], given
+        with open(given) as kernel:  # what the kernel opens at the path given is the file written
+            assert os.fstat(kernel.fileno()).st_ino == meant.stat().st_ino, given
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["link", "z.jsonl"]  # no a/x.jsonl, no a/new
