@@ -11,6 +11,7 @@ import textwrap
 from drbalance import env
 
 _DOCUMENTED = re.compile(r"^``(DRBALANCE_[A-Z0-9_]+)``:\s*(.*)$", re.DOTALL)
+_PRIVATE_REFERENCE = re.compile(r";?\s*``_\w+``")  # "; ``_tmp_runtime_dir``": no name for users to look up
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -51,10 +52,21 @@ def environment_variables() -> list[tuple[str, str]]:
             sentence = re.split(r"(?<=\.)\s+(?=[A-Z])", text, maxsplit=1)[0]
             default = next((part[len("Default:"):].strip() for part in paragraphs if part.startswith("Default:")), "")
             if default:
-                clause = re.split(r"; |\. ", default)[0].rstrip(".")
+                clause = _first_clause(_PRIVATE_REFERENCE.sub("", default))
                 sentence = sentence.rstrip(".") + f" (default: {clause})"
             found.append((inspect.getsourcelines(function)[1], name, re.sub(r"``(.*?)``", r"'\1'", sentence)))
     return [(name, text) for _, name, text in sorted(found)]
+
+
+def _first_clause(text: str) -> str:
+    """``text`` up to its first ``; `` or ``. `` outside parentheses, without a final ``.``: a cut
+    inside parentheses would leave one open in the help."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and text.startswith(("; ", ". "), index):
+            return text[:index].rstrip(".")
+    return text.rstrip(".")
 
 
 def environment_epilog() -> str:

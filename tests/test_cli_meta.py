@@ -71,6 +71,20 @@ def test_help_lists_every_environment_variable(command):
     assert "'_" not in epilog and "run-<host>" in epilog
 
 
+def test_every_variables_help_closes_its_parentheses():
+    # the default was cut at a '; ' inside parentheses: DRBALANCE_RUNTIME_DIR's help ended
+    # "('~/.local/state/drbalance/run-<host>' when another user took that name first)" with the
+    # "(default: ..." it opened never closed
+    for name, text in environment_variables():
+        depth = 0
+        for char in text:
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            assert depth >= 0, (name, text)
+        assert depth == 0, (name, text)
+    runtime = dict(environment_variables())["DRBALANCE_RUNTIME_DIR"]
+    assert runtime.endswith("when another user took that name first))"), runtime
+
+
 def parsers() -> list[argparse.ArgumentParser]:
     found = [manager_cli.build_parser(), cli.build_parser([])[0]]
     for name, _, _ in cli.SUBCOMMANDS:
