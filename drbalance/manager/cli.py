@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Util_th (paper policy), percentage points: above it the utilisation branch runs, "
                         "else the SD branch")
     parser.add_argument("--dr-total", type=positive_int, default=defaults.dr_total,
-                        help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch")
+                        help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch; 1..65535 (a record's "
+                        "shares are 16-bit)")
     parser.add_argument("--source", default="nvml",
                         help="utilisation source: 'nvml' (real GPUs), 'emulated[:N[:MEMORY]]' (emulated GPUs; "
                         "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")

@@ -171,7 +171,7 @@ def fault_lines(status: dict[str, Any]) -> list[str]:
 def app_state(app: dict[str, Any]) -> str:
     """``quiet`` (no record update for the quiet period; its process runs), ``detached`` (its GPUs
     are not this manager's: it trains on with its own DR), else the app's own state, lower case
-    (``starting``, ``running``)."""
+    (``starting``, ``running``, ``finished``)."""
     if app.get("quiet_for") is not None:
         return "quiet"
     if app.get("steered") is False:

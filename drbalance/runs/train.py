@@ -220,7 +220,7 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str
     it. Bad values exit with a message that starts with ``program``."""
     value = args.solo_time
     if value is None:
-        if profiling and os.environ.get("DRBALANCE_PROFILE_OUTPUT"):
+        if profiling and env.profile_output() is not None:
             return 1.0  # being profiled: the solo time is what is being measured
         raise SystemExit(f"{program}: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
                          "or 'auto' with emulated GPUs")
