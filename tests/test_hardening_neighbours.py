@@ -21,6 +21,7 @@ from torch import nn
 from drbalance import env
 from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel, Session
+from drbalance.emu.gpus import EmulatedGpu, release_emulated_gpus
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
@@ -354,3 +355,47 @@ def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp
                     if '"event":"foreign"' in line]) == len(planted)  # the log names every one
     finally:
         manager.stop()
+
+
+# --- emulated GPUs: the only objects whose names had no token ----------------------------------------
+@needs_second_user
+def test_emulated_gpu_names_a_neighbour_took_first_stop_neither_a_job_nor_the_manager(ipc_env, tmp_path):
+    """``/drb.<uid>.<namespace>.emu.<index>`` used to be the whole name: a neighbour who created it
+    first made every job on that emulated GPU fail ("Caught ForeignObject in replica 0 on device
+    emu:0 ... belongs to mallory") and ``drbalance-manager --source emulated`` refuse to start."""
+    uid, _, _ = second_user()
+    planted = [ipc_env.prefix + "emu.0", ipc_env.prefix + "emu.1"]
+    assert as_neighbour([["shm", planted[0], 0o666], ["shm", planted[1], 0o600]]) == ["ok", "ok"]
+    gpus = [EmulatedGpu(ipc_env, 0), EmulatedGpu(ipc_env, 1)]
+    try:
+        for gpu in gpus:
+            assert gpu.occupy(0.01) >= 0.0
+            name = ipc_env.emulated_gpu(gpu.index)
+            assert name not in planted and objects.listed_owner(name) == os.geteuid()
+        process = python_process("drbalance.manager.cli", "--source", "emulated:2", "--duration", "1",
+                                 "--log", str(tmp_path / "m.jsonl"))
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 0 and "Traceback" not in err, err
+    finally:
+        release_emulated_gpus(gpus)
+    assert [objects.listed_owner(name) for name in planted] == [uid, uid]  # the neighbour's are left alone
+
+
+@needs_second_user
+def test_an_emulated_gpu_name_a_neighbour_takes_once_it_is_gone_is_not_used_again(ipc_env):
+    """The name of an emulated GPU shows in /dev/shm. Removed while its lock file stays (systemd-logind's
+    RemoveIPC), it could be taken by a neighbour who read it there; the next job must use another."""
+    uid, _, _ = second_user()
+    first = EmulatedGpu(ipc_env, 0)
+    seen = ipc_env.emulated_gpu(0)
+    objects.unlink_shared_memory(seen)  # as RemoveIPC does; the lock file in the runtime folder stays
+    first.close()
+    assert as_neighbour([["shm", seen, 0o666]]) == ["ok"]
+    again = EmulatedGpu(ipc_env, 0)
+    try:
+        name = ipc_env.emulated_gpu(0)
+        assert name != seen and objects.listed_owner(name) == os.geteuid()
+        assert again.occupy(0.01) >= 0.0
+    finally:
+        release_emulated_gpus([again])
+    assert objects.listed_owner(seen) == uid

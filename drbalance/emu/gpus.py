@@ -48,7 +48,7 @@ from drbalance import env
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
-from drbalance.ipc.names import IpcNames
+from drbalance.ipc.names import IpcNames, assign_emulated_token
 from drbalance.ipc.private import open_private
 from drbalance.ipc.records import RecordEmpty, Segment
 from drbalance.manager.nvml import MemoryInfo
@@ -172,7 +172,7 @@ class EmulatedGpu:
             self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
             segment = None
             try:
-                segment, created = _open_or_create(names.emulated_gpu(index))
+                segment, created = _open_or_create_owned(names, index, self._lock_fd)
                 _agree_on_memory(segment, names, index, self.memory_bytes, created)
                 self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
             except BaseException:
@@ -366,6 +366,18 @@ def _open_or_create(name: str) -> tuple[Segment, bool]:
         except posix_ipc.ExistentialError:
             continue  # removed between our two calls: create it again
     raise RuntimeError(f"could not open emulated GPU segment {name}")
+
+
+def _open_or_create_owned(names: IpcNames, index: int, lock_fd: int, attempts: int = 5) -> tuple[Segment, bool]:
+    """``_open_or_create`` for emulated GPU ``index`` under the name its lock file gives
+    (``assign_emulated_token``); a name another user took between that and the opening is left
+    to them, and the next attempt chooses another."""
+    for _ in range(attempts - 1):
+        try:
+            return _open_or_create(assign_emulated_token(names, index, lock_fd))
+        except objects.ForeignObject:
+            continue
+    return _open_or_create(assign_emulated_token(names, index, lock_fd))
 
 
 def _agree_on_memory(segment: Segment, names: IpcNames, index: int, memory_bytes: int, created: bool) -> None:

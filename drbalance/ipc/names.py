@@ -9,6 +9,7 @@ when the object is created and published only in the private runtime directory (
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drbalance import env
-from drbalance.ipc.objects import SHM_DIR
-from drbalance.ipc.private import private_dir
+from drbalance.ipc.objects import SHM_DIR, listed_owner
+from drbalance.ipc.private import private_dir, read_private
 
 APP_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,47}$")
 TOKEN_PATTERN = re.compile(r"^[0-9a-f]{16}$")
+_EMU_TAIL = re.compile(r"^[0-9]+(\.[0-9a-f]{16})?$")
 
 
 def check_app_name(name: str) -> str:
@@ -92,8 +94,13 @@ class IpcNames:
         return self.prefix + "sig." + check_app_name(app) + "." + check_token(token)
 
     def emulated_gpu(self, index: int) -> str:
-        """Shared memory with the busy-time accounting of emulated GPU ``index``."""
-        return self.prefix + f"emu.{index}"
+        """Shared memory with the busy-time accounting of emulated GPU ``index``:
+        ``emu.<index>.<token>``, the token kept in the GPU's lock file in the private runtime
+        directory (``assign_emulated_token``). Where that file holds none (the GPU was never opened,
+        or was removed with its files): ``emu.<index>``, the name of releases before 2026-11-25,
+        which only a cleanup looks for."""
+        token = _read_token(self.emulated_lock(index))
+        return self.prefix + f"emu.{index}" + (f".{token}" if token is not None else "")
 
     def emulated_waiters(self, index: int) -> str:
         """Semaphore counting the jobs waiting for emulated GPU ``index``."""
@@ -174,6 +181,58 @@ def _parse(entry: str, rest: str, owner: int) -> ListedObject:
             return ListedObject(entry, kind, app, token, owner)
     elif kind == "manager" and TOKEN_PATTERN.match(tail):
         return ListedObject(entry, kind, None, tail, owner)
-    elif kind in ("emu", "emuw") and tail.isdigit():
+    elif kind == "emu" and _EMU_TAIL.match(tail):
+        index, _, token = tail.partition(".")
+        return ListedObject(entry, kind, None, token or None, owner)
+    elif kind == "emuw" and tail.isdigit():
         return ListedObject(entry, kind, None, None, owner)
     return ListedObject(entry, "", None, None, owner)
+
+
+def _read_token(path: Path) -> str | None:
+    """The token in an emulated GPU's lock file, or None (no file, no token, not a private file)."""
+    try:
+        raw = read_private(path, limit=64)
+    except OSError:
+        return None
+    token = raw.decode("ascii", "replace").strip()
+    return token if TOKEN_PATTERN.match(token) else None
+
+
+def assign_emulated_token(names: IpcNames, index: int, lock_fd: int) -> str:
+    """The name of emulated GPU ``index``'s segment, with the token its lock file (this user's
+    private file, open as ``lock_fd``) holds; a new token written there first when it holds none,
+    or when the name it gives is another user's object in /dev/shm.
+
+    Any user sees a segment's name in /dev/shm and may create a name there first: without a token
+    a neighbour's ``emu.<index>`` stopped every job on that GPU and a manager reading it. The token
+    is chosen when the GPU's files are made and is known only from the private lock file; a name
+    that another user took after its segment was removed (by RemoveIPC: the lock file stays) is
+    never used again. Only a new token is written under the file's exclusive ``flock`` (the GPU's
+    turn lock, so that the processes opening the GPU agree on one); a usable one is just read, so
+    opening a GPU never waits for another job's turn on it.
+    """
+    name = _usable_emulated_name(names, index, lock_fd)
+    if name is not None:
+        return name
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    try:
+        name = _usable_emulated_name(names, index, lock_fd)  # another process may have chosen one meanwhile
+        if name is not None:
+            return name
+        token = new_token()
+        os.pwrite(lock_fd, token.encode("ascii"), 0)  # then cut what an older content had beyond it
+        os.ftruncate(lock_fd, len(token))
+        return names.prefix + f"emu.{index}.{token}"
+    finally:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+
+
+def _usable_emulated_name(names: IpcNames, index: int, lock_fd: int) -> str | None:
+    """The segment name the token in the lock file gives, unless it has none or another user's
+    object holds that name."""
+    token = os.pread(lock_fd, 64, 0).decode("ascii", "replace").strip()
+    if not TOKEN_PATTERN.match(token):
+        return None
+    name = names.prefix + f"emu.{index}.{token}"
+    return name if listed_owner(name) in (None, os.geteuid()) else None
