@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import stat
+import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import posix_ipc
@@ -28,8 +32,9 @@ from drbalance.ipc.private import UnsafePath, private_dir
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import python_process, wait_for
-from tests.helpers.neighbour import as_neighbour, needs_second_user, second_user
+from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.steered import SteeredModel
 
 
 def predictable_names(names: IpcNames, app: str) -> list[str]:
@@ -399,3 +404,105 @@ def test_an_emulated_gpu_name_a_neighbour_takes_once_it_is_gone_is_not_used_agai
     finally:
         release_emulated_gpus([again])
     assert objects.listed_owner(seen) == uid
+
+
+# --- a job's objects made again after RemoveIPC: their names were public ------------------------------
+def decisions_for(manager: ManagerProcess, app: str) -> int:
+    return len([e for e in manager.events("decision") if e["app"] == app])
+
+
+@needs_second_user
+def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_and_stays_managed(ipc_env, tmp_path):
+    """RemoveIPC unlinks a running job's record and semaphore; their names (with the token) were
+    visible in /dev/shm, so a neighbour can create them first. The job used to remove the
+    neighbour's objects (root may) or, as any other user, fail to make its own again for good:
+    no manager started later could reach it. Now it leaves them alone, makes its objects under a
+    new token, names that in its claim, and the manager follows the claim."""
+    uid, _, _ = second_user()
+    manager = ManagerProcess(tmp_path, ipc_env)
+    app = None
+    try:
+        app = toy_app("moved", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05",
+                      "--exchange-timeout", "1.0")
+        assert first_line(app)["attached"]
+        wait_for(lambda: decisions_for(manager, "moved") >= 2)
+        old = discovery.read_claim(ipc_env, "moved").token
+        taken = [ipc_env.app_record("moved", old), ipc_env.app_signal("moved", old)]
+        assert discovery.remove_app_objects(ipc_env, "moved", old)  # as RemoveIPC does
+        assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]]) == ["ok", "ok"]
+        new = wait_for(lambda: (discovery.read_claim(ipc_env, "moved").token != old
+                                and discovery.read_claim(ipc_env, "moved").token))
+        assert objects.listed_owner(ipc_env.app_record("moved", new)) == os.geteuid()
+        wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "record of moved"])
+        served = decisions_for(manager, "moved")
+        wait_for(lambda: decisions_for(manager, "moved") >= served + 2)  # the manager serves it at the new token
+        assert objects.listed_owner(taken[0]) == uid and objects.listed_owner(taken[1], "semaphore") == uid
+        assert manager.alive() and app.poll() is None
+    finally:
+        if app is not None:
+            app.kill()
+            app.wait(timeout=30)
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
+@needs_second_user
+def test_a_jobs_removed_record_name_taken_by_a_neighbour_does_not_cut_an_unprivileged_job_off(ipc_env):
+    """The same as an unprivileged job ("nobody"; the neighbour is another uid), which cannot remove
+    the neighbour's objects: it used to warn once and stay where no manager could find it."""
+    uid, gid, _ = second_user()
+    runtime = tempfile.mkdtemp(prefix="drbalance-moved-")  # in /tmp: the job's user can reach it
+    os.chown(runtime, uid, gid)
+    to_parent, from_child = os.pipe()
+    to_child, from_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the job, as "nobody": never returns into the test
+        code = 1
+        try:
+            os.close(to_parent)
+            os.close(from_parent)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.environ["DRBALANCE_RUNTIME_DIR"] = runtime
+            names = IpcNames.current(ipc_env.namespace)
+            session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
+            old = discovery.read_claim(names, "victim").token
+            discovery.remove_app_objects(names, "victim", old)  # as RemoveIPC does
+            taken = [names.app_record("victim", old), names.app_signal("victim", old)]
+            os.write(from_child, json.dumps(taken).encode())
+            os.read(to_child, 1)  # the neighbour took both names
+            for _ in range(5):  # reports its status on the way (10 iterations an epoch)
+                session.step()
+            new = discovery.read_claim(names, "victim").token
+            result = [old, new, objects.listed_owner(names.app_record("victim", new)),
+                      objects.listed_owner(names.app_signal("victim", new), "semaphore")]
+            session.close()
+            os.write(from_child, json.dumps(result).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(from_child)
+    os.close(to_child)
+    try:
+        taken = json.loads(os.read(to_parent, 4096))
+        assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]],
+                            user=(THIRD_UID, THIRD_UID)) == ["ok", "ok"]
+        os.write(from_parent, b"x")
+        old, new, record_owner, signal_owner = json.loads(os.read(to_parent, 4096))
+        assert new != old and record_owner == uid and signal_owner == uid
+        assert objects.listed_owner(taken[0]) == THIRD_UID  # left to its owner
+    finally:
+        os.close(from_parent)  # a child still waiting for the neighbour goes on, and ends
+        _, status = os.waitpid(pid, 0)
+        os.close(to_parent)
+        for listed in IpcNames(ipc_env.namespace, uid).listed():
+            if listed.entry.startswith("sem."):
+                objects.unlink_semaphore("/" + listed.entry[4:])
+            else:
+                objects.unlink_shared_memory("/" + listed.entry)
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert status == 0

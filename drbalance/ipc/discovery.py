@@ -260,6 +260,11 @@ class AppClaim:
         _write_fd(self.fd, info)
         self.info = info
 
+    def move_to(self, token: str) -> None:
+        """Name ``token`` in the claim from now on (this process's objects are made again under it).
+        ``OSError`` as writing the file gives it; the claim then names the old token still."""
+        self._write(ClaimInfo(self.app, self.info.pid, self.info.start_ticks, check_token(token), time.time()))
+
     def held(self) -> bool:
         """Whether the claim file is still in place (the runtime directory may have been removed)."""
         return self.fd is not None and _same_file(self.fd, self.path)

@@ -24,7 +24,7 @@ from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.discovery import AppClaim, DiscoveryError, ManagerInfo, read_manager
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, RecordError
-from drbalance.ipc.names import IpcNames
+from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
 
 logger = logging.getLogger("drbalance.client")
@@ -149,25 +149,36 @@ class PosixManagerLink:
             self.record.write_status(status)
 
     def _restore_objects(self) -> None:
-        """Create the record and the semaphore again under the same names when either was removed
-        while open: by systemd-logind's ``RemoveIPC=yes`` when the user's last session ends, or a
-        cleanup of /dev/shm. Both, so that a manager sees the record go and reopens the pair (a
-        semaphore alone it could not tell from the one it holds). The claim names the same token,
-        so a manager finds them again; until then this app's status reaches nobody."""
-        name, signal_name = self.record.name, self.names.app_signal(self.app, self.token)
-        objects.unlink_shared_memory(name)  # ours, if still there (same token)
-        objects.unlink_semaphore(signal_name)
+        """Create the record and the semaphore again when either was removed while open: by
+        systemd-logind's ``RemoveIPC=yes`` when the user's last session ends, or a cleanup of
+        /dev/shm. Both, so that a manager sees the record go and reopens the pair (a semaphore
+        alone it could not tell from the one it holds). Under the same names while nobody else
+        holds them; their names were visible in /dev/shm, so where another user created one first,
+        under a new token, named in the claim first (``AppClaim.move_to``): a manager follows the
+        claim, and the other user's objects are left alone. Until then this app's status reaches
+        nobody."""
+        me = os.geteuid()
+        record_name = self.names.app_record(self.app, self.token)
+        signal_name = self.names.app_signal(self.app, self.token)
+        if objects.listed_owner(record_name) == me:
+            objects.unlink_shared_memory(record_name)  # ours, still there: only the semaphore was removed
+        if objects.listed_owner(signal_name, "semaphore") == me:
+            objects.unlink_semaphore(signal_name)  # another user's name is left to them (root could remove it)
         try:
-            record = AppRecord.create(self.names, self.app, self.token)
-            try:
-                signal = objects.create_semaphore(signal_name)
-            except BaseException:
-                record.close()
-                objects.unlink_shared_memory(name)
-                raise
+            for attempt in range(2):
+                if attempt or self._names_taken(self.token):
+                    token = new_token()
+                    self.claim.move_to(token)  # before the objects: every object can be traced to its owner
+                    self.token = token
+                try:
+                    record, signal = self._create_objects(self.token)
+                    break
+                except posix_ipc.ExistentialError:  # another user took a name meanwhile
+                    if attempt:
+                        raise
         except (posix_ipc.Error, OSError) as error:  # e.g. /dev/shm full; tried again at the next publish
-            self._report(f"restore:{name}", "drbalance: the record %s of %r was removed and cannot be created "
-                         "again (%s); no manager sees this job until it can", name, self.app, error)
+            self._report(f"restore:{self.app}", "drbalance: the record %s of %r was removed and cannot be created "
+                         "again (%s); no manager sees this job until it can", self.record.name, self.app, error)
             return
         for old in (self.record, self.signal):
             try:
@@ -175,9 +186,26 @@ class PosixManagerLink:
             except posix_ipc.Error:
                 pass
         self.record, self.signal = record, signal
-        logger.warning("drbalance: the record %s of %r was removed from /dev/shm (e.g. by RemoveIPC); created it "
-                       "again", name, self.app)
-        self._reported.discard(f"restore:{name}")
+        logger.warning("drbalance: the record of %r was removed from /dev/shm (e.g. by RemoveIPC); created it "
+                       "again as %s", self.app, record.name)
+        self._reported.discard(f"restore:{self.app}")
+
+    def _names_taken(self, token: str) -> bool:
+        """Whether another user holds the record's or the semaphore's name under ``token``."""
+        me = os.geteuid()
+        owners = (objects.listed_owner(self.names.app_record(self.app, token)),
+                  objects.listed_owner(self.names.app_signal(self.app, token), "semaphore"))
+        return any(owner not in (None, me) for owner in owners)
+
+    def _create_objects(self, token: str) -> tuple[AppRecord, posix_ipc.Semaphore]:
+        """A new record and semaphore under ``token`` (both, or neither is left)."""
+        record = AppRecord.create(self.names, self.app, token)
+        try:
+            return record, objects.create_semaphore(self.names.app_signal(self.app, token))
+        except BaseException:
+            record.close()
+            objects.unlink_shared_memory(self.names.app_record(self.app, token))
+            raise
 
     # --- the manager --------------------------------------------------------------------------
     def manager(self) -> ManagerBeat | None:

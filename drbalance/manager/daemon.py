@@ -887,13 +887,22 @@ class Manager:
             self._replace_endpoint(now)
 
     def _reopen_channel(self, entry: AppEntry) -> None:
-        """Open the app's record and semaphore again by name (the app creates them again when it
-        next publishes); until it has, the old ones stay and this is tried again next period."""
+        """Open the app's record and semaphore again (the app creates them again when it next
+        publishes); until it has, the old ones stay and this is tried again next period. Under the
+        token its claim names now: the same one, unless another user had taken one of the names
+        (they were visible in /dev/shm), and the app made its objects under a new token."""
+        token = entry.token
         try:
-            channel = AppChannel(self.names, entry.name, entry.token)
+            claim = discovery.read_claim(self.names, entry.name)
+        except (OSError, discovery.DiscoveryError):
+            claim = None
+        if claim is not None and claim.pid == entry.status.pid:
+            token = claim.token
+        try:
+            channel = AppChannel(self.names, entry.name, token)
         except (posix_ipc.Error, RecordError, OSError):
             return
-        old, entry.channel = entry.channel, channel
+        old, entry.channel, entry.token = entry.channel, channel, token
         old.close()
         self.log("repaired", what=f"record of {entry.name}", error="removed from /dev/shm; the app made it again")
         logger.warning("drbalance-manager: the record of %r was removed from /dev/shm; reopened the one the app "

@@ -41,13 +41,16 @@ needs_second_user = pytest.mark.skipif(
 )
 
 
-def as_neighbour(actions: list[list], timeout: float = 60.0) -> list[str]:
-    """Run ``actions`` as the second user; one result string per action.
+THIRD_UID = 65533  # a second neighbour (no passwd entry needed), where "nobody" plays the victim
+
+
+def as_neighbour(actions: list[list], timeout: float = 60.0, user: tuple[int, int] | None = None) -> list[str]:
+    """Run ``actions`` as the second user (or as ``user``, a (uid, gid)); one result string per action.
 
     A forked child drops to the second user's uid and gid (the interpreter itself may live where
     that user cannot read it, so no new program is started) and reports through a pipe.
     """
-    uid, gid, _ = second_user()
+    uid, gid = user if user is not None else second_user()[:2]
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the test
