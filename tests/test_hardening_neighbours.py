@@ -12,8 +12,10 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -31,7 +33,7 @@ from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
-from tests.conftest import python_process, wait_for
+from tests.conftest import ROOT, python_process, wait_for
 from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
 from tests.helpers.steered import SteeredModel
@@ -506,3 +508,61 @@ def test_a_jobs_removed_record_name_taken_by_a_neighbour_does_not_cut_an_unprivi
                 objects.unlink_shared_memory("/" + listed.entry)
         shutil.rmtree(runtime, ignore_errors=True)
     assert status == 0
+
+
+# --- the system-wide count of message queues, which every user's queues fill ------------------------
+QUEUES_SCRIPT = r"""
+set -e
+mount --make-rprivate /
+mount -t mqueue none "$OUT/mqueue"
+echo 4 > /proc/sys/fs/mqueue/queues_max
+cd "$ROOT"
+"$PY" -c "$JOB" > "$OUT/job.out" 2>&1
+"""
+
+QUEUES_JOB = textwrap.dedent("""
+    import os, sys
+    import posix_ipc
+    from drbalance.ipc import objects
+    from tests.helpers.neighbour import THIRD_UID, as_neighbour, second_user
+    made = as_neighbour([["mq", f"/filler-{i}", 0o600] for i in range(8)])  # root is exempt from the count
+    print("neighbour", made.count("ok"), flush=True)
+    pid = os.fork()
+    if pid == 0:  # the manager's user: not root
+        os.setgroups([])
+        os.setgid(THIRD_UID)
+        os.setuid(THIRD_UID)
+        try:
+            objects.create_queue("/drb.%d.x.inbox.0123456789abcdef" % THIRD_UID, 10, 128)
+            print("created", flush=True)
+        except objects.QueueLimitError as error:
+            print("refused:", error, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+""")
+
+
+@needs_second_user
+def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_budget():
+    """Any user can create fs.mqueue.queues_max (256) tiny queues, about 25 KiB of their budget; then
+    no other unprivileged user can create one, and a manager cannot start. The error blamed the
+    manager's own RLIMIT_MSGQUEUE ("this user's message-queue budget is probably used up"), and
+    raising it changes nothing. In a private IPC namespace whose count is 4."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-i", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a private IPC namespace needs CAP_SYS_ADMIN (unshare -i -m)")
+    out_dir = Path(tempfile.mkdtemp(prefix="drbalance-queues-"))  # in /tmp: the manager's user can list it
+    try:
+        os.chmod(out_dir, 0o755)
+        (out_dir / "mqueue").mkdir()
+        env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=QUEUES_JOB, OUT=str(out_dir),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        subprocess.run([unshare, "-i", "-m", "sh", "-c", QUEUES_SCRIPT], env=env, timeout=100, check=True)
+        out = (out_dir / "job.out").read_text()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    _, _, who = second_user()
+    assert "neighbour 4" in out and "refused:" in out, out
+    assert "budget is probably used up" not in out, out
+    assert "fs.mqueue.queues_max" in out and "4 queues" in out and "system-wide" in out, out
+    assert f"4 of {who}" in out, out  # who holds them, read from the mounted mqueue file system

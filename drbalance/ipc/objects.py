@@ -259,6 +259,13 @@ class QueueLimitError(OSError):
                       f"{limits['msg_max']}) of {max_message_size} bytes (msgsize_max = {limits['msgsize_max']}) "
                       f"in {MQUEUE_LIMITS}; raise them with sysctl fs.mqueue.msg_max=N (as root), or ask for "
                       f"fewer messages")
+        elif _system_count_reached(cause):
+            detail = (f"the system-wide count of message queues is reached: at most {limits['queues_max']} queues "
+                      f"may exist (sysctl fs.mqueue.queues_max) and the queues of every user count, so another "
+                      f"user's queues can keep this one from being made{_queue_holders()}; processes with "
+                      f"CAP_SYS_RESOURCE (root) are exempt. Raise it with sysctl -w fs.mqueue.queues_max=N (as root), "
+                      f"or have stale queues removed (mount -t mqueue none /dev/mqueue lists them with their owners); "
+                      f"this user's RLIMIT_MSGQUEUE is not the limit")
         else:
             budget = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
             detail = (f"this user's message-queue budget is probably used up: RLIMIT_MSGQUEUE is {budget} "
@@ -268,7 +275,46 @@ class QueueLimitError(OSError):
                       f"LimitMSGQUEUE= in a systemd unit), or remove "
                       f"stale queues (mount -t mqueue none /dev/mqueue to list them); at most "
                       f"{limits['queues_max']} queues may exist system-wide (sysctl fs.mqueue.queues_max)")
-        super().__init__(errno.EMFILE, f"cannot create message queue {name}: {cause}. {detail}")
+        code = errno.ENOSPC if _system_count_reached(cause) else errno.EMFILE
+        super().__init__(code, f"cannot create message queue {name}: {cause}. {detail}")
+
+
+_SYSTEM_COUNT_TEXT = "Insufficient space for a new queue"  # posix_ipc's text for mq_open's ENOSPC (no errno)
+
+
+def _system_count_reached(cause: BaseException) -> bool:
+    """Whether ``mq_open`` failed with ENOSPC: fs.mqueue.queues_max queues exist (EMFILE is the
+    user's RLIMIT_MSGQUEUE)."""
+    return getattr(cause, "errno", None) == errno.ENOSPC or str(cause) == _SYSTEM_COUNT_TEXT
+
+
+def _queue_holders(shown: int = 3) -> str:
+    """Who holds the queues, from a mounted mqueue file system: `` (/dev/mqueue lists 255 queues
+    of mallory (uid 1001) and 1 of root (uid 0))``; "" where none is mounted or it cannot be read."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3 or fields[2] != "mqueue":
+            continue
+        mount = fields[1].replace("\\040", " ")
+        counts: dict[int, int] = {}
+        try:
+            for entry in os.scandir(mount):
+                owner = entry.stat(follow_symlinks=False).st_uid
+                counts[owner] = counts.get(owner, 0) + 1
+        except OSError:
+            continue
+        if not counts:
+            return ""
+        ranked = sorted(counts.items(), key=lambda item: -item[1])
+        named = [f"{count} of {user_name(uid)}" for uid, count in ranked[:shown]]
+        rest = ranked[shown:]
+        more = f" and {sum(count for _, count in rest)} of {len(rest)} more users" if rest else ""
+        return f" ({mount} lists {sum(counts.values())} queues: {', '.join(named)}{more})"
+    return ""
 
 
 def _read_limit(key: str) -> str:
