@@ -31,6 +31,7 @@ from drbalance.emu.gpus import EmulatedGpu, release_emulated_gpus
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
+from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import ROOT, python_process, wait_for
@@ -566,3 +567,46 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
     assert "budget is probably used up" not in out, out
     assert "fs.mqueue.queues_max" in out and "4 queues" in out and "system-wide" in out, out
     assert f"4 of {who}" in out, out  # who holds them, read from the mounted mqueue file system
+
+
+# --- log folders: the user's choice, but never reached through a neighbour's link -------------------
+@needs_second_user
+def test_a_log_folder_reached_through_a_neighbours_link_is_refused_and_its_target_untouched(ipc_env, tmp_path):
+    """Log folders may be shared (group-writable, another user's), but they used to be reached through
+    any symbolic link: a neighbour's ``/tmp/<name>`` pointing at a folder of her choice made the
+    manager (root here) and the jobs write their logs there (where fs.protected_symlinks is 0, as in
+    many containers; where it is 1 the kernel refused with a bare "Permission denied")."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    os.chmod(target, 0o755)
+    link = Path(f"/tmp/drbalance-logs-test-{secrets.token_hex(4)}")
+    assert as_neighbour([["symlink", str(target), str(link)]]) == ["ok"]
+    try:
+        with pytest.raises(UnsafePath, match="symbolic link owned by"):
+            JsonLinesWriter(link / "job.sd.jsonl", open_later=True)
+        with pytest.raises(UnsafePath, match="symbolic link owned by"):
+            JsonLinesWriter(link / "new" / "job.sd.jsonl", open_later=True)  # folders to be made below it
+        manager = ManagerProcess(tmp_path, ipc_env, (50,), "--log", str(link / "manager.jsonl"), wait=False)
+        code, err = manager.stop(signal_it=False)
+        assert code == 1 and "symbolic link owned by" in err and "Traceback" not in err, err
+        assert list(target.iterdir()) == []
+    finally:
+        link.unlink()
+
+
+def test_a_log_folder_every_user_may_write_is_refused_a_sticky_or_group_one_is_not(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(UnsafePath, match="writable by others"):
+        JsonLinesWriter(open_dir / "job.sd.jsonl")  # anyone could replace the log, or plant a folder link
+    with pytest.raises(UnsafePath, match="writable by others"):
+        JsonLinesWriter(open_dir / "deeper" / "job.sd.jsonl")
+    assert os.listdir(open_dir) == []
+    for mode in (0o1777, 0o2775, 0o755):
+        folder = tmp_path / f"folder-{mode:o}"
+        folder.mkdir()
+        os.chmod(folder, mode)
+        writer = JsonLinesWriter(folder / "logs" / "job.sd.jsonl")
+        writer.write({"ok": True})
+        assert writer.close() == 0 and (folder / "logs" / "job.sd.jsonl").exists()

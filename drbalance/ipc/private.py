@@ -157,11 +157,48 @@ def _make_missing(path: Path) -> None:
 def make_dirs(path: str | os.PathLike[str]) -> Path:
     """Create the missing folders of ``path`` with mode 0700; existing ones are left as they are.
 
-    For log folders the user chose: no ownership rules beyond those of the files written there.
+    For folders the user chose (logs, run directories): they may be shared, so a group-writable
+    folder or another user's is accepted (the files written there have their own rules). But a
+    neighbour must not choose where the files go: ``UnsafePath`` when a symbolic link on the way
+    (``path`` included) belongs to another user than root or this one, or a folder on the way
+    may be written by every user and has no sticky bit (anyone could plant such a link in it).
+    Checked before and after the missing folders are made.
     """
     absolute = Path(os.path.abspath(os.fspath(path)))
+    me = os.geteuid()
+    _check_chosen(absolute, me, 0)
     _make_missing(absolute)
+    _check_chosen(absolute, me, 0)
     return absolute
+
+
+def _check_chosen(path: Path, me: int, links: int) -> Path:
+    """``make_dirs``'s rules for every existing part of ``path``, through the links it may follow
+    (one level at a time, so a link behind an accepted one is checked too); returns ``path``
+    with those links resolved."""
+    current = Path("/")
+    parts = path.parts[1:]
+    for position, part in enumerate(parts):
+        if part == "..":
+            current = current.parent  # current has no links: its parent is the real one
+            continue
+        candidate = current / part
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            return current.joinpath(*parts[position:])  # the rest does not exist yet: this user creates it
+        if stat.S_ISLNK(info.st_mode):
+            if info.st_uid not in (0, me):
+                raise UnsafePath(candidate, f"is a symbolic link owned by {user_name(info.st_uid)}: not followed")
+            if links >= _MAX_LINKS:
+                raise UnsafePath(candidate, "too many levels of symbolic links")
+            current = _check_chosen(Path(os.path.join(current, os.readlink(candidate))), me, links + 1)
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
+            raise UnsafePath(candidate, f"is writable by others (mode {stat.S_IMODE(info.st_mode):04o}) and not "
+                             f"sticky: anyone could replace what is written there")
+        current = candidate
+    return current
 
 
 def open_private(path: str | os.PathLike[str], flags: int) -> tuple[int, bool]:
