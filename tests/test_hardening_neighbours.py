@@ -187,6 +187,27 @@ def test_a_runtime_dir_link_planted_by_a_neighbour_is_refused_and_its_target_unt
 
 
 @needs_second_user
+def test_a_neighbours_link_behind_one_of_ours_on_the_way_to_the_runtime_dir_is_refused(tmp_path):
+    """Our own link on the way may point at a name in /tmp that a neighbour took (a link left
+    dangling after a reboot): the links it leads through used to be resolved at once (realpath),
+    so hers was followed unchecked and the runtime directory made in a folder of her choice."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    os.chmod(target, 0o755)
+    taken = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
+    ours = tmp_path / "ours"
+    ours.symlink_to(taken)  # made when /tmp/<name> was our folder
+    assert as_neighbour([["symlink", str(target), str(taken)]]) == ["ok"]
+    try:
+        with pytest.raises(UnsafePath, match="symbolic link owned by"):
+            private_dir(ours / "run")
+        with pytest.raises(UnsafePath, match="symbolic link owned by"):
+            JsonLinesWriter(ours / "logs" / "job.sd.jsonl")
+        assert list(target.iterdir()) == []
+    finally:
+        taken.unlink()
+
+@needs_second_user
 def test_a_runtime_dir_owned_by_a_neighbour_is_refused(tmp_path):
     planted = Path(f"/tmp/drbalance-h10-test-{secrets.token_hex(4)}")
     assert as_neighbour([["mkdir", str(planted), 0o777]]) == ["ok"]

@@ -5,7 +5,8 @@ live where other users can plant things (``/tmp``). The rules, whatever the umas
 
 - Every existing folder on the way to the runtime directory must belong to root or to this user
   and must not be writable by others unless it has the sticky bit (as ``/tmp`` has). A symbolic
-  link on the way is followed only if root or this user owns it.
+  link on the way is followed only if root or this user owns it, one level at a time (a link
+  that one of ours leads to is checked too).
 - A private folder itself is opened without following a symbolic link; it must belong to this
   user and must not be writable by group or others (refused, not repaired: someone may already
   have planted files in it). One that others may only read is narrowed to 0700.
@@ -22,6 +23,7 @@ import os
 import pwd
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -59,29 +61,36 @@ def _check_folder_on_the_way(path: Path, info: os.stat_result, me: int) -> None:
 def check_ancestors(path: str | os.PathLike[str]) -> None:
     """Check every existing folder on the way to ``path`` (``path`` itself excluded); see the module."""
     me = os.geteuid()
-    _check_chain(Path(os.path.abspath(os.fspath(path))).parent, me, 0)
+    _walk(Path(os.path.abspath(os.fspath(path))).parent, me, 0,
+          lambda folder, info: _check_folder_on_the_way(folder, info, me))
 
 
-def _check_chain(folder: Path, me: int, links: int) -> None:
+def _walk(path: Path, me: int, links: int, check: Callable[[Path, os.stat_result], None]) -> Path:
+    """Apply ``check`` to every existing part of ``path`` (``/`` included), following symbolic
+    links of root or ``me`` one level at a time, so that a link behind an accepted one is checked
+    too (``UnsafePath`` for one of another user); returns ``path`` with those links resolved."""
     current = Path("/")
-    _check_folder_on_the_way(current, os.lstat(current), me)
-    for part in folder.parts[1:]:
+    check(current, os.lstat(current))
+    parts = path.parts[1:]
+    for position, part in enumerate(parts):
+        if part == "..":
+            current = current.parent  # current has no links: its parent is the real one
+            continue
         candidate = current / part
         try:
             info = os.lstat(candidate)
         except FileNotFoundError:
-            return  # the rest does not exist yet: this user creates it
+            return current.joinpath(*parts[position:])  # the rest does not exist yet: this user creates it
         if stat.S_ISLNK(info.st_mode):
             if info.st_uid not in (0, me):
                 raise UnsafePath(candidate, f"is a symbolic link owned by {user_name(info.st_uid)}: not followed")
             if links >= _MAX_LINKS:
                 raise UnsafePath(candidate, "too many levels of symbolic links")
-            target = Path(os.path.realpath(candidate))
-            _check_chain(target, me, links + 1)
-            current = target
+            current = _walk(Path(os.path.join(current, os.readlink(candidate))), me, links + 1, check)
             continue
-        _check_folder_on_the_way(candidate, info, me)
+        check(candidate, info)
         current = candidate
+    return current
 
 
 def private_dir(path: str | os.PathLike[str], create: bool = True) -> Path:
@@ -166,39 +175,17 @@ def make_dirs(path: str | os.PathLike[str]) -> Path:
     """
     absolute = Path(os.path.abspath(os.fspath(path)))
     me = os.geteuid()
-    _check_chosen(absolute, me, 0)
+    _walk(absolute, me, 0, _check_chosen)
     _make_missing(absolute)
-    _check_chosen(absolute, me, 0)
+    _walk(absolute, me, 0, _check_chosen)
     return absolute
 
 
-def _check_chosen(path: Path, me: int, links: int) -> Path:
-    """``make_dirs``'s rules for every existing part of ``path``, through the links it may follow
-    (one level at a time, so a link behind an accepted one is checked too); returns ``path``
-    with those links resolved."""
-    current = Path("/")
-    parts = path.parts[1:]
-    for position, part in enumerate(parts):
-        if part == "..":
-            current = current.parent  # current has no links: its parent is the real one
-            continue
-        candidate = current / part
-        try:
-            info = os.lstat(candidate)
-        except FileNotFoundError:
-            return current.joinpath(*parts[position:])  # the rest does not exist yet: this user creates it
-        if stat.S_ISLNK(info.st_mode):
-            if info.st_uid not in (0, me):
-                raise UnsafePath(candidate, f"is a symbolic link owned by {user_name(info.st_uid)}: not followed")
-            if links >= _MAX_LINKS:
-                raise UnsafePath(candidate, "too many levels of symbolic links")
-            current = _check_chosen(Path(os.path.join(current, os.readlink(candidate))), me, links + 1)
-            continue
-        if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
-            raise UnsafePath(candidate, f"is writable by others (mode {stat.S_IMODE(info.st_mode):04o}) and not "
-                             f"sticky: anyone could replace what is written there")
-        current = candidate
-    return current
+def _check_chosen(folder: Path, info: os.stat_result) -> None:
+    """``make_dirs``'s rule for an existing folder on the way: not writable by every user unless sticky."""
+    if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
+        raise UnsafePath(folder, f"is writable by others (mode {stat.S_IMODE(info.st_mode):04o}) and not "
+                         f"sticky: anyone could replace what is written there")
 
 
 def open_private(path: str | os.PathLike[str], flags: int) -> tuple[int, bool]:
