@@ -29,8 +29,11 @@ from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel, Session
 from drbalance.emu.gpus import EmulatedGpu, release_emulated_gpus
 from drbalance.ipc import discovery, objects
+from drbalance.ipc.endpoint import AppChannel
+from drbalance.ipc.link import PosixManagerLink
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
+from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
@@ -450,9 +453,10 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
                       "--exchange-timeout", "1.0")
         assert first_line(app)["attached"]
         wait_for(lambda: decisions_for(manager, "moved") >= 2)
-        old = discovery.read_claim(ipc_env, "moved").token
-        taken = [ipc_env.app_record("moved", old), ipc_env.app_signal("moved", old)]
-        assert discovery.remove_app_objects(ipc_env, "moved", old)  # as RemoveIPC does
+        claim = discovery.read_claim(ipc_env, "moved")
+        old = claim.token
+        taken = [ipc_env.app_record("moved", old), ipc_env.app_signal("moved", claim.signal)]
+        assert discovery.remove_app_objects(ipc_env, "moved", old, claim.signal)  # as RemoveIPC does
         assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]]) == ["ok", "ok"]
         new = wait_for(lambda: (discovery.read_claim(ipc_env, "moved").token != old
                                 and discovery.read_claim(ipc_env, "moved").token))
@@ -491,16 +495,18 @@ def test_a_jobs_removed_record_name_taken_by_a_neighbour_does_not_cut_an_unprivi
             os.environ["DRBALANCE_RUNTIME_DIR"] = runtime
             names = IpcNames.current(ipc_env.namespace)
             session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
-            old = discovery.read_claim(names, "victim").token
-            discovery.remove_app_objects(names, "victim", old)  # as RemoveIPC does
-            taken = [names.app_record("victim", old), names.app_signal("victim", old)]
+            claim = discovery.read_claim(names, "victim")
+            old = claim.token
+            discovery.remove_app_objects(names, "victim", old, claim.signal)  # as RemoveIPC does
+            taken = [names.app_record("victim", old), names.app_signal("victim", claim.signal)]
             os.write(from_child, json.dumps(taken).encode())
             os.read(to_child, 1)  # the neighbour took both names
             for _ in range(5):  # reports its status on the way (10 iterations an epoch)
                 session.step()
-            new = discovery.read_claim(names, "victim").token
+            claim = discovery.read_claim(names, "victim")
+            new = claim.token
             result = [old, new, objects.listed_owner(names.app_record("victim", new)),
-                      objects.listed_owner(names.app_signal("victim", new), "semaphore")]
+                      objects.listed_owner(names.app_signal("victim", claim.signal), "semaphore")]
             session.close()
             os.write(from_child, json.dumps(result).encode())
             code = 0
@@ -631,3 +637,58 @@ def test_a_log_folder_every_user_may_write_is_refused_a_sticky_or_group_one_is_n
         writer = JsonLinesWriter(folder / "logs" / "job.sd.jsonl")
         writer.write({"ok": True})
         assert writer.close() == 0 and (folder / "logs" / "job.sd.jsonl").exists()
+
+
+# --- a job's second object: its name must not follow from the first one's ---------------------------
+@needs_second_user
+def test_a_neighbour_who_sees_a_jobs_record_appear_cannot_take_its_semaphore_name_first(ipc_env, monkeypatch):
+    """A job's record and semaphore were named with one token, and the record is made first: a
+    neighbour watching /dev/shm (inotify) who creates ``sig.<app>.<token>`` as soon as
+    ``app.<app>.<token>`` appears won that race 13 times out of 20 with a Python loop against a root
+    job, which then trained unmanaged ("POSIX IPC unavailable"). Here she always wins it: the test
+    plants the name the record's name gives right after the record is made."""
+    uid, _, _ = second_user()
+    planted = []
+    make_record = AppRecord.create
+
+    def make_then_neighbour_plants(names, app, token):
+        record = make_record(names, app, token)
+        planted.append(names.app_signal(app, token))  # all that the record's public name tells her
+        assert as_neighbour([["sem", planted[-1], 0o666]]) == ["ok"]
+        return record
+
+    monkeypatch.setattr(AppRecord, "create", make_then_neighbour_plants)
+    link = PosixManagerLink(ipc_env, "raced")
+    try:
+        claim = discovery.read_claim(ipc_env, "raced")
+        channel = AppChannel(ipc_env, "raced")  # the manager's side finds the pair through the claim
+        channel.close()
+        assert objects.listed_owner(ipc_env.app_record("raced", claim.token)) == os.geteuid()
+        assert [objects.listed_owner(name, "semaphore") for name in planted] == [uid]  # left to her
+    finally:
+        link.close()
+
+
+def test_a_dead_apps_signal_that_no_claim_names_is_removed_a_live_apps_is_kept(ipc_env, tmp_path, monkeypatch):
+    """The semaphore's token is not the record's, so a semaphore whose claim went (removed with the
+    runtime directory) can only be found in the listing: the manager removes it when no claim,
+    record or table entry of its app is left, and only then."""
+    from drbalance.manager import daemon
+    monkeypatch.setattr(daemon, "GRACE_SECONDS", 0.0)
+    ghost = ipc_env.app_signal("ghost", new_token())
+    objects.create_semaphore(ghost).close()
+    live = PosixManagerLink(ipc_env, "alive")
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    try:
+        manager.start()  # its first rescan
+        assert not objects.semaphore_listed(ghost)
+        assert objects.semaphore_listed(ipc_env.app_signal("alive", live.signal_token))
+        removed = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()
+                   if '"event":"app_removed"' in line]
+        assert [e["app"] for e in removed] == ["ghost"]
+    finally:
+        manager.stop()
+        live.close()

@@ -222,7 +222,7 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
         objects.unlink_queue(ipc_env.inbox(token))
         objects.unlink_shared_memory(ipc_env.manager_record(token))
         claim = discovery.read_claim(ipc_env, "early")
-        assert discovery.remove_app_objects(ipc_env, "early", claim.token)
+        assert discovery.remove_app_objects(ipc_env, "early", claim.token, claim.signal)
         wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "inbox and heartbeat"])
         assert discovery.read_manager(ipc_env).token != token  # new objects, published in manager.json
         later = long_app("later")
@@ -233,7 +233,7 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
         wait_for(lambda: decisions_for(manager, "early") >= served + 2)  # the job that lost its record is served
         # its semaphore alone goes: the job makes both again (a manager could not tell a new
         # semaphore from the one it holds), and the manager reopens the pair
-        objects.unlink_semaphore(ipc_env.app_signal("early", claim.token))
+        objects.unlink_semaphore(ipc_env.app_signal("early", claim.signal))
         wait_for(lambda: len([e for e in manager.events("repaired") if e["what"] == "record of early"]) >= 2)
         served = decisions_for(manager, "early")
         wait_for(lambda: decisions_for(manager, "early") >= served + 2)

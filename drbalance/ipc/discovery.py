@@ -132,13 +132,22 @@ def withdraw_manager(names: IpcNames, token: str) -> None:
 # --- apps --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClaimInfo:
-    """Who holds an app name: pid, process start time, token of its objects (``claimed``: wall s)."""
+    """Who holds an app name: pid, process start time, the token of its record and that of its
+    signal semaphore (``claimed``: wall s). Two tokens, because a name in /dev/shm is public the
+    moment it exists: with one, a neighbour who saw the record appear could create the semaphore's
+    name before the app did. ``signal_token`` "" (claims of releases before 2026-11-25): ``token``."""
 
     app: str
     pid: int
     start_ticks: int
     token: str
     claimed: float
+    signal_token: str = ""
+
+    @property
+    def signal(self) -> str:
+        """The token of the app's signal semaphore."""
+        return self.signal_token or self.token
 
     def alive(self) -> bool:
         return objects.process_alive(self.pid, self.start_ticks)
@@ -156,13 +165,21 @@ class ClaimInfo:
         claimed = data.get("claimed")
         if not isinstance(claimed, (int, float)):
             raise DiscoveryError(f"{where}: 'claimed' must be a number; got {claimed!r}")
-        return cls(app, _int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(claimed))
+        signal_token = data.get("signal_token", "")
+        try:
+            if signal_token != "":
+                check_token(signal_token)
+        except ValueError as error:
+            raise DiscoveryError(f"{where}: {error}") from None
+        return cls(app, _int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(claimed),
+                   signal_token)
 
 
-def remove_app_objects(names: IpcNames, app: str, token: str) -> bool:
-    """Unlink the record and signal of ``app`` made with ``token``; True if anything was removed."""
+def remove_app_objects(names: IpcNames, app: str, token: str, signal_token: str | None = None) -> bool:
+    """Unlink the record of ``app`` made with ``token`` and its signal made with ``signal_token``
+    (default: ``token``); True if anything was removed."""
     removed = objects.unlink_shared_memory(names.app_record(app, token))
-    return objects.unlink_semaphore(names.app_signal(app, token)) or removed
+    return objects.unlink_semaphore(names.app_signal(app, signal_token or token)) or removed
 
 
 def _read_fd(fd: int, where: Path) -> ClaimInfo | None:
@@ -204,6 +221,10 @@ class AppClaim:
     def token(self) -> str:
         return self.info.token
 
+    @property
+    def signal_token(self) -> str:
+        return self.info.signal
+
     @classmethod
     def take(cls, names: IpcNames, app: str, attempts: int = CLAIM_ATTEMPTS) -> AppClaim:
         """Take the name ``app``: lock its claim, remove a dead holder's objects, pick a new token.
@@ -234,9 +255,10 @@ class AppClaim:
                 claim = cls(names, app, fd, _placeholder(app))
                 claim.previous = _read_fd(fd, path)
                 pid = os.getpid()
-                claim._write(ClaimInfo(app, pid, objects.process_start_ticks(pid) or 0, new_token(), time.time()))
-                if claim.previous is not None:
-                    remove_app_objects(names, app, claim.previous.token)  # its owner is dead: we hold the lock
+                claim._write(ClaimInfo(app, pid, objects.process_start_ticks(pid) or 0, new_token(), time.time(),
+                                       new_token()))
+                if claim.previous is not None:  # its owner is dead: we hold the lock
+                    remove_app_objects(names, app, claim.previous.token, claim.previous.signal)
             except BaseException:
                 os.close(fd)
                 raise
@@ -260,10 +282,12 @@ class AppClaim:
         _write_fd(self.fd, info)
         self.info = info
 
-    def move_to(self, token: str) -> None:
-        """Name ``token`` in the claim from now on (this process's objects are made again under it).
-        ``OSError`` as writing the file gives it; the claim then names the old token still."""
-        self._write(ClaimInfo(self.app, self.info.pid, self.info.start_ticks, check_token(token), time.time()))
+    def move_to(self, token: str, signal_token: str) -> None:
+        """Name ``token`` and ``signal_token`` in the claim from now on (this process's record and
+        signal are made again under them). ``OSError`` as writing the file gives it; the claim then
+        names the old tokens still."""
+        self._write(ClaimInfo(self.app, self.info.pid, self.info.start_ticks, check_token(token), time.time(),
+                              check_token(signal_token)))
 
     def held(self) -> bool:
         """Whether the claim file is still in place (the runtime directory may have been removed)."""
@@ -380,7 +404,7 @@ def collect_claim(names: IpcNames, app: str, expected_token: str | None = None) 
         if info is not None:
             if expected_token is not None and info.token != expected_token:
                 return None
-            remove_app_objects(names, app, info.token)
+            remove_app_objects(names, app, info.token, info.signal)
         os.unlink(path)
         return info or _placeholder(app)
     finally:

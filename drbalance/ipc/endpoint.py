@@ -143,13 +143,14 @@ class AppChannel:
     if the record is unreadable or the semaphore is missing.
     """
 
-    def __init__(self, names: IpcNames, app: str, token: str | None = None) -> None:
+    def __init__(self, names: IpcNames, app: str, token: str | None = None, signal_token: str | None = None) -> None:
         self.names = names
         self.app = app
         self.record = AppRecord.open(names, app, token)  # token None: the one the app's claim names
         self.token = token = self.record.token
+        self.signal_token = signal_token or _claimed_signal_token(names, app, token)
         try:
-            self.signal = objects.open_semaphore(names.app_signal(app, token))
+            self.signal = objects.open_semaphore(names.app_signal(app, self.signal_token))
         except posix_ipc.ExistentialError:
             self.record.close()
             raise RecordError(f"app {app!r} has a record but no signal semaphore") from None
@@ -164,7 +165,7 @@ class AppChannel:
         """Whether the app's record or semaphore open here lost its name (the app creates them
         again under the same names: ``PosixManagerLink.publish``)."""
         return (objects.unlinked_fd(self.record.segment.memory.fd)
-                or not objects.semaphore_listed(self.names.app_signal(self.app, self.token)))
+                or not objects.semaphore_listed(self.names.app_signal(self.app, self.signal_token)))
 
     def answer(self, command: AppCommand) -> bool:
         """Step 5 and 6 of the loop: write the new DR, then signal the app.
@@ -190,4 +191,15 @@ class AppChannel:
 
     def remove_objects(self) -> None:
         """Unlink the app's record and semaphore (after the app died without cleaning up)."""
-        discovery.remove_app_objects(self.names, self.app, self.token)
+        discovery.remove_app_objects(self.names, self.app, self.token, self.signal_token)
+
+
+def _claimed_signal_token(names: IpcNames, app: str, token: str) -> str:
+    """The token of the semaphore of ``app``'s record made with ``token``, as its claim names it:
+    ``token`` itself where the claim names another record, none, or is unreadable (claims of
+    releases before 2026-11-25 name one token for both)."""
+    try:
+        claim = discovery.read_claim(names, app)
+    except (OSError, discovery.DiscoveryError):
+        return token
+    return claim.signal if claim is not None and claim.token == token else token

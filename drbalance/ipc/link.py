@@ -103,14 +103,15 @@ class PosixManagerLink:
         self.clock = clock or SystemClock()
         self.stale_after = stale_after
         self.claim = AppClaim.take(names, app)
-        self.token = self.claim.token
+        self.token = self.claim.token  # the record's
+        self.signal_token = self.claim.signal_token  # the semaphore's: not to be guessed from the record's name
         try:
             self.record = AppRecord.create(names, app, self.token)
         except BaseException:
             self.claim.release()
             raise
         try:
-            self.signal = objects.create_semaphore(names.app_signal(app, self.token))
+            self.signal = objects.create_semaphore(names.app_signal(app, self.signal_token))
         except BaseException:
             self.record.close()
             objects.unlink_shared_memory(names.app_record(app, self.token))
@@ -126,7 +127,7 @@ class PosixManagerLink:
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:
         if (objects.unlinked_fd(self.record.segment.memory.fd)
-                or not objects.semaphore_listed(self.names.app_signal(self.app, self.token))):
+                or not objects.semaphore_listed(self.names.app_signal(self.app, self.signal_token))):
             self._restore_objects()
         try:
             if self.record.segment.repair():  # truncated, or its header overwritten: a manager refuses it
@@ -159,19 +160,19 @@ class PosixManagerLink:
         nobody."""
         me = os.geteuid()
         record_name = self.names.app_record(self.app, self.token)
-        signal_name = self.names.app_signal(self.app, self.token)
+        signal_name = self.names.app_signal(self.app, self.signal_token)
         if objects.listed_owner(record_name) == me:
             objects.unlink_shared_memory(record_name)  # ours, still there: only the semaphore was removed
         if objects.listed_owner(signal_name, "semaphore") == me:
             objects.unlink_semaphore(signal_name)  # another user's name is left to them (root could remove it)
         try:
             for attempt in range(2):
-                if attempt or self._names_taken(self.token):
-                    token = new_token()
-                    self.claim.move_to(token)  # before the objects: every object can be traced to its owner
-                    self.token = token
+                if attempt or self._names_taken(self.token, self.signal_token):
+                    token, signal_token = new_token(), new_token()
+                    self.claim.move_to(token, signal_token)  # before the objects: each can be traced to its owner
+                    self.token, self.signal_token = token, signal_token
                 try:
-                    record, signal = self._create_objects(self.token)
+                    record, signal = self._create_objects(self.token, self.signal_token)
                     break
                 except posix_ipc.ExistentialError:  # another user took a name meanwhile
                     if attempt:
@@ -190,18 +191,19 @@ class PosixManagerLink:
                        "again as %s", self.app, record.name)
         self._reported.discard(f"restore:{self.app}")
 
-    def _names_taken(self, token: str) -> bool:
-        """Whether another user holds the record's or the semaphore's name under ``token``."""
+    def _names_taken(self, token: str, signal_token: str) -> bool:
+        """Whether another user holds the record's name under ``token`` or the semaphore's under
+        ``signal_token``."""
         me = os.geteuid()
         owners = (objects.listed_owner(self.names.app_record(self.app, token)),
-                  objects.listed_owner(self.names.app_signal(self.app, token), "semaphore"))
+                  objects.listed_owner(self.names.app_signal(self.app, signal_token), "semaphore"))
         return any(owner not in (None, me) for owner in owners)
 
-    def _create_objects(self, token: str) -> tuple[AppRecord, posix_ipc.Semaphore]:
-        """A new record and semaphore under ``token`` (both, or neither is left)."""
+    def _create_objects(self, token: str, signal_token: str) -> tuple[AppRecord, posix_ipc.Semaphore]:
+        """A new record under ``token`` and semaphore under ``signal_token`` (both, or neither is left)."""
         record = AppRecord.create(self.names, self.app, token)
         try:
-            return record, objects.create_semaphore(self.names.app_signal(self.app, token))
+            return record, objects.create_semaphore(self.names.app_signal(self.app, signal_token))
         except BaseException:
             record.close()
             objects.unlink_shared_memory(self.names.app_record(self.app, token))
@@ -355,7 +357,7 @@ class PosixManagerLink:
             self.signal.close()
         except posix_ipc.Error:
             pass
-        objects.unlink_semaphore(self.names.app_signal(self.app, self.token))
+        objects.unlink_semaphore(self.names.app_signal(self.app, self.signal_token))
         self.record.close()
         objects.unlink_shared_memory(self.names.app_record(self.app, self.token))
         self.claim.release()

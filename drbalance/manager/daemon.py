@@ -39,7 +39,7 @@ from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint, other_live_manager
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
-from drbalance.ipc.names import IpcNames
+from drbalance.ipc.names import IpcNames, ListedObject
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
@@ -723,7 +723,7 @@ class Manager:
                 self._claims_left.discard((app, claim.token))
                 if not removed:
                     self.log("app_removed", app=app, pid=claim.pid, reason="leftovers of a dead process")
-            elif discovery.remove_app_objects(self.names, app, claim.token):
+            elif discovery.remove_app_objects(self.names, app, claim.token, claim.signal):
                 self.log("app_removed", app=app, pid=claim.pid,
                          reason="process gone; its claim is still held (by a process it forked?)")
             return claim.token
@@ -772,11 +772,15 @@ class Manager:
         entry.assigned, entry.assigned_mono = command.ratio, self.clock.monotonic()
 
     def _scan_listing(self, now: float, referenced: set[tuple[str, str]]) -> None:
-        """Report foreign objects; deal with this user's app records that no claim names."""
+        """Report foreign objects; deal with this user's app records that no claim names, and with
+        signal semaphores of apps that have neither a claim nor a record (their token is not the
+        record's, so only the claim names them: left by a dead app whose claim went)."""
         me = os.geteuid()
         present = set()
         seen = set()
-        for listed in self.names.listed():
+        signals = []
+        listing = self.names.listed()
+        for listed in listing:
             seen.add(listed.entry)
             if listed.owner != me:
                 present.add(listed.entry)
@@ -784,10 +788,29 @@ class Manager:
                 continue
             if listed.kind == "app" and (listed.app, listed.token) not in referenced:
                 self._unclaimed(listed.app, listed.token, listed.entry, now)
+            elif listed.kind == "sig":
+                signals.append(listed)
+        if signals:
+            self._stray_signals(signals, {o.app for o in listing if o.kind == "app" and o.owner == me})
         for gone in set(self.foreign) - present:
             del self.foreign[gone]
         for gone in set(self._stuck_unclaimed) - seen:
             del self._stuck_unclaimed[gone]
+
+    def _stray_signals(self, signals: list[ListedObject], with_record: set[str | None]) -> None:
+        """Remove this user's signal semaphores of apps with no claim, no record (``with_record``:
+        the apps that have one) and no entry here, older than ``GRACE_SECONDS`` (a starting app
+        writes its claim before its objects)."""
+        claimed = set(discovery.claimed_apps(self.names))
+        for listed in signals:
+            if listed.app in with_record or listed.app in claimed or listed.app in self.table:
+                continue
+            try:
+                age = time.time() - (objects.SHM_DIR / listed.entry).stat(follow_symlinks=False).st_ctime
+            except OSError:
+                continue
+            if age >= GRACE_SECONDS and objects.unlink_semaphore(self.names.app_signal(listed.app, listed.token)):
+                self.log("app_removed", app=listed.app, reason="a signal semaphore of a dead process (no claim)")
 
     def _unclaimed(self, app: str, token: str, entry: str, now: float) -> None:
         """A record no claim names (its claim was removed, e.g. with the runtime directory)."""
