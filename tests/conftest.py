@@ -62,7 +62,7 @@ def remove_leftovers(names: IpcNames) -> None:
     except (OSError, discovery.DiscoveryError):
         info = None
     if info is not None:
-        objects.unlink_queue(names.inbox(info.token))
+        objects.unlink_queue(names.inbox(info.inbox))
     for entry in os.listdir(SHM_DIR):
         if entry.startswith(stem):
             objects.unlink_shared_memory("/" + entry)

@@ -88,7 +88,8 @@ def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path
     app = toy_app("steady", "--epochs", "30", "--iterations", "3", "--sleep", "0.05")
     try:
         first_line(app)
-        token = discovery.read_manager(ipc_env).token
+        info = discovery.read_manager(ipc_env)
+        token = info.token
         # used to make the manager exit within 0.2 s (a foreign app.x) and to crash jobs (a foreign
         # ...manager); a world-writable segment with the manager's own token cannot even be created
         results = as_neighbour([["shm", ipc_env.prefix + "app.x", 0o666],
@@ -96,8 +97,8 @@ def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path
                                 ["shm", ipc_env.prefix + "manager", 0o666],
                                 ["shm", ipc_env.manager_record(token), 0o666],
                                 ["open_shm", ipc_env.manager_record(token)],
-                                ["open_mq", ipc_env.inbox(token)],
-                                ["send_mq", ipc_env.inbox(token)]])
+                                ["open_mq", ipc_env.inbox(info.inbox)],
+                                ["send_mq", ipc_env.inbox(info.inbox)]])
         assert results[:3] == ["ok", "ok", "ok"]
         assert results[3].startswith("ExistentialError")  # ours exists: nobody can take its name
         assert all(r.startswith("PermissionsError") for r in results[4:]), results  # 0600: no reading, no notices
@@ -692,3 +693,30 @@ def test_a_dead_apps_signal_that_no_claim_names_is_removed_a_live_apps_is_kept(i
     finally:
         manager.stop()
         live.close()
+
+
+@needs_second_user
+def test_a_neighbour_who_sees_a_managers_inbox_appear_cannot_take_its_heartbeat_name_first(ipc_env, monkeypatch):
+    """The same race for the manager: its inbox (made first) shows in /dev/mqueue wherever that is
+    mounted (systemd mounts it), and the heartbeat had the inbox's token. A neighbour watching
+    /dev/mqueue who created ``manager.<token>`` as soon as ``inbox.<token>`` appeared stopped 5
+    manager starts of 10 ("Shared memory with the specified name already exists")."""
+    from drbalance.ipc.endpoint import ManagerEndpoint
+    uid, _, _ = second_user()
+    planted = []
+    make_queue = objects.create_queue
+
+    def make_then_neighbour_plants(name, max_messages, max_message_size):
+        queue = make_queue(name, max_messages, max_message_size)
+        planted.append(ipc_env.manager_record(name.rpartition(".")[2]))  # what the inbox's name tells her
+        assert as_neighbour([["shm", planted[-1], 0o666]]) == ["ok"]
+        return queue
+
+    monkeypatch.setattr(objects, "create_queue", make_then_neighbour_plants)
+    endpoint = ManagerEndpoint(ipc_env)
+    try:
+        info = discovery.read_manager(ipc_env)
+        assert objects.listed_owner(ipc_env.manager_record(info.token)) == os.geteuid()
+        assert [objects.listed_owner(name) for name in planted] == [uid]  # left to her
+    finally:
+        endpoint.close()

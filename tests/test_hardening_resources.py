@@ -218,8 +218,9 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
         early = long_app("early")
         assert first_line(early)["attached"]
         wait_for(lambda: decisions_for(manager, "early") >= 2)
-        token = discovery.read_manager(ipc_env).token
-        objects.unlink_queue(ipc_env.inbox(token))
+        info = discovery.read_manager(ipc_env)
+        token = info.token
+        objects.unlink_queue(ipc_env.inbox(info.inbox))
         objects.unlink_shared_memory(ipc_env.manager_record(token))
         claim = discovery.read_claim(ipc_env, "early")
         assert discovery.remove_app_objects(ipc_env, "early", claim.token, claim.signal)
@@ -275,9 +276,10 @@ def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_
     limit = resource.prlimit(pid, resource.RLIMIT_MSGQUEUE)
     app = None
     try:
-        token = discovery.read_manager(ipc_env).token
+        info = discovery.read_manager(ipc_env)
+        token = info.token
         resource.prlimit(pid, resource.RLIMIT_MSGQUEUE, (0, limit[1]))
-        objects.unlink_queue(ipc_env.inbox(token))
+        objects.unlink_queue(ipc_env.inbox(info.inbox))
         wait_for(lambda: [e for e in manager.events("fault") if e["task"] == "endpoint"])
         published = discovery.read_manager(ipc_env)
         assert published is not None and published.token == token and published.pid == pid

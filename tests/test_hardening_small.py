@@ -122,7 +122,7 @@ def test_a_forged_notice_does_not_drop_a_live_job(ipc_env, tmp_path):
     try:
         first_line(app)
         wait_for(lambda: manager.events("decision"))
-        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).token))
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).inbox))
         for kind in (NoticeKind.BOUNDARY, NoticeKind.REGISTER, NoticeKind.FINISH):
             inbox.send(Notice(kind, os.getpid(), 99, "real", time.time()).encode())
         inbox.close()

@@ -128,7 +128,7 @@ def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
 def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
-        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).token))
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).inbox))
         inbox.send(b"definitely not a notice")
         inbox.send(Notice(NoticeKind.BOUNDARY, os.getpid(), 1, "ghost", time.time()).encode())  # no record
         inbox.close()

@@ -63,12 +63,22 @@ def _decode(raw: bytes, where: Path) -> dict[str, Any]:
 # --- the manager -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ManagerInfo:
-    """The live manager as ``manager.json`` describes it (``started``: wall-clock seconds)."""
+    """The live manager as ``manager.json`` describes it (``started``: wall-clock seconds):
+    ``token`` names its heartbeat, ``inbox_token`` its inbox. Two tokens, because a name is public
+    the moment it exists (the inbox in /dev/mqueue where that is mounted): with one, a neighbour who
+    saw the inbox appear could create the heartbeat's name first. ``inbox_token`` "" (files of
+    releases before 2026-11-25): ``token``."""
 
     pid: int
     start_ticks: int
     token: str
     started: float
+    inbox_token: str = ""
+
+    @property
+    def inbox(self) -> str:
+        """The token of the manager's inbox."""
+        return self.inbox_token or self.token
 
     def alive(self) -> bool:
         return objects.process_alive(self.pid, self.start_ticks)
@@ -87,13 +97,22 @@ class ManagerInfo:
         started = data.get("started")
         if not isinstance(started, (int, float)):
             raise DiscoveryError(f"{where}: 'started' must be a number; got {started!r}")
-        return cls(_int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(started))
+        inbox_token = data.get("inbox_token", "")
+        try:
+            if inbox_token != "":
+                check_token(inbox_token)
+        except ValueError as error:
+            raise DiscoveryError(f"{where}: {error}") from None
+        return cls(_int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(started),
+                   inbox_token)
 
 
-def this_process(token: str) -> ManagerInfo:
-    """A ``ManagerInfo`` for the calling process with ``token``."""
+def this_process(token: str, inbox_token: str = "") -> ManagerInfo:
+    """A ``ManagerInfo`` for the calling process with ``token`` (its heartbeat's) and
+    ``inbox_token`` (its inbox's; "" = ``token``)."""
     pid = os.getpid()
-    return ManagerInfo(pid, objects.process_start_ticks(pid) or 0, check_token(token), time.time())
+    return ManagerInfo(pid, objects.process_start_ticks(pid) or 0, check_token(token), time.time(),
+                       check_token(inbox_token) if inbox_token else "")
 
 
 def publish_manager(names: IpcNames, info: ManagerInfo) -> None:

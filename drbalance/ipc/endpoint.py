@@ -29,15 +29,16 @@ class ManagerEndpoint:
 
     def __init__(self, names: IpcNames, inbox_messages: int = INBOX_MAX_MESSAGES, replacing: bool = False) -> None:
         self.names = names
-        self.token = new_token()
+        self.token = new_token()  # the heartbeat's
+        self.inbox_token = new_token()  # the inbox's: not to be guessed from the heartbeat's name, nor it from this
         if not replacing:
             self._remove_predecessor()
-        self.info = discovery.this_process(self.token)
+        self.info = discovery.this_process(self.token, self.inbox_token)
         discovery.publish_manager(names, self.info)
         self.inbox: posix_ipc.MessageQueue | None = None
         self.heartbeat: ManagerRecord | None = None
         try:
-            self.inbox = objects.create_queue(names.inbox(self.token), inbox_messages, INBOX_MESSAGE_SIZE)
+            self.inbox = objects.create_queue(names.inbox(self.inbox_token), inbox_messages, INBOX_MESSAGE_SIZE)
             self.heartbeat = ManagerRecord.create(names, self.token)
         except OSError as error:
             self.close()
@@ -55,7 +56,7 @@ class ManagerEndpoint:
         except (OSError, discovery.DiscoveryError):
             return  # unreadable: replaced by ours below; its objects (if any) cannot be named
         if previous is not None:
-            objects.unlink_queue(self.names.inbox(previous.token))
+            objects.unlink_queue(self.names.inbox(previous.inbox))
             objects.unlink_shared_memory(self.names.manager_record(previous.token))
 
     def republish(self) -> None:
@@ -102,7 +103,7 @@ class ManagerEndpoint:
             except (posix_ipc.Error, OSError):
                 pass
         self.inbox = self.heartbeat = None
-        objects.unlink_queue(self.names.inbox(self.token))
+        objects.unlink_queue(self.names.inbox(self.inbox_token))
         objects.unlink_shared_memory(self.names.manager_record(self.token))
         discovery.withdraw_manager(self.names, self.token)
 

@@ -259,7 +259,7 @@ class PosixManagerLink:
             return self._view
         self._close_view()
         try:
-            self._view = _ManagerObjects.open(self.names, info.token)
+            self._view = _ManagerObjects.open(self.names, info.token, info.inbox)
         except objects.ForeignObject as error:
             self._report(f"foreign:{error.name}", "drbalance: %s", error)
             return self._absent(f"its objects are not this user's: {error}")
@@ -372,10 +372,10 @@ class _ManagerObjects:
         self.inbox = inbox
 
     @classmethod
-    def open(cls, names: IpcNames, token: str) -> _ManagerObjects:
+    def open(cls, names: IpcNames, token: str, inbox_token: str) -> _ManagerObjects:
         heartbeat = ManagerRecord.open(names, token)
         try:
-            inbox = objects.open_queue(names.inbox(token))
+            inbox = objects.open_queue(names.inbox(inbox_token))
         except BaseException:
             heartbeat.close()
             raise
