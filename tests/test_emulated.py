@@ -508,3 +508,27 @@ def test_an_emulated_gpu_memory_size_of_hundreds_of_digits_is_refused_in_plain_w
         with pytest.raises(ValueError, match=r"at most 1 PiB"):
             emulated_spec(f"2:{text}")
     assert emulated_spec("2:0.5GiB").memory_bytes == 2**29  # fractions of a unit still taken
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks_to_the_end(emu):
+    """Ctrl-C (or SIGTERM's exit) in a forward used to leave the replicas' threads serving their
+    chunks' whole device time: the job exited only after it (minutes at a large time scale)."""
+    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
+    gpu = EmulatedGpu(emu, 1)
+    try:
+        assert job.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        while gpu.read() is None or gpu.read().busy_since == 0:  # the job's chunk occupies emulated GPU 1
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        job.send_signal(signal.SIGINT)
+        _out, err = job.communicate(timeout=60)  # not the 1000 s of its chunks
+        assert job.returncode != 0 and "KeyboardInterrupt" in err
+        assert gpu.read().busy_since == 0.0  # its turn ended and was accounted
+        assert gpu.occupy(0.05) < 1.0  # nobody holds the GPU any more
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.wait(timeout=30)
+        gpu.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -221,9 +222,18 @@ class EmulatedBackend(CpuBackend):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.gpu_count, thread_name_prefix="drbalance-emu")
         started = time.monotonic()
-        futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds)
-                   for slot, seconds in zip(plan.slots, device)]
-        ends = [future.result() for future in futures]
+        cancel = threading.Event()
+        try:  # the submissions too: an interrupt between the first and the wait must cancel what was queued
+            futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
+                       for slot, seconds in zip(plan.slots, device)]
+            ends = [future.result() for future in futures]
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
+            # after the current slice, as a dead process's kernels stop. Their threads used to
+            # serve every chunk to its end, and the job exited only then (minutes at a large
+            # time scale; the interpreter waits for the pool's threads at exit).
+            cancel.set()
+            raise
         self._last_device_end = time.monotonic()
         # a replica's time is its device phase as its GPU served it: the wait, the slices and the
         # turns given to other jobs. The real CPU forward is host work here (the host phase counts
@@ -270,9 +280,10 @@ def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int],
         gpu.close()
 
 
-def _occupy_until(gpu: EmulatedGpu, seconds: float) -> float:
-    """Occupy ``gpu`` for ``seconds`` of device time; the monotonic time at which it was done."""
-    gpu.occupy(seconds)
+def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | None = None) -> float:
+    """Occupy ``gpu`` for ``seconds`` of device time (less once ``cancel`` is set); the monotonic
+    time at which it was done."""
+    gpu.occupy(seconds, cancel=cancel)
     return time.monotonic()
 
 

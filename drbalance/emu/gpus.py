@@ -204,26 +204,32 @@ class EmulatedGpu:
             ongoing = max(0.0, now - account.busy_since)
         return account.busy_total + ongoing
 
-    def occupy(self, seconds: float, quantum: float = DEFAULT_QUANTUM) -> float:
-        """Hold this GPU for ``seconds`` of device time; return how long we waited for it.
+    def occupy(self, seconds: float, quantum: float = DEFAULT_QUANTUM, cancel: threading.Event | None = None) -> float:
+        """Hold this GPU for ``seconds`` of device time; return how long we waited for it (seconds).
 
         The time is served in slices of ``quantum`` seconds. After a slice, a holder that sees
         another job waiting lets it go first, so co-located jobs share the GPU in turns (as a
         time-sliced GPU does) instead of one waiting for another's whole chunk. A holder that
         steps aside says it waits *before* it lets go, so the job taking its turn sees the GPU
         shared from its first slice on (and serves it at the co-location capacity).
+
+        ``cancel``: once set (the job was interrupted: Ctrl-C, SIGTERM), the rest of the device
+        time is abandoned at the end of the current slice (at most ``quantum`` seconds), as a
+        killed process's kernels stop; the busy time served so far is accounted.
         """
         remaining, waited = max(0.0, seconds), 0.0
         fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait (the kernel drops this if we die)
         try:
-            while remaining > 1e-9:
+            while remaining > 1e-9 and not (cancel is not None and cancel.is_set()):
                 asked = self.clock.monotonic()
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
                 try:
                     fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # our turn: we no longer wait
                     start = self.clock.monotonic()
                     waited += start - asked
-                    remaining = self._serve(remaining, quantum, start)
+                    remaining = self._serve(remaining, quantum, start, cancel)
+                    if cancel is not None and cancel.is_set():
+                        break
                     if remaining > 1e-9:
                         fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait again, from before we let go
                 finally:
@@ -234,16 +240,17 @@ class EmulatedGpu:
             fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # nothing to undo unless an error came while we waited
         return waited
 
-    def _serve(self, remaining: float, quantum: float, start: float) -> float:
+    def _serve(self, remaining: float, quantum: float, start: float, cancel: threading.Event | None = None) -> float:
         """One turn on this GPU (held since ``start``, monotonic seconds): serve ``remaining``
-        seconds of device work in slices until it is done or, after a slice while another job
-        waits, that job's turn comes; account the busy time. Returns the device seconds left."""
+        seconds of device work in slices until it is done, ``cancel`` is set or, after a slice
+        while another job waits, that job's turn comes; account the busy time. Returns the device
+        seconds left."""
         previous = self.read()
         total = previous.busy_total if previous is not None else 0.0  # a dead holder's time is lost
         count = previous.acquisitions + 1 if previous is not None else 1
         self.area.write(ACCOUNT.pack(total, start, os.getpid(), _own_ticks() & 0xFFFFFFFF, count))
         try:
-            while remaining > 1e-9:
+            while remaining > 1e-9 and not (cancel is not None and cancel.is_set()):
                 shared = self._others_waiting()
                 gain = self.co_location_capacity if shared else 1.0
                 piece = min(quantum, remaining / gain)
