@@ -532,3 +532,33 @@ def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks
             job.kill()
         job.wait(timeout=30)
         gpu.close()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_device_phase(emu):
+    """The job waited for its chunks in an untimed ``future.result()``: a SIGINT whose handler ran
+    in another of its threads (Linux gives a process's signal to any thread that does not block it,
+    and one that arrives while the main thread is on its way into the wait is as late), only
+    marked KeyboardInterrupt pending, and the main thread slept on until its chunks ended (1000 s
+    here). The suite's Ctrl-C test hung this way under load. Here the signal goes to one of the
+    job's other threads (kill(2) on a thread id prefers that thread)."""
+    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
+    gpu = EmulatedGpu(emu, 1)
+    try:
+        assert job.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        while gpu.read() is None or gpu.read().busy_since == 0:  # the job's chunk occupies emulated GPU 1
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        others = sorted(int(tid) for tid in os.listdir(f"/proc/{job.pid}/task") if int(tid) != job.pid)
+        assert others  # the replicas' threads at least
+        os.kill(others[-1], signal.SIGINT)  # the thread of the last chunk submitted (GPU 1)
+        _out, err = job.communicate(timeout=60)  # not the 1000 s of its chunks
+        assert job.returncode != 0 and "KeyboardInterrupt" in err
+        assert gpu.read().busy_since == 0.0  # its turn ended and was accounted
+        assert gpu.occupy(0.05) < 1.0  # nobody holds the GPU any more
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.wait(timeout=30)
+        gpu.close()

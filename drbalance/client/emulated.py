@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -226,7 +226,7 @@ class EmulatedBackend(CpuBackend):
         try:  # the submissions too: an interrupt between the first and the wait must cancel what was queued
             futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
                        for slot, seconds in zip(plan.slots, device)]
-            ends = [future.result() for future in futures]
+            ends = _results(futures)
         except BaseException:
             # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
             # after the current slice, as a dead process's kernels stop. Their threads used to
@@ -278,6 +278,26 @@ def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int],
         del reserved[index]
     for gpu in gpus:
         gpu.close()
+
+
+# How often (seconds) the main thread wakes while it waits for the device phase: a signal whose
+# C handler ran while it slept (in another thread, or just before its wait began) raises at the next
+# wake. An untimed wait slept on until the chunks ended (1000 s in tests/test_emulated.py).
+SIGNAL_CHECK_INTERVAL = 0.05
+
+
+def _results(futures: Sequence[Future]) -> list[Any]:
+    """The futures' results, waited for in waits of ``SIGNAL_CHECK_INTERVAL`` seconds.
+
+    Python runs signal handlers (KeyboardInterrupt, a session's SessionTerminated) in the main
+    thread between bytecodes; an untimed lock wait is woken for them only when the signal itself
+    interrupts that wait. Linux gives a process's SIGINT to any of its threads that does not block
+    it, and one handled just before the wait began interrupts nothing: ``future.result()`` then
+    slept until the chunks were served to the end. The timed waits return to Python often enough."""
+    pending = set(futures)
+    while pending:
+        _done, pending = wait(pending, timeout=SIGNAL_CHECK_INTERVAL)
+    return [future.result() for future in futures]
 
 
 def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | None = None) -> float:
