@@ -514,24 +514,7 @@ def test_an_emulated_gpu_memory_size_of_hundreds_of_digits_is_refused_in_plain_w
 def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks_to_the_end(emu):
     """Ctrl-C (or SIGTERM's exit) in a forward used to leave the replicas' threads serving their
     chunks' whole device time: the job exited only after it (minutes at a large time scale)."""
-    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
-    gpu = EmulatedGpu(emu, 1)
-    try:
-        assert job.stdout.readline().strip() == "started"
-        deadline = time.monotonic() + 60
-        while gpu.read() is None or gpu.read().busy_since == 0:  # the job's chunk occupies emulated GPU 1
-            assert job.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-        job.send_signal(signal.SIGINT)
-        _out, err = job.communicate(timeout=60)  # not the 1000 s of its chunks
-        assert job.returncode != 0 and "KeyboardInterrupt" in err
-        assert gpu.read().busy_since == 0.0  # its turn ended and was accounted
-        assert gpu.occupy(0.05) < 1.0  # nobody holds the GPU any more
-    finally:
-        if job.poll() is None:
-            job.kill()
-        job.wait(timeout=30)
-        gpu.close()
+    _interrupt_in_the_device_phase(emu, lambda job: job.send_signal(signal.SIGINT))
 
 
 @pytest.mark.timeout(180)
@@ -542,6 +525,18 @@ def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_devic
     marked KeyboardInterrupt pending, and the main thread slept on until its chunks ended (1000 s
     here). The suite's Ctrl-C test hung this way under load. Here the signal goes to one of the
     job's other threads (kill(2) on a thread id prefers that thread)."""
+    def to_another_thread(job: subprocess.Popen) -> None:
+        others = sorted(int(tid) for tid in os.listdir(f"/proc/{job.pid}/task") if int(tid) != job.pid)
+        assert others  # the replicas' threads at least
+        os.kill(others[-1], signal.SIGINT)  # the thread of the last chunk submitted (GPU 1)
+
+    _interrupt_in_the_device_phase(emu, to_another_thread)
+
+
+def _interrupt_in_the_device_phase(emu, interrupt) -> None:
+    """Start a job whose chunks each hold an emulated GPU for 1000 s, ``interrupt(job)`` once its
+    chunk occupies GPU 1, and check that it exits with KeyboardInterrupt within 60 s, its turn
+    ended and accounted and the GPU free."""
     job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
     gpu = EmulatedGpu(emu, 1)
     try:
@@ -550,9 +545,7 @@ def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_devic
         while gpu.read() is None or gpu.read().busy_since == 0:  # the job's chunk occupies emulated GPU 1
             assert job.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
-        others = sorted(int(tid) for tid in os.listdir(f"/proc/{job.pid}/task") if int(tid) != job.pid)
-        assert others  # the replicas' threads at least
-        os.kill(others[-1], signal.SIGINT)  # the thread of the last chunk submitted (GPU 1)
+        interrupt(job)
         _out, err = job.communicate(timeout=60)  # not the 1000 s of its chunks
         assert job.returncode != 0 and "KeyboardInterrupt" in err
         assert gpu.read().busy_since == 0.0  # its turn ended and was accounted

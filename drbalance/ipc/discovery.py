@@ -50,6 +50,17 @@ def _int(data: dict[str, Any], key: str, where: Path, minimum: int) -> int:
     return value
 
 
+def _optional_token(data: dict[str, Any], key: str, where: Path) -> str:
+    """``data[key]``: a valid token, or "" when absent (files written before the key existed)."""
+    token = data.get(key, "")
+    try:
+        if token != "":
+            check_token(token)
+    except ValueError as error:
+        raise DiscoveryError(f"{where}: {error}") from None
+    return token
+
+
 def _decode(raw: bytes, where: Path) -> dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8"))
@@ -97,12 +108,7 @@ class ManagerInfo:
         started = data.get("started")
         if not isinstance(started, (int, float)):
             raise DiscoveryError(f"{where}: 'started' must be a number; got {started!r}")
-        inbox_token = data.get("inbox_token", "")
-        try:
-            if inbox_token != "":
-                check_token(inbox_token)
-        except ValueError as error:
-            raise DiscoveryError(f"{where}: {error}") from None
+        inbox_token = _optional_token(data, "inbox_token", where)
         return cls(_int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(started),
                    inbox_token)
 
@@ -184,12 +190,7 @@ class ClaimInfo:
         claimed = data.get("claimed")
         if not isinstance(claimed, (int, float)):
             raise DiscoveryError(f"{where}: 'claimed' must be a number; got {claimed!r}")
-        signal_token = data.get("signal_token", "")
-        try:
-            if signal_token != "":
-                check_token(signal_token)
-        except ValueError as error:
-            raise DiscoveryError(f"{where}: {error}") from None
+        signal_token = _optional_token(data, "signal_token", where)
         return cls(app, _int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(claimed),
                    signal_token)
 
