@@ -7,8 +7,9 @@
 # Pass 1 is README's test command, verbatim, in a fresh clone of this checkout's HEAD (a fresh
 # venv); passes 2 and 3 reuse that venv. Each pass's output goes to WORKDIR/passN.txt, one line
 # per pass to WORKDIR/summary.txt (exit status, seconds, load average, pytest's last line).
-# Run it in the foreground or with setsid: a background job of a non-interactive shell inherits
-# SIGINT ignored, which the suite copes with but a reader of the results should know.
+# A background job of a non-interactive shell (setsid or not) inherits SIGINT ignored, and so does
+# every process it starts; the suite copes with that (tests that send SIGINT start their child with
+# it at its default, as a terminal would), but a reader of the results should know how it ran.
 set -u
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 work=${1:-$(mktemp -d /tmp/drbalance-under-load.XXXXXX)}

@@ -533,11 +533,23 @@ def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_devic
     _interrupt_in_the_device_phase(emu, to_another_thread)
 
 
+def _sigint_by_default() -> None:
+    """In a child before it runs Python: SIGINT at its default action, whatever the parent had."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_in_the_device_phase(emu, interrupt) -> None:
     """Start a job whose chunks each hold an emulated GPU for 1000 s, ``interrupt(job)`` once its
     chunk occupies GPU 1, and check that it exits with KeyboardInterrupt within 60 s, its turn
-    ended and accounted and the GPU free."""
-    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"})
+    ended and accounted and the GPU free.
+
+    The job starts with SIGINT at its default action, as a job started from a terminal does: a
+    process inherits an ignored SIGINT (a background job of a non-interactive shell has it, and so
+    does every process such a job starts: pytest and its children), and Python then installs no
+    KeyboardInterrupt handler at all. Both Ctrl-C tests hung that way in full-suite runs started in
+    the background, while they passed when the suite ran in the foreground."""
+    job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"},
+                         preexec_fn=_sigint_by_default)
     gpu = EmulatedGpu(emu, 1)
     try:
         assert job.stdout.readline().strip() == "started"
