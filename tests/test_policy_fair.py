@@ -83,6 +83,70 @@ def test_a_move_that_turned_out_worse_is_undone_and_the_predictor_corrected():
     assert third.ratio == DataRatio([0, 10])
 
 
+def test_a_split_over_a_fast_and_a_slow_gpu_teaches_the_slow_gpus_speed_and_is_undone():
+    """Random mix 165: an app alone on the full-speed GPU 0 was split 5:5 onto the idle GPU 1, which
+    runs at half speed. Its 16-sample chunk there took twice its chunk on GPU 0 and the iteration
+    31% longer. Speeds were learned only from an app alone with its whole batch, so the miss went
+    into the app's correction factor, which then made GPU 0 alone look 25% slower than measured
+    there: the split was kept to the end (final SD 1.34 against 1.00 without balancing)."""
+    policy = FairPolicy()
+    alone = app("a", [10, 0], [0.1, 0], 0.15, iteration=100)
+    policy.decide("a", "boundary", snapshot(alone))
+    assert policy.predictor.speed[0] == pytest.approx(1.0, rel=0.01)
+    policy.tracks["a"].last_move = _Move(DataRatio([10, 0]), DataRatio([5, 5]), 100, 0.14, quiet=1)
+    # 16 samples: 0.065 s on GPU 0, 0.13 s on GPU 1; host 0.05 + one replica's overhead 0.02
+    split = app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)
+    decision = policy.decide("a", "boundary", snapshot(split))
+    assert policy.predictor.speed[1] == pytest.approx(0.5, rel=0.05)
+    assert policy.predictor.speed[0] == pytest.approx(1.0, rel=0.01)  # the reference stays as measured
+    assert decision.branch == "revert" and decision.ratio == DataRatio([10, 0])
+    # the single GPU it left is predicted as measured there, not stretched by the split's miss
+    times = policy.predictor.iteration_times({"a": DataRatio([10, 0])}, {"a": split})
+    assert times["a"] == pytest.approx(0.15, rel=0.05)
+
+
+def test_speeds_are_learned_from_a_split_only_where_it_compares_like_with_like():
+    def learned(*split):
+        """GPU 1's speed after app a's window alone on GPU 0 (its speed measured: 1), then ``split``
+        (a's next window and the apps beside it)."""
+        predictor = Predictor(2)
+        predictor.observe([app("a", [10, 0], [0.1, 0], 0.15, iteration=100)])
+        predictor.observe(split)
+        return predictor.speed[1]
+
+    # alone on both GPUs, equal chunks: GPU 1 is half as fast
+    assert learned(app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)) == pytest.approx(0.5, rel=0.05)
+    # another app on GPU 1: a's chunk there is stretched by that app, not (only) slow
+    assert learned(app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140), app("b", [0, 10], [0, 0.1], 0.15)) == 1.0
+    # an app that was on GPU 1 at a's last window has left for GPU 2 since: part of a's window on
+    # GPU 1 may have been shared with it (b unmeasured, so that it teaches nothing itself)
+    def unmeasured(shares):
+        return replace(app("b", shares, [0.1] * 3, 0.15), iteration_time=None, chunk_seconds=None, slowdown=None)
+
+    moved = Predictor(3)
+    moved.observe([app("a", [10, 0, 0], [0.1, 0, 0], 0.15, iteration=100), unmeasured([0, 10, 0])])
+    moved.observe([app("a", [5, 5, 0], [0.065, 0.13, 0], 0.2, iteration=140), unmeasured([0, 0, 10])])
+    assert moved.speed[1] == 1.0
+    stayed = Predictor(3)  # the same with b on GPU 2 all along: GPU 1's speed is learned
+    stayed.observe([app("a", [10, 0, 0], [0.1, 0, 0], 0.15, iteration=100), unmeasured([0, 0, 10])])
+    stayed.observe([app("a", [5, 5, 0], [0.065, 0.13, 0], 0.2, iteration=140), unmeasured([0, 0, 10])])
+    assert stayed.speed[1] == pytest.approx(0.5, rel=0.05)
+    # chunks of 22 and 10 samples: their times depend on the size factor's phi, which is a prior
+    assert learned(app("a", [7, 3], [0.083, 0.1], 0.2, iteration=140)) == 1.0
+    # within 10% of the reference GPU: alike, nothing learned (one sample of difference or a noisy window)
+    assert learned(app("a", [5, 5], [0.065, 0.07], 0.2, iteration=140)) == 1.0
+    # the first window of a split app: no earlier window to tell whether another app came or went
+    fresh = Predictor(2)
+    fresh.observe([app("ref", [10, 0], [0.1, 0], 0.15, iteration=100)])
+    fresh.observe([app("a", [5, 5], [0.065, 0.13], 0.2)])
+    assert fresh.speed[1] == 1.0
+    # no GPU of the split has a speed measured alone: nothing to compare with
+    unknown = Predictor(2)
+    unknown.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=100)])
+    unknown.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)])
+    assert unknown.speed == [1.0, 1.0]
+
+
 def test_a_move_the_job_never_ran_holds_no_gpu_and_no_protected_period():
     def scene(iteration, cap=None):
         moved = app("a", [0, 10], [0, 0.2], 0.25, iteration=iteration)

@@ -123,6 +123,17 @@ which every app's predictions divide by, infinite or zero: a ZeroDivisionError i
 decision, or kappas driven to their cap."""
 
 
+SAME_CHUNK_SAMPLES = 1
+"""Samples by which two chunks of one iteration may differ for their times to compare the GPUs'
+speeds (``Predictor._learn_relative_speeds``): with chunks of equal size the size factor cancels
+out, and a chunk one sample larger changes it by about (1 - phi) / B (2% at a batch of 32)."""
+
+SPEED_TOLERANCE = 0.1
+"""Two GPUs whose speeds one split app's chunks show within this share of each other count as alike:
+one sample of difference between the chunks makes 2%, and real windows are noisier than the
+simulator's (emulated GPUs on a loaded CPU); GPUs of different models differ by more."""
+
+
 Placement = Mapping[str, Sequence[int]]
 """Samples per GPU of each app's mini-batch."""
 
@@ -145,7 +156,15 @@ class Predictor:
         self.config = config or PredictorConfig()
         self.apps: dict[str, AppModel] = {}
         self.speed = [1.0] * gpu_count
-        self._speed_measured = [False] * gpu_count
+        self._speed_measured = [False] * gpu_count  # learned from an app alone on the GPU with its whole batch
+        self._speed_compared = [False] * gpu_count  # learned only against another GPU (``_learn_relative_speeds``)
+        # who uses which GPU, as the snapshots showed it: per GPU how often an app arrived on it or left it;
+        # per app the GPUs its DR used, how many of those changes it made itself, and what the others had
+        # made when it was last learned from (``_quiet_gpus``)
+        self._occupancy = [0] * gpu_count
+        self._occupants: dict[str, tuple[int, ...]] = {}
+        self._own_changes: dict[str, list[int]] = {}
+        self._others_at_window: dict[str, tuple[int, ...]] = {}
         # kappa per pair, learned apart in two contexts: False = the two alone on the GPU, True = in
         # a crowd (a third app there too); with running sums for pairs never seen together
         self.kappa: dict[bool, dict[tuple[str, str], float]] = {False: {}, True: {}}
@@ -172,6 +191,9 @@ class Predictor:
         gone: list[str] = [] if keep.issuperset(self.apps) else [name for name in self.apps if name not in keep]
         for name in gone:
             del self.apps[name]
+            self._note_occupants(name, ())
+            self._own_changes.pop(name, None)
+            self._others_at_window.pop(name, None)
             self.generation += 1
             self._drop_chunks(name)
             self._kappa_rows.pop(name, None)
@@ -215,6 +237,7 @@ class Predictor:
             if seen.get(name) is not view or name not in apps:  # a record read before changes nothing
                 self.model(view)
                 seen[name] = view
+                self._note_occupants(name, view.ratio.used)
             if wanted is None or name in wanted or apps[name].measured_iteration < 0:
                 learning.append(view)  # deciding now, or never learned from
         for view in learning:
@@ -226,9 +249,39 @@ class Predictor:
             self.generation += 1  # host, overhead, speeds, kappas, correction
             self._drop_chunks(view.name)  # its host or overhead (a GPU's speed drops every app's)
             others = self._co_runners(view, placement, views)
+            quiet = self._quiet_gpus(view.name)
             self._learn_host(view, model, placement)
-            self._learn_gpus(view, model, placement, others)
+            self._learn_gpus(view, model, placement, others, quiet)
             self._learn_correction(view, model, self._measured_configuration_time(view, model, placement, others))
+
+    def _note_occupants(self, name: str, used: tuple[int, ...]) -> None:
+        """The GPUs the app's DR uses now (none: it is gone); each GPU it arrived on or left counts a
+        change of that GPU's occupants, made by the app."""
+        before = self._occupants.get(name, ())
+        if before == used:
+            return
+        own = self._own_changes.get(name)
+        if own is None:
+            own = self._own_changes[name] = [0] * self.gpu_count
+        for gpu in set(before).symmetric_difference(used):
+            self._occupancy[gpu] += 1
+            own[gpu] += 1
+        if used:
+            self._occupants[name] = used
+        else:
+            self._occupants.pop(name, None)
+
+    def _quiet_gpus(self, name: str) -> frozenset[int]:
+        """The GPUs on which no other app arrived or left since the app was last learned from (as far
+        as the snapshots in between showed): its window there was not shared with an app that came
+        or went. Empty at its first window. Notes where the others stand now, for its next window."""
+        own = self._own_changes.get(name) or [0] * self.gpu_count
+        others = tuple(total - mine for total, mine in zip(self._occupancy, own))
+        before = self._others_at_window.get(name)
+        self._others_at_window[name] = others
+        if before is None:
+            return frozenset()
+        return frozenset(gpu for gpu, (then, now) in enumerate(zip(before, others)) if then == now)
 
     def _co_runners(self, view: AppView, placement: Sequence[int],
                     views: Sequence[AppView]) -> dict[int, dict[str, float]]:
@@ -279,13 +332,15 @@ class Predictor:
             model.overhead = _blend(model.overhead, per_replica, config.smoothing)
 
     def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
-                    co_runners: Mapping[int, Mapping[str, float]]) -> None:
+                    co_runners: Mapping[int, Mapping[str, float]], quiet: frozenset[int] = frozenset()) -> None:
         """GPU speeds and kappas from the window's chunk times, normalised by the app's work. No
         speed from a host-bound app: on emulated GPUs on a starved CPU that took every GPU's speed
         to 0.07-0.13, and every prediction with them."""
         config = self.config
         work = model.work(config)
         used = list(co_runners)
+        if len(used) > 1 and not model.host_bound():
+            self._learn_relative_speeds(view, model.batch, placement, co_runners, quiet)
         for gpu in used:
             seconds = view.chunk_seconds[gpu]
             if not seconds:
@@ -296,8 +351,7 @@ class Predictor:
                 if len(used) == 1 and not model.host_bound():  # alone with the whole batch: this GPU's speed
                     known = self.speed[gpu] if self._speed_measured[gpu] else None
                     measured = min(SPEED_BOUNDS[1], max(SPEED_BOUNDS[0], unstretched / seconds))
-                    self.speed[gpu] = _blend(known, measured, config.smoothing)
-                    self._drop_chunks()
+                    self._set_speed(gpu, _blend(known, measured, config.smoothing))
                     self._speed_measured[gpu] = True
                 continue
             stretch = seconds * self.speed[gpu] / unstretched - 1.0
@@ -308,6 +362,47 @@ class Predictor:
             for name, duty in others.items():
                 value = self.pair_kappa(view.name, name, crowd) + step * duty
                 self._set_kappa((view.name, name), crowd, min(10.0, max(0.0, value)))
+
+    def _learn_relative_speeds(self, view: AppView, batch: int, placement: Sequence[int],
+                               co_runners: Mapping[int, Mapping[str, float]], quiet: frozenset[int]) -> None:
+        """Speeds of GPUs never measured alone, from an app split over several GPUs that it has to
+        itself, against one of them whose speed was measured alone: chunks of one iteration with the
+        same number of samples (within ``SAME_CHUNK_SAMPLES``) take times inversely proportional to
+        their GPUs' speeds, whatever the app's work and the size factor's ``phi``. Only GPUs on which
+        no other app arrived or left during the window (``quiet``: a chunk stretched by an app that
+        has since left made a GPU of a uniform server look 14% slower), and only where the chunks
+        show the two GPUs' speeds apart by more than ``SPEED_TOLERANCE`` (a speed measured alone
+        carries the error of the app's host-time estimate, up to 13% in a uniform server: GPUs
+        shown to be alike keep what they had rather than take on the reference's error).
+
+        Until 2026-11-28 speeds were learned only from apps alone on a GPU with their whole batch:
+        a job split 5:5 over a full-speed and a half-speed GPU measured its iteration 31% slower
+        than predicted, the per-app correction took the miss for the whole app, and the policy
+        then predicted the single GPU it had left 25% slower than measured there and kept the
+        split to the end (random mix 165, docs/policy-experiments.md)."""
+        alone = [gpu for gpu, others in co_runners.items()
+                 if not others and gpu in quiet and view.chunk_seconds[gpu] and placement[gpu] > 0]
+        references = [gpu for gpu in alone if self._speed_measured[gpu]]
+        if not references or len(alone) < 2:
+            return
+        reference = max(references, key=lambda gpu: (placement[gpu], -gpu))  # the largest chunk, then the lowest index
+        size, seconds = placement[reference], view.chunk_seconds[reference]
+        for gpu in alone:
+            if self._speed_measured[gpu] or abs(placement[gpu] - size) > SAME_CHUNK_SAMPLES:
+                continue
+            relative = (seconds / view.chunk_seconds[gpu]) * (
+                self.size_factor(placement[gpu], batch) / self.size_factor(size, batch))
+            if abs(relative - 1.0) <= SPEED_TOLERANCE:
+                continue  # as fast as the reference, within the noise of one window: nothing new
+            measured = min(SPEED_BOUNDS[1], max(SPEED_BOUNDS[0], self.speed[reference] * relative))
+            known = self.speed[gpu] if self._speed_compared[gpu] else None
+            self._set_speed(gpu, _blend(known, measured, self.config.smoothing))
+            self._speed_compared[gpu] = True
+
+    def _set_speed(self, gpu: int, speed: float) -> None:
+        """A GPU's learned speed (every app's chunks there change)."""
+        self.speed[gpu] = speed
+        self._drop_chunks()
 
     def _set_kappa(self, pair: tuple[str, str], crowd: bool, value: float | None) -> None:
         """Set (or with None forget) one pair's kappa in one context, keeping the running sums in step."""
