@@ -398,6 +398,49 @@ def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
             FairConfig(newcomer_settled_seconds=bad)
 
 
+def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_app_goes_back():
+    """Random mix 4 under gavel: an app alone on GPU 0 spread onto GPU 1, which nobody used; a
+    newcomer arriving on GPU 1 then found no idle GPU and shared it, the apps after it were
+    swapped to and fro, and one ended at an SD of 1.019 where doing nothing gives every app 1.00."""
+    split = app("a", [5, 5, 0], [0.07, 0.07, 0], 0.18, iteration=500)  # 90 s run, spread over GPUs 0 and 1
+    c = app("c", [0, 0, 10], [0, 0, 0.12], 0.16, iteration=500)
+    newcomer = AppView("b", DataRatio([0, 10, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
+    policy = seen(split, c, gpus=3)
+    found = policy.decide("b", "register", snapshot(split, c, newcomer, gpus=3, util=[60.0, 60.0, 80.0]))
+    # GPU 1, the newcomer's own, is given up by a, which goes back to GPU 0 alone (pushed to it)
+    assert found.branch == "place" and found.ratio == DataRatio([0, 10, 0]) and found.details["gpu"] == 1
+    assert dict(found.others) == {"a": DataRatio([10, 0, 0])} and found.details["yielded_by"] == "a"
+    assert policy.protected("a")  # the push is a move of a's: it stays put for its protected period
+    assert not violations(newcomer, found.ratio, PolicyConfig(3)) and not violations(split, found.others["a"],
+                                                                                    PolicyConfig(3))
+    # a newcomer on c's GPU (c alone, not split) goes onto the GPU a spread onto
+    there = replace(newcomer, ratio=DataRatio([0, 0, 10]))
+    found = seen(split, c, gpus=3).decide("b", "register", snapshot(split, c, there, gpus=3, util=[60.0, 60.0, 80.0]))
+    assert found.ratio == DataRatio([10, 0, 0]) and dict(found.others) == {"a": DataRatio([0, 10, 0])}
+    # no app split: nothing to give up, the newcomer waits for its first window as before
+    whole = app("a", [10, 0, 0], [0.12, 0, 0], 0.16, iteration=500)
+    shared = app("d", [0, 10, 0], [0, 0.12, 0], 0.16, iteration=500)
+    found = seen(whole, shared, c, gpus=3).decide("b", "register", snapshot(whole, shared, c, newcomer, gpus=3))
+    assert found.branch == "no-measurement" and not found.others
+    # a GPU a split app shares with another app is not given up (the newcomer would not be alone)
+    crowd = app("d", [0, 10, 0], [0, 0.12, 0], 0.16, iteration=500)
+    found = seen(split, crowd, c, gpus=3).decide("b", "register", snapshot(split, crowd, c, there, gpus=3))
+    assert found.ratio == DataRatio([10, 0, 0]) and dict(found.others) == {"a": DataRatio([0, 10, 0])}
+    found = seen(split, crowd, c, gpus=3).decide("b", "register", snapshot(split, crowd, c, newcomer, gpus=3))
+    assert found.ratio == DataRatio([10, 0, 0])  # GPU 1 (a and d) is not given up; GPU 0 (a alone) is
+    # a split app whose memory caps let neither of its GPUs hold its whole batch is not consolidated;
+    # capped on GPU 1 only, it goes back to GPU 0 and gives GPU 1 up
+    capped = replace(split, max_share=(5, 5, None))
+    found = seen(capped, c, gpus=3).decide("b", "register", snapshot(capped, c, there, gpus=3))
+    assert found.branch == "no-measurement" and not found.others
+    capped = replace(split, max_share=(None, 5, None))
+    found = seen(capped, c, gpus=3).decide("b", "register", snapshot(capped, c, there, gpus=3))
+    assert found.ratio == DataRatio([0, 10, 0]) and dict(found.others) == {"a": DataRatio([10, 0, 0])}
+    # the newcomer's constraints hold too: allowed only on GPU 2, it is not placed on GPU 0 or 1
+    bound = replace(there, allowed=(2,))
+    assert seen(split, c, gpus=3).decide("b", "register", snapshot(split, c, bound, gpus=3)).branch == "no-measurement"
+
+
 def test_a_job_resumed_from_a_checkpoint_counts_as_settled_only_after_running_60_s():
     # r resumed at epoch 5 of 10: it registers at iteration 5000, as if it had run 800 s already
     resumed = app("r", [10, 0, 0], [0.12, 0, 0], 0.16, iteration=5000)

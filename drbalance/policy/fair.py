@@ -192,7 +192,11 @@ class FairPolicy:
         its DR until measured, like any newcomer. Only if every other app has run for at least
         ``newcomer_settled_seconds`` since the policy first saw it (``run_seconds``): jobs
         launched together register one by one, and a GPU the ones registered so far leave free
-        may be where the next one starts."""
+        may be where the next one starts.
+
+        With no idle GPU, a GPU that only one split app uses is given up to the newcomer
+        (``_yield_split``): before the newcomer arrived that app may have spread onto a GPU that
+        nobody used, which doing nothing would now give the newcomer."""
         config = snapshot.config
         settled = self.config.newcomer_settled_seconds
         taken: set[int] = set()
@@ -214,9 +218,44 @@ class FairPolicy:
             if not violations(me, candidate, config):
                 idle.append((busy, gpu, candidate))
         if not idle:
-            return None
+            return self._yield_split(me, ratio, snapshot)
         busy, gpu, candidate = min(idle, key=lambda found: found[:2])
         return Decision.of(me.name, candidate, "place", gpu=gpu, utilization=busy)
+
+    def _yield_split(self, me: AppView, ratio: DataRatio, snapshot: Snapshot) -> Decision | None:
+        """The newcomer ``me`` (on a taken GPU, none idle) gets a GPU that one other app uses alone
+        as part of a split over several GPUs: that app is consolidated onto its other GPUs (its
+        shares there rescaled to the DR total, pushed to it) and the newcomer goes whole onto the
+        GPU it leaves. The newcomer's own GPU first if it is such a GPU, else the lowest index.
+        None if there is none, or no such change respects both apps' constraints."""
+        config = snapshot.config
+        users: list[list[tuple[AppView, DataRatio | None]]] = [[] for _ in range(config.gpu_count)]
+        for view in snapshot.apps:
+            if view.name != me.name:
+                theirs = current_ratio(view, config)  # None: a DR that does not fit this server
+                for gpu in view.ratio.used:
+                    if gpu < config.gpu_count:
+                        users[gpu].append((view, theirs))
+        mine = set(ratio.used)
+        for gpu in sorted(range(config.gpu_count), key=lambda index: (index not in mine, index)):
+            if len(users[gpu]) != 1:
+                continue
+            split, theirs = users[gpu][0]
+            if theirs is None or len(theirs.used) < 2 or self.protected(split.name):
+                continue
+            rest = [share if index != gpu else 0 for index, share in enumerate(theirs.shares)]
+            consolidated = DataRatio.from_weights(rest, config.dr_total)
+            candidate = DataRatio.single(config.gpu_count, gpu, config.dr_total)
+            if violations(split, consolidated, config) or violations(me, candidate, config):
+                continue
+            track = self._track(split)
+            track.last_move = _Move(theirs, consolidated, split.iteration, 0.0,
+                                    quiet=self.config.protect_windows, checked=True)
+            track.moves[split.epoch] = track.moves.get(split.epoch, 0) + 1
+            decision = Decision.of(me.name, candidate, "place", gpu=gpu, utilization=snapshot.utilization[gpu],
+                                   yielded_by=split.name)
+            return replace(decision, others=MappingProxyType({split.name: consolidated}))
+        return None
 
     def _locked_gpus(self, app: str, live: set[str]) -> set[int]:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
