@@ -529,8 +529,7 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
 
     assert set(MIN_IMAGE_SIZE) == set(MODELS)
 
-    def trains(model: str, side: int, samples: int) -> bool:
-        network = getattr(torchvision.models, model)(weights=None, num_classes=10)
+    def trains(network: torch.nn.Module, side: int, samples: int) -> bool:
         try:
             network(torch.randn(samples, 3, side, side)).sum().backward()
         except (RuntimeError, ValueError):
@@ -538,9 +537,10 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
         return True
 
     for model, (shared, alone) in MIN_IMAGE_SIZE.items():
+        network = getattr(torchvision.models, model)(weights=None, num_classes=10)  # built once: the slow part
         for side, samples in ((shared, 2), (alone, 1)):
-            assert trains(model, side, samples), (model, side, samples)
-            assert side == 1 or not trains(model, side - 1, samples), (model, side - 1, samples)
+            assert trains(network, side, samples), (model, side, samples)
+            assert side == 1 or not trains(network, side - 1, samples), (model, side - 1, samples)
 
 
 @pytest.mark.timeout(120)
