@@ -23,7 +23,8 @@ setup(
     install_requires=["torch", "posix-ipc>=1.1", "nvidia-ml-py", "prometheus-client>=0.17", "tqdm", "numpy", "scipy"],
     extras_require={
         "examples": ["torchvision", "matplotlib"],
-        "test": ["pytest", "numpy", "pytest-timeout", "hypothesis", "torchvision", "matplotlib", "ruff"],
+        "test": ["pytest", "pytest-xdist", "numpy", "pytest-timeout", "hypothesis", "torchvision", "matplotlib",
+                 "ruff"],
     },
     entry_points={
         "console_scripts": [

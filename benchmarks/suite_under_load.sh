@@ -22,9 +22,9 @@ trap 'kill $burner1 $burner2' EXIT
 for pass in 1 2 3; do
   start=$(date +%s)
   if [ "$pass" = 1 ]; then
-    command="python3 -m venv .venv && .venv/bin/python -m pip install -q -e '.[test]' && .venv/bin/ruff check . && .venv/bin/python -m pytest -q"
+    command="python3 -m venv .venv && .venv/bin/python -m pip install -q -e '.[test]' && .venv/bin/ruff check . && .venv/bin/python -m pytest -q -n 2"
   else
-    command=".venv/bin/ruff check . && .venv/bin/python -m pytest -q"
+    command=".venv/bin/ruff check . && .venv/bin/python -m pytest -q -n 2"
   fi
   bash -c "$command" > "$work/pass$pass.txt" 2>&1
   status=$?

@@ -17,7 +17,7 @@ def test_ci_runs_the_readmes_test_command_verbatim_with_ruff():
           if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
     assert len(ci) == 1
     assert f"\n    {ci[0]}\n" in readme  # the README's indented command block, the same text
-    assert "ruff check ." in ci[0] and "pytest -q" in ci[0]
+    assert "ruff check ." in ci[0] and "pytest -q -n 2" in ci[0]  # the whole suite, in two processes (pytest-xdist)
 
 
 def install_requires() -> list[str]:
