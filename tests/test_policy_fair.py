@@ -116,8 +116,17 @@ def test_speeds_are_learned_from_a_split_only_where_it_compares_like_with_like()
 
     # alone on both GPUs, equal chunks: GPU 1 is half as fast
     assert learned(app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)) == pytest.approx(0.5, rel=0.05)
-    # another app on GPU 1: a's chunk there is stretched by that app, not (only) slow
-    assert learned(app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140), app("b", [0, 10], [0, 0.1], 0.15)) == 1.0
+    # another app on GPU 1 in both windows (measured there: a co-runner): a's chunk is stretched by it
+    beside = Predictor(2)
+    beside.observe([app("a", [10, 0], [0.1, 0], 0.15, iteration=100), app("b", [0, 10], [0, 0.1], 0.15)])
+    beside.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140), app("b", [0, 10], [0, 0.1], 0.15)])
+    assert beside.speed[1] == 1.0
+    # b's last window on GPU 2 but its DR (pushed before a's last window) on GPU 1: GPU 1 is claimed
+    pushed = replace(app("b", [0, 0, 10], [0, 0, 0.1], 0.15), ratio=DataRatio([0, 10, 0]))
+    sent = Predictor(3)
+    sent.observe([app("a", [10, 0, 0], [0.1, 0, 0], 0.15, iteration=100), pushed])
+    sent.observe([app("a", [5, 5, 0], [0.065, 0.13, 0], 0.2, iteration=140), pushed])
+    assert sent.speed[1] == 1.0
     # an app that was on GPU 1 at a's last window has left for GPU 2 since: part of a's window on
     # GPU 1 may have been shared with it (b unmeasured, so that it teaches nothing itself)
     def unmeasured(shares):
@@ -140,6 +149,22 @@ def test_speeds_are_learned_from_a_split_only_where_it_compares_like_with_like()
     fresh.observe([app("ref", [10, 0], [0.1, 0], 0.15, iteration=100)])
     fresh.observe([app("a", [5, 5], [0.065, 0.13], 0.2)])
     assert fresh.speed[1] == 1.0
+    # a GPU measured alone is not learned from a split: it is the better measurement (b measured
+    # GPU 1 and left; a's next window alone on GPU 0, then its split)
+    both = Predictor(2)
+    both.observe([app("a", [10, 0], [0.1, 0], 0.15, iteration=60), app("b", [0, 10], [0, 0.1], 0.15)])
+    both.forget(["a"])
+    both.observe([app("a", [10, 0], [0.1, 0], 0.15, iteration=100)])
+    both.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)])
+    assert both.speed[1] == pytest.approx(1.0, rel=0.01)
+    # a speed learned from one bad window moves back with windows that show the GPUs alike
+    back = Predictor(2)
+    back.observe([app("a", [10, 0], [0.1, 0], 0.15, iteration=100)])
+    back.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)])
+    assert back.speed[1] == pytest.approx(0.5, rel=0.05)
+    for window in range(5):
+        back.observe([app("a", [5, 5], [0.065, 0.065], 0.135, iteration=180 + 40 * window)])
+    assert back.speed[1] == pytest.approx(1.0, rel=0.05)
     # no GPU of the split has a speed measured alone: nothing to compare with
     unknown = Predictor(2)
     unknown.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=100)])
@@ -411,6 +436,7 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     assert found.branch == "place" and found.ratio == DataRatio([0, 10, 0]) and found.details["gpu"] == 1
     assert dict(found.others) == {"a": DataRatio([10, 0, 0])} and found.details["yielded_by"] == "a"
     assert policy.protected("a")  # the push is a move of a's: it stays put for its protected period
+    assert policy.tracks["a"].moves[split.epoch] == 1  # and counts towards its moves this epoch
     assert not violations(newcomer, found.ratio, PolicyConfig(3)) and not violations(split, found.others["a"],
                                                                                     PolicyConfig(3))
     # a newcomer on c's GPU (c alone, not split) goes onto the GPU a spread onto
@@ -439,6 +465,26 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     # the newcomer's constraints hold too: allowed only on GPU 2, it is not placed on GPU 0 or 1
     bound = replace(there, allowed=(2,))
     assert seen(split, c, gpus=3).decide("b", "register", snapshot(split, c, bound, gpus=3)).branch == "no-measurement"
+    # a split app in its protected period (it just moved) is left alone
+    moving = seen(split, c, gpus=3)
+    moving.tracks["a"].last_move = _Move(DataRatio([10, 0, 0]), DataRatio([5, 5, 0]), 490, 0.15, quiet=1)
+    assert moving.decide("b", "register", snapshot(split, c, newcomer, gpus=3)).branch == "no-measurement"
+    # a DR banned for the app (undone lately) is not pushed to it: GPU 1 alone is, from GPU 0
+    banned = seen(split, c, gpus=3)
+    banned.tracks["a"].banned[(10, 0, 0)] = 10**6
+    found = banned.decide("b", "register", snapshot(split, c, newcomer, gpus=3))
+    assert found.ratio == DataRatio([10, 0, 0]) and dict(found.others) == {"a": DataRatio([0, 10, 0])}
+    # no more load onto a GPU another app's move is being measured on (locked): c just moved onto
+    # GPU 0 beside a, so a is not consolidated there, and GPU 1 stays a's
+    joined = app("c", [10, 0, 0], [0.12, 0, 0], 0.16, iteration=500)
+    d = app("d", [0, 0, 10], [0, 0, 0.12], 0.16, iteration=500)
+    scene = snapshot(split, joined, d, newcomer, gpus=3)
+    locked = seen(split, joined, d, gpus=3)
+    locked.tracks["c"].last_move = _Move(DataRatio([0, 0, 10]), DataRatio([10, 0, 0]), 490, 0.15)
+    found = locked.decide("b", "register", scene)
+    assert found.branch == "no-measurement" and not found.others
+    found = seen(split, joined, d, gpus=3).decide("b", "register", scene)  # c's move measured: a goes back
+    assert dict(found.others) == {"a": DataRatio([10, 0, 0])}
 
 
 def test_a_job_resumed_from_a_checkpoint_counts_as_settled_only_after_running_60_s():

@@ -227,7 +227,9 @@ class FairPolicy:
         as part of a split over several GPUs: that app is consolidated onto its other GPUs (its
         shares there rescaled to the DR total, pushed to it) and the newcomer goes whole onto the
         GPU it leaves. The newcomer's own GPU first if it is such a GPU, else the lowest index.
-        None if there is none, or no such change respects both apps' constraints."""
+        Not an app in its protected period, nor to a DR banned for it (undone lately), nor with
+        more load onto a GPU locked by another app's unmeasured move (``_locked_gpus``). None if
+        there is none, or no such change respects both apps' constraints."""
         config = snapshot.config
         users: list[list[tuple[AppView, DataRatio | None]]] = [[] for _ in range(config.gpu_count)]
         for view in snapshot.apps:
@@ -237,6 +239,7 @@ class FairPolicy:
                     if gpu < config.gpu_count:
                         users[gpu].append((view, theirs))
         mine = set(ratio.used)
+        locked = self._locked_gpus(me.name, {view.name for view in snapshot.apps})
         for gpu in sorted(range(config.gpu_count), key=lambda index: (index not in mine, index)):
             if len(users[gpu]) != 1:
                 continue
@@ -248,6 +251,8 @@ class FairPolicy:
             candidate = DataRatio.single(config.gpu_count, gpu, config.dr_total)
             if violations(split, consolidated, config) or violations(me, candidate, config):
                 continue
+            if self.banned(split, consolidated) or locked.intersection(_gained(theirs, consolidated)):
+                continue  # a DR it undid lately, or more load where another app's move is being measured
             track = self._track(split)
             track.last_move = _Move(theirs, consolidated, split.iteration, 0.0,
                                     quiet=self.config.protect_windows, checked=True)

@@ -18,7 +18,9 @@ The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs u
   host time (the solo run is, by definition, alone on one reference GPU). ``phi`` is the part of
   a chunk's time that does not shrink with its size (prior 0.3; from the linear fits in
   docs/calibration.md).
-- ``speed_g`` is learned from apps alone on GPU g with their whole batch (default 1).
+- ``speed_g`` is learned from apps alone on GPU g with their whole batch (default 1), and for a GPU
+  never measured so, from an app split over it and a measured GPU, alone on both
+  (``_learn_relative_speeds``).
 - ``duty_jg`` is the fraction of time app j keeps GPU g busy (its chunk time there over its
   iteration time), and ``kappa_ij`` how much app i's chunk stretches per unit of that: learned
   per pair of apps, by a normalised least-mean-squares step, from every measured chunk time of
@@ -264,6 +266,8 @@ class Predictor:
         if own is None:
             own = self._own_changes[name] = [0] * self.gpu_count
         for gpu in set(before).symmetric_difference(used):
+            if gpu >= self.gpu_count:  # a DR that does not fit this server (the policy refuses it)
+                continue
             self._occupancy[gpu] += 1
             own[gpu] += 1
         if used:
@@ -370,18 +374,22 @@ class Predictor:
         same number of samples (within ``SAME_CHUNK_SAMPLES``) take times inversely proportional to
         their GPUs' speeds, whatever the app's work and the size factor's ``phi``. Only GPUs on which
         no other app arrived or left during the window (``quiet``: a chunk stretched by an app that
-        has since left made a GPU of a uniform server look 14% slower), and only where the chunks
-        show the two GPUs' speeds apart by more than ``SPEED_TOLERANCE`` (a speed measured alone
-        carries the error of the app's host-time estimate, up to 13% in a uniform server: GPUs
-        shown to be alike keep what they had rather than take on the reference's error).
+        has since left made a GPU of a uniform server look 14% slower) and that no other app's DR
+        uses now, and the first time only where the chunks show the two GPUs' speeds apart by more
+        than ``SPEED_TOLERANCE`` (a speed measured alone carries the error of the app's host-time
+        estimate, up to 13% in a uniform server: GPUs shown to be alike keep what they had rather
+        than take on the reference's error). Once compared, every such window counts (blended), so
+        a speed learned from one bad window moves back.
 
         Until 2026-11-28 speeds were learned only from apps alone on a GPU with their whole batch:
         a job split 5:5 over a full-speed and a half-speed GPU measured its iteration 31% slower
         than predicted, the per-app correction took the miss for the whole app, and the policy
         then predicted the single GPU it had left 25% slower than measured there and kept the
         split to the end (random mix 165, docs/policy-experiments.md)."""
-        alone = [gpu for gpu, others in co_runners.items()
-                 if not others and gpu in quiet and view.chunk_seconds[gpu] and placement[gpu] > 0]
+        claimed = {gpu for name, gpus in self._occupants.items() if name != view.name for gpu in gpus}
+        alone = [gpu for gpu, others in co_runners.items()  # no other app measured there, nor sent there since
+                 if not others and gpu not in claimed and gpu in quiet and view.chunk_seconds[gpu]
+                 and placement[gpu] > 0]
         references = [gpu for gpu in alone if self._speed_measured[gpu]]
         if not references or len(alone) < 2:
             return
@@ -392,7 +400,7 @@ class Predictor:
                 continue
             relative = (seconds / view.chunk_seconds[gpu]) * (
                 self.size_factor(placement[gpu], batch) / self.size_factor(size, batch))
-            if abs(relative - 1.0) <= SPEED_TOLERANCE:
+            if abs(relative - 1.0) <= SPEED_TOLERANCE and not self._speed_compared[gpu]:
                 continue  # as fast as the reference, within the noise of one window: nothing new
             measured = min(SPEED_BOUNDS[1], max(SPEED_BOUNDS[0], self.speed[reference] * relative))
             known = self.speed[gpu] if self._speed_compared[gpu] else None
