@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
 from drbalance.policy.fair import FairConfig, FairPolicy, _Move, _Search, _Track
 from drbalance.policy.fsched import FSchedPolicy
-from drbalance.policy.predictor import Predictor, PredictorConfig, predicted_slowdown
+from drbalance.policy.predictor import SPEED_TOLERANCE, Predictor, PredictorConfig, predicted_slowdown
 from drbalance.ratio import DataRatio
 
 SOLO_ITERATION = 0.15  # host 0.05 + device work 0.10 alone on a speed-1 GPU
@@ -170,6 +170,38 @@ def test_speeds_are_learned_from_a_split_only_where_it_compares_like_with_like()
     unknown.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=100)])
     unknown.observe([app("a", [5, 5], [0.065, 0.13], 0.2, iteration=140)])
     assert unknown.speed == [1.0, 1.0]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(2, 4).flatmap(lambda gpus: st.tuples(
+    st.lists(st.sampled_from([1.0, 0.95, 1.08, 0.75, 0.5, 0.3, 2.0]), min_size=gpus - 1, max_size=gpus - 1),
+    st.sets(st.integers(1, gpus - 1), min_size=1), st.sampled_from([0.1, 0.125, 0.08]))))
+def test_an_even_split_teaches_each_unmeasured_gpu_its_speed_relative_to_the_measured_one(case):
+    # GPU 0 is measured alone first (a chunk of 0.1 s of the app's 0.1 s of work: speed 1; 0.125 s:
+    # 0.8); the app then splits its batch evenly (12 samples per GPU) over GPU 0 and the drawn
+    # GPUs, each chunk taking time inversely proportional to its GPU's drawn speed relative to GPU
+    # 0. Each GPU of the split learns GPU 0's speed times that relative speed where it differs from
+    # 1 by more than SPEED_TOLERANCE; no other GPU changes, GPU 0 included.
+    others, spread, alone = case
+    speeds, used = [1.0, *others], [0, *sorted(spread)]
+    gpus = len(speeds)
+    predictor = Predictor(gpus)
+    predictor.observe([app("a", [10 if gpu == 0 else 0 for gpu in range(gpus)],
+                           [alone if gpu == 0 else 0 for gpu in range(gpus)], 0.05 + alone, iteration=100)])
+    reference = predictor.speed[0]
+    assert reference == pytest.approx(0.1 / alone)
+    ratio = DataRatio([1 if gpu in used else 0 for gpu in range(gpus)], len(used))
+    chunks = tuple(0.06 / speeds[gpu] if gpu in used else None for gpu in range(gpus))
+    predictor.observe([AppView("a", ratio, 1.2, iteration=140, iterations_total=ITERATIONS,
+                               iteration_time=0.05 + 0.02 * (len(used) - 1) + max(c for c in chunks if c),
+                               solo_time=ITERATIONS * SOLO_ITERATION, batch=12 * len(used), chunk_seconds=chunks,
+                               chunk_samples=tuple(12.0 if gpu in used else 0.0 for gpu in range(gpus)))])
+    assert predictor.speed[0] == reference
+    for gpu in range(1, gpus):
+        if gpu in used and abs(speeds[gpu] - 1.0) > SPEED_TOLERANCE:
+            assert predictor.speed[gpu] == pytest.approx(reference * speeds[gpu], rel=1e-9), (gpu, speeds)
+        else:
+            assert predictor.speed[gpu] == 1.0, (gpu, speeds)
 
 
 def test_a_move_the_job_never_ran_holds_no_gpu_and_no_protected_period():
@@ -485,6 +517,60 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     assert found.branch == "no-measurement" and not found.others
     found = seen(split, joined, d, gpus=3).decide("b", "register", scene)  # c's move measured: a goes back
     assert dict(found.others) == {"a": DataRatio([10, 0, 0])}
+
+
+@st.composite
+def split_app_scenes(draw):
+    """A server with no idle GPU: one app split over two GPUs or more (its shares drawn, with
+    random constraints), every other GPU held whole by another app, up to two more apps whole on
+    any GPU (the split app's too), and a newcomer registering on any GPU (random allowed GPUs)."""
+    gpus = draw(st.integers(2, 4))
+    spread = sorted(draw(st.sets(st.integers(0, gpus - 1), min_size=2, max_size=gpus)))
+    shares = [draw(st.integers(1, 9)) if gpu in spread else 0 for gpu in range(gpus)]
+    ratio = DataRatio.from_weights(shares, 10)
+    used = ratio.used  # a share of 1 may round to none: a "split" may end on one GPU
+    sizes = ratio.split(32)
+    split = app("a", ratio.shares, [0.02 + 0.1 * n / 32 for n in sizes], 0.2, iteration=500,
+                max_share=draw(st.one_of(st.none(), st.tuples(*[st.one_of(st.none(), st.integers(0, 10))] * gpus))),
+                min_share=draw(st.sampled_from([0, 0, 0, 3, 6])))
+    held = [gpu for gpu in range(gpus) if gpu not in used] + draw(st.lists(st.integers(0, gpus - 1), max_size=2))
+    whole = [app(f"w{number}", [10 if index == gpu else 0 for index in range(gpus)],
+                 [0.12 if index == gpu else 0 for index in range(gpus)], 0.16, iteration=500)
+             for number, gpu in enumerate(held)]
+    arrives_on = draw(st.integers(0, gpus - 1))
+    allowed = draw(st.one_of(st.none(), st.sets(st.integers(0, gpus - 1), min_size=1).map(lambda g: tuple(sorted(g)))))
+    if allowed is not None and arrives_on not in allowed:
+        allowed = tuple(sorted({*allowed, arrives_on}))
+    newcomer = AppView("b", DataRatio.single(gpus, arrives_on, 10), None, iterations_total=100, solo_time=15.0,
+                       batch=32, allowed=allowed)
+    return gpus, split, whole, newcomer
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_given_to_a_newcomer_is_its_alone_and_both_apps_constraints_hold():
+    placed = []
+
+    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(split_app_scenes())
+    def run(scene):
+        gpus, split, whole, newcomer = scene
+        config = PolicyConfig(gpus)
+        found = seen(split, *whole, gpus=gpus).decide("b", "register", snapshot(split, *whole, newcomer, gpus=gpus,
+                                                                                util=[90.0] * gpus))
+        assert found.ratio == newcomer.ratio or not violations(newcomer, found.ratio, config)
+        if "yielded_by" not in found.details:
+            assert not found.others  # nothing else moves a newcomer's registration
+            return
+        placed.append(found)
+        gpu = found.details["gpu"]
+        assert found.branch == "place" and found.ratio == DataRatio.single(gpus, gpu, 10)
+        assert dict(found.others).keys() == {"a"} and gpu in split.ratio.used  # only the split app gave it up
+        pushed = found.others["a"]
+        assert not violations(split, pushed, config) and set(pushed.used) <= set(split.ratio.used) - {gpu}
+        assert gpu not in pushed.used and all(gpu not in view.ratio.used for view in whole)  # the newcomer's alone
+
+    run()
+    assert len(placed) >= 10, len(placed)  # the rule was exercised, not only its refusals
 
 
 def test_a_job_resumed_from_a_checkpoint_counts_as_settled_only_after_running_60_s():
