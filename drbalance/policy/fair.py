@@ -116,6 +116,12 @@ class _Track:
     moves: dict[int, int] = field(default_factory=dict)  # epoch -> moves made in it
     banned: dict[tuple[int, ...], int] = field(default_factory=dict)  # shares -> banned until this iteration
 
+    def record(self, move: _Move, epoch: int) -> None:
+        """A move made to the app in its ``epoch`` (its own, a revert or a push): judged and protected
+        as its last move, and counted towards its moves that epoch."""
+        self.last_move = move
+        self.moves[epoch] = self.moves.get(epoch, 0) + 1
+
 
 class FairPolicy:
     """See the module docstring."""
@@ -177,10 +183,8 @@ class FairPolicy:
         others = {other: their for other, their in changes.items() if other != app}
         for other, their in others.items():  # pushed to them now: each is a move of theirs too
             view = snapshot.app(other)
-            partner = self._track(view)
-            partner.last_move = _Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
-                                      quiet=self.config.protect_windows)
-            partner.moves[view.epoch] = partner.moves.get(view.epoch, 0) + 1
+            self._track(view).record(_Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
+                                           quiet=self.config.protect_windows), view.epoch)
         branch = "move" if not others else "swap" if len(others) == 1 else "plan"
         decision = self._move(me, ratio, changes, branch, search, track, gain, partners=sorted(others))
         return replace(decision, others=MappingProxyType(others))
@@ -253,10 +257,8 @@ class FairPolicy:
                 continue
             if self.banned(split, consolidated) or locked.intersection(_gained(theirs, consolidated)):
                 continue  # a DR it undid lately, or more load where another app's move is being measured
-            track = self._track(split)
-            track.last_move = _Move(theirs, consolidated, split.iteration, 0.0,
-                                    quiet=self.config.protect_windows, checked=True)
-            track.moves[split.epoch] = track.moves.get(split.epoch, 0) + 1
+            self._track(split).record(_Move(theirs, consolidated, split.iteration, 0.0,
+                                            quiet=self.config.protect_windows, checked=True), split.epoch)
             decision = Decision.of(me.name, candidate, "place", gpu=gpu, utilization=snapshot.utilization[gpu],
                                    yielded_by=split.name)
             return replace(decision, others=MappingProxyType({split.name: consolidated}))
@@ -439,9 +441,8 @@ class FairPolicy:
         mover is predicted with its partner gone from the GPU it joins."""
         new = changes[me.name]
         predicted = search.predicted_time(me.name, changes)
-        track.last_move = _Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
-                                novel=search.puts_strangers_together(changes))
-        track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
+        track.record(_Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
+                           novel=search.puts_strangers_together(changes)), me.epoch)
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
@@ -492,9 +493,8 @@ class FairPolicy:
         if found is None:
             return None
         track.banned[move.after.shares] = me.iteration + self.config.ban_windows * max(1, track.window)
-        track.moves[me.epoch] = track.moves.get(me.epoch, 0) + 1
-        track.last_move = _Move(move.after, move.before, me.iteration, 0.0, quiet=self.config.protect_windows,
-                                checked=True)
+        track.record(_Move(move.after, move.before, me.iteration, 0.0, quiet=self.config.protect_windows,
+                           checked=True), me.epoch)
         return Decision.of(me.name, move.before, "revert", gain=found.gain, **details)
 
 
