@@ -386,10 +386,12 @@ class Predictor:
         than predicted, the per-app correction took the miss for the whole app, and the policy
         then predicted the single GPU it had left 25% slower than measured there and kept the
         split to the end (random mix 165, docs/policy-experiments.md)."""
+        alone = [gpu for gpu, others in co_runners.items()  # no other app measured there
+                 if not others and gpu in quiet and view.chunk_seconds[gpu] and placement[gpu] > 0]
+        if len(alone) < 2:  # most split windows in a crowd; before the claims, a pass over every app
+            return
         claimed = {gpu for name, gpus in self._occupants.items() if name != view.name for gpu in gpus}
-        alone = [gpu for gpu, others in co_runners.items()  # no other app measured there, nor sent there since
-                 if not others and gpu not in claimed and gpu in quiet and view.chunk_seconds[gpu]
-                 and placement[gpu] > 0]
+        alone = [gpu for gpu in alone if gpu not in claimed]  # nor another app sent there since
         references = [gpu for gpu in alone if self._speed_measured[gpu]]
         if not references or len(alone) < 2:
             return
