@@ -2,6 +2,7 @@
 
 import json
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -52,8 +53,6 @@ def simulated(name: str, label: str):
 def paper_results():
     """Every variant of a, b and c, simulated in two processes (CI has two cores) and kept for the
     module's other tests (``simulated``)."""
-    from concurrent.futures import ProcessPoolExecutor
-
     jobs = [(name, label) for name in ("a", "b", "c") for label in VARIANTS]
     with ProcessPoolExecutor(2) as pool:
         for job, result in zip(jobs, pool.map(_simulated_job, jobs)):
