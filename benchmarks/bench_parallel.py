@@ -23,7 +23,7 @@ from torch import nn
 from benchmarks.timing import add_no_write, interleaved_medians, save, summary
 from drbalance import DataRatio
 from drbalance.argtypes import positive_int
-from drbalance.client import BalancedDataParallel
+from drbalance.client import BalancedDataParallel, CudaBackend
 from drbalance.client.buffers import BufferMerge, tracked_buffers
 
 
@@ -112,6 +112,9 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     data_parallel = nn.DataParallel(model, device_ids=devices)
     even = DataRatio([1] * len(devices), len(devices))
     wrapped = BalancedDataParallel(model, device_ids=devices, ratio=even)
+    forward_timed = BalancedDataParallel(model, device_ids=devices, ratio=even,
+                                         backend=CudaBackend(time_backward=False))
+    every_step = BalancedDataParallel(model, device_ids=devices, ratio=even, backend=CudaBackend(backward_every=1))
 
     def synced(runner: nn.Module):
         def run() -> None:
@@ -121,10 +124,18 @@ def bench_gpu(args: argparse.Namespace) -> dict:
         return run
 
     samples = interleaved_medians(
-        {"data_parallel": synced(data_parallel), "balanced": synced(wrapped)}, repeats=args.repeats
+        {"data_parallel": synced(data_parallel), "balanced": synced(wrapped),
+         "balanced_forward_timed_only": synced(forward_timed),
+         "balanced_backward_timed_every_step": synced(every_step)},
+        repeats=args.repeats,
     )
     result = _ratios(samples, baseline="data_parallel", candidate="balanced")
     result["gpus"] = len(devices)
+    # the cost of timing each replica's backward (two autograd hooks and two events per replica
+    # on a timed step; the default times one step in 8)
+    for variant in ("forward_timed_only", "backward_timed_every_step"):
+        result[f"{variant}_median_ratio"] = (
+            result["seconds"][f"balanced_{variant}"]["median"] / result["seconds"]["data_parallel"]["median"])
     return result
 
 
@@ -142,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=30, help="timed repeats per candidate (default 30)")
     parser.add_argument("--fixed-costs-only", action="store_true",
                         help="measure only the per-step fixed costs (buffer merge, train_step call), not whole steps")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="measure only the GPU comparison (skips the CPU path, which is slow for big models)")
     add_no_write(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.gpu_only:
+        return _gpu_only(args, argv)
     costs = fixed_costs(args)
     print(f"fixed costs ({args.model}): buffer merge of a 4-chunk forward {costs['buffer_merge']:.1f} us "
           f"({costs['buffer_merge_values_only']:.1f} us merging the values alone), "
@@ -157,14 +172,29 @@ def main(argv: list[str] | None = None) -> int:
           f"target <= 5%); through train_step: {payload['cpu_path']['train_step_median_ratio']:.4f}")
     if torch.cuda.is_available():
         payload["gpu"] = bench_gpu(args)
-        gpu = payload["gpu"]
-        print(f"GPU ({gpu['gpus']} GPU(s)): BalancedDataParallel / nn.DataParallel = {gpu['median_ratio']:.4f} "
-              f"(overhead {gpu['overhead_percent']:+.2f}%, target <= 2%)")
+        _print_gpu(payload["gpu"])
     else:
         payload["gpu"] = "not measured: CUDA is not available on this machine"
         print("GPU: not measured (CUDA is not available on this machine)")
     name = f"parallel_overhead_{args.model}" + ("_gpu" if torch.cuda.is_available() else "_cpu")
     save(name, "benchmarks.bench_parallel", argv, payload, args.no_write)
+    return 0
+
+
+def _print_gpu(gpu: dict) -> None:
+    print(f"GPU ({gpu['gpus']} GPU(s)): BalancedDataParallel / nn.DataParallel = {gpu['median_ratio']:.4f} "
+          f"(overhead {gpu['overhead_percent']:+.2f}%, target <= 2%); with the forward alone timed: "
+          f"{gpu['forward_timed_only_median_ratio']:.4f}; with the backward timed on every step: "
+          f"{gpu['backward_timed_every_step_median_ratio']:.4f}")
+
+
+def _gpu_only(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if not torch.cuda.is_available():
+        print("GPU: not measured (CUDA is not available on this machine)")
+        return 2
+    payload = {"args": vars(args), "gpu": bench_gpu(args)}
+    _print_gpu(payload["gpu"])
+    save(f"parallel_overhead_{args.model}_gpu", "benchmarks.bench_parallel", argv, payload, args.no_write)
     return 0
 
 

@@ -165,3 +165,83 @@ def test_two_gpus_batchnorm_buffers_advance_once_and_0_dim_arguments_are_broadca
 
     out = BalancedDataParallel(Scaled().cuda(), device_ids=[0, 1], ratio=[5, 5])(x, torch.tensor(2.0, device="cuda:0"))
     torch.testing.assert_close(out, x * 2)
+
+
+# --- a chunk time covers the forward and the backward (2026-11-28) ------------------------------
+
+def heavy_model() -> nn.Module:
+    """Matrix products big enough that device time dwarfs launches: a backward costs about twice
+    the forward."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, 10)).cuda()
+
+
+def test_a_chunk_time_adds_the_backward_once_it_has_run_and_learns_the_last_gradient():
+    wrapped = BalancedDataParallel(heavy_model(), device_ids=[0], ratio=[10], backend=CudaBackend(backward_every=1))
+    x = torch.randn(4096, 2048, device="cuda")
+    for _ in range(3):  # warm-up; the first backward is the probe with a hook on every parameter
+        wrapped(x).sum().backward()
+    torch.cuda.synchronize()
+    last = wrapped.backend.last_gradient
+    assert (last.module, last.key) in (("0", "weight"), ("0", "bias"))  # the first layer gets it last
+    out = wrapped(x)
+    (forward_only,) = wrapped.last_replica_timings()  # before the backward: the forward alone, not final
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out.sum().backward()
+    end.record()
+    torch.cuda.synchronize()
+    backward = start.elapsed_time(end) / 1000.0
+    (whole,) = wrapped.last_replica_timings()
+    assert whole.seconds > 1.8 * forward_only.seconds  # 3 products of 2048 x 2048 in the backward, 2 forward
+    assert 0.8 * (forward_only.seconds + backward) < whole.seconds < 1.2 * (forward_only.seconds + backward)
+    assert wrapped.last_replica_timings()[0] == whole  # final now: read again, the same
+    assert wrapped.module[0].weight._backward_hooks in (None, {})  # nothing stays on the module's parameters
+    import copy
+    import io
+
+    copy.deepcopy(wrapped.module)
+    torch.save(wrapped.module, io.BytesIO())
+
+
+def test_between_timed_backwards_a_chunk_time_is_the_forward_scaled_by_the_measured_share():
+    wrapped = BalancedDataParallel(heavy_model(), device_ids=[0], ratio=[10], backend=CudaBackend(backward_every=4))
+    x = torch.randn(4096, 2048, device="cuda")
+    totals = []
+    for _ in range(8):  # steps 0 and 4 time their backward; the others scale their forward
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        wrapped(x).sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        totals.append((start.elapsed_time(end) / 1000.0, wrapped.last_replica_timings()[0].seconds))
+    share = wrapped.backend.backward_shares.share[0]
+    assert 1.2 < share < 2.5  # 3 products of 2048 x 2048 in the backward, 2 in the forward
+    for step, (total, chunk) in enumerate(totals[1:], start=1):
+        assert 0.8 * total < chunk < 1.2 * total, (step, total, chunk)
+
+
+def test_without_a_backward_a_chunk_time_is_the_forward_and_is_final():
+    wrapped = BalancedDataParallel(heavy_model(), device_ids=[0], ratio=[10])
+    x = torch.randn(1024, 2048, device="cuda")
+    with torch.no_grad():
+        wrapped(x)
+    (first,) = wrapped.last_replica_timings()
+    assert first.seconds > 0 and wrapped.last_replica_timings()[0] == first
+    assert wrapped.backend.last_gradient.module is None  # no backward: nothing learned
+
+
+@needs_two_gpus
+def test_two_gpus_each_replica_times_its_own_backward():
+    wrapped = BalancedDataParallel(heavy_model(), device_ids=[0, 1], ratio=[2, 8],
+                                   backend=CudaBackend(backward_every=1))
+    x = torch.randn(4096, 2048, device="cuda:0")
+    for _ in range(3):
+        wrapped(x).sum().backward()
+    out = wrapped(x)
+    forward = [t.seconds for t in wrapped.last_replica_timings()]
+    out.sum().backward()
+    small, large = wrapped.last_replica_timings()
+    assert small.seconds > 1.8 * forward[0] and large.seconds > 1.8 * forward[1]
+    assert large.seconds > 2 * small.seconds  # 8 shares against 2: the chunk times follow the samples

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel.replicate import replicate
 
 from drbalance.client.buffers import BufferMerge, any_training, tracked_buffers
+from drbalance.client.cuda_timing import BACKWARD_EVERY, BackwardShares, CudaReplicaTimer, LastGradient
 from drbalance.client.scatter_gather import (
     check_gatherable,
     cpu_splitter,
@@ -337,6 +338,20 @@ class CudaBackend(DeviceBackend):
 
     kind = "cuda"
 
+    def __init__(self, time_backward: bool = True, backward_every: int = BACKWARD_EVERY) -> None:
+        """``time_backward``: count each replica's backward in its chunk time (the default; False
+        times the forward alone, for comparison: ``benchmarks/cuda_chunk_time.py``), timing it on
+        one training forward in ``backward_every`` (1: every one) and scaling the forward by the
+        last measured share on the others (``drbalance.client.cuda_timing``)."""
+        if backward_every < 1:
+            raise ValueError(f"backward_every must be at least 1, not {backward_every}")
+        self.time_backward = time_backward
+        self.backward_every = backward_every
+        self.last_gradient = LastGradient()
+        """Which parameter's gradient ends a replica's backward (learned once, see ``cuda_timing``)."""
+        self.backward_shares = BackwardShares()
+        self._training_forwards = 0
+
     def resolve_device_ids(self, device_ids, ratio_length):
         count = torch.cuda.device_count()
         if device_ids is None:
@@ -460,22 +475,34 @@ class CudaBackend(DeviceBackend):
         merge.finish()
 
     def parallel_apply(self, replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs):
-        """Run each replica on its GPU (one thread per GPU when several), timed by CUDA events."""
+        """Run each replica on its GPU (one thread per GPU when several), timed by CUDA events:
+        the forward, and when gradients are on, the backward to come (``drbalance.client.cuda_timing``)."""
         results: dict[int, Any] = {}
-        events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        timers: dict[int, CudaReplicaTimer] = {}
         grad_enabled, autocast_enabled = torch.is_grad_enabled(), torch.is_autocast_enabled()
+        shares = self.backward_shares if grad_enabled and self.time_backward else None
+        time_backward = False
+        if shares is not None:
+            shares.collect()  # the shares of earlier timed backwards that have finished (no waiting)
+            time_backward = self._training_forwards % self.backward_every == 0
+            self._training_forwards += 1
 
         def worker(position: int) -> None:
             torch.set_grad_enabled(grad_enabled)
             device = devices[position]
             try:
-                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)), \
+                stream = torch.cuda.current_stream(device)
+                with torch.cuda.device(device), torch.cuda.stream(stream), \
                         torch.amp.autocast("cuda", enabled=autocast_enabled):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    results[position] = replicas[position](*chunk_inputs[position], **chunk_kwargs[position])
+                    results[position] = output = replicas[position](*chunk_inputs[position], **chunk_kwargs[position])
                     end.record()
-                    events[position] = (start, end)
+                timer = CudaReplicaTimer(plan.slots[position], f"cuda:{device}", plan.sizes[position], stream,
+                                         start, end, shares)
+                if time_backward:
+                    timer.watch_backward(output, replicas[position], self.last_gradient)
+                timers[position] = timer
             except Exception as error:  # re-raised in the caller's thread below
                 results[position] = error
 
@@ -494,19 +521,7 @@ class CudaBackend(DeviceBackend):
                 reraise_in_replica(result, self.where(device_ids, plan, position), plan.slots[position],
                                    only_device=len(device_ids) == 1)
             outputs.append(result)
-        timings = [
-            _cuda_timing(plan.slots[p], f"cuda:{devices[p]}", plan.sizes[p], *events[p])
-            for p in range(len(replicas))
-        ]
-        return outputs, timings
-
-
-def _cuda_timing(slot: int, device: str, samples: int, start: Any, end: Any) -> Callable[[], ReplicaTiming]:
-    def resolve() -> ReplicaTiming:
-        end.synchronize()
-        return ReplicaTiming(slot, device, samples, start.elapsed_time(end) / 1000.0)
-
-    return resolve
+        return outputs, [timers[p] for p in range(len(replicas))]
 
 
 def output_target(output_device: int | torch.device | str) -> torch.device:

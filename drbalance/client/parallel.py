@@ -257,10 +257,15 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         return tuple(sizes)
 
     def last_replica_timings(self) -> list[ReplicaTiming]:
-        """Forward time of each replica in the last forward (waits for the GPU on first read)."""
+        """Device time of each replica in the last forward (waits for the GPU on first read).
+
+        On CUDA and emulated GPUs: the forward and, once it has run, the backward (read before the
+        backward, it is the forward alone); on the CPU: the forward's wall time.
+        """
         state = self._state
         resolved = [t if isinstance(t, ReplicaTiming) else t() for t in state.timings]
-        state.timings = resolved
+        # keep a CUDA timer whose backward has not run yet: a later read adds the backward
+        state.timings = [r if getattr(t, "pending", False) is False else t for t, r in zip(state.timings, resolved)]
         return resolved
 
     # --- devices and memory, for the manager --------------------------------------------------

@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReplicaTiming:
-    """How long one replica's forward took.
+    """How long one replica's chunk kept its device busy.
 
     ``slot`` is the index into the data ratio (and ``device_ids``); ``device`` names where it ran
-    (``cuda:2``, ``cpu``, ``emu:2``); ``samples`` is the chunk size; ``seconds`` the forward time
-    (CUDA events on a GPU, wall clock on the CPU; on emulated GPUs the wall time of the replica's
-    device phase: the wait for the emulated GPU and the emulated device time, not the real CPU
-    forward, which is host work there).
+    (``cuda:2``, ``cpu``, ``emu:2``); ``samples`` is the chunk size; ``seconds`` the device time:
+    on a GPU the forward and the backward by CUDA events (the forward alone until the backward
+    has run, or without one; ``drbalance.client.cuda_timing``); on emulated GPUs the wall time of
+    the replica's device phase, forward and backward: the wait for the emulated GPU and the
+    emulated device time, not the real CPU forward, which is host work there; on the CPU the
+    forward's wall clock.
     """
 
     slot: int
