@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu-results.md in one run, about 7 minutes on one H200, each step with
+# The GPU checks of docs/gpu-results.md in one run, about 7 minutes on one H200 (6 at 2026-11-28
+# before the profile was added), each step with
 # its own time limit so that one failure loses no other step's result.
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR
@@ -31,6 +32,10 @@ step "wrapper overhead against nn.DataParallel (benchmarks.bench_parallel --gpu-
 timeout 120 python3 -m benchmarks.bench_parallel --gpu-only --repeats 50
 echo "rc=$?"
 timeout 150 python3 -m benchmarks.bench_parallel --gpu-only --repeats 30 --model resnet50 --batch 64 --image 224
+echo "rc=$?"
+
+step "where the wrapper's host time goes (benchmarks.profile_wrapper, ResNet-18)"
+timeout 90 python3 -m benchmarks.profile_wrapper --steps 300 --top 30
 echo "rc=$?"
 
 step "real NVML: drbalance-manager --source nvml beside a training job on cuda:0"
