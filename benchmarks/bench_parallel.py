@@ -131,7 +131,7 @@ def bench_gpu(args: argparse.Namespace) -> dict:
     )
     result = _ratios(samples, baseline="data_parallel", candidate="balanced")
     result["gpus"] = len(devices)
-    # the cost of timing each replica's backward (two autograd hooks and two events per replica
+    # the cost of timing each replica's backward (an output hook, an end-of-backward callback and two events per replica
     # on a timed step; the default times one step in 8)
     for variant in ("forward_timed_only", "backward_timed_every_step"):
         result[f"{variant}_median_ratio"] = (

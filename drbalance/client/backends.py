@@ -16,6 +16,7 @@ slot's GPU UUID, and each slot's peak device memory.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -31,7 +32,7 @@ from torch import nn
 from torch.nn.parallel.replicate import replicate
 
 from drbalance.client.buffers import BufferMerge, any_training, tracked_buffers
-from drbalance.client.cuda_timing import BACKWARD_EVERY, BackwardShares, CudaReplicaTimer, LastGradient
+from drbalance.client.cuda_timing import BACKWARD_EVERY, BackwardShares, CudaReplicaTimer
 from drbalance.client.scatter_gather import (
     check_gatherable,
     cpu_splitter,
@@ -42,6 +43,8 @@ from drbalance.client.scatter_gather import (
     scatter_by_sizes,
 )
 from drbalance.client.timing import ReplicaTiming
+
+logger = logging.getLogger(__name__)
 
 CUDA_OOM_DEVICE = re.compile(r"GPU (\d+) has a total capacity")
 """Where torch's CUDA out-of-memory message names the device (``... GPU 2 has a total capacity ...``)."""
@@ -347,10 +350,10 @@ class CudaBackend(DeviceBackend):
             raise ValueError(f"backward_every must be at least 1, not {backward_every}")
         self.time_backward = time_backward
         self.backward_every = backward_every
-        self.last_gradient = LastGradient()
-        """Which parameter's gradient ends a replica's backward (learned once, see ``cuda_timing``)."""
         self.backward_shares = BackwardShares()
-        self._training_forwards = 0
+        self.training_forwards = 0
+        """Training forwards (gradients on) this backend has run."""
+        self._warned_untimed = False
 
     def resolve_device_ids(self, device_ids, ratio_length):
         count = torch.cuda.device_count()
@@ -474,6 +477,24 @@ class CudaBackend(DeviceBackend):
             merge.add(floats, others, size / batch)
         merge.finish()
 
+    def count_training_forward(self) -> bool:
+        """Count a training forward; True when its backward is to be timed: one training forward
+        in ``backward_every``, not the very first (it pays for the GPU's warm-up)."""
+        timed = self.training_forwards % self.backward_every == min(1, self.backward_every - 1)
+        self.training_forwards += 1
+        return timed
+
+    def _watch_backward(self, timer: CudaReplicaTimer, output: Any) -> None:
+        """Time the replica's backward; a failure to hook it leaves the forward alone timed (it
+        must never fail a forward that ran), with one warning per backend."""
+        try:
+            timer.watch_backward(output, lambda: self.training_forwards)
+        except Exception as error:  # noqa: BLE001 - any failure of the timing, not of the model
+            if not self._warned_untimed:
+                self._warned_untimed = True
+                logger.warning("drbalance: cannot time the backward on %s (%s); its chunk times cover the "
+                               "forward alone", timer.device, error)
+
     def parallel_apply(self, replicas, devices, device_ids, plan, chunk_inputs, chunk_kwargs):
         """Run each replica on its GPU (one thread per GPU when several), timed by CUDA events:
         the forward, and when gradients are on, the backward to come (``drbalance.client.cuda_timing``)."""
@@ -484,8 +505,7 @@ class CudaBackend(DeviceBackend):
         time_backward = False
         if shares is not None:
             shares.collect()  # the shares of earlier timed backwards that have finished (no waiting)
-            time_backward = self._training_forwards % self.backward_every == 0
-            self._training_forwards += 1
+            time_backward = self.count_training_forward()
 
         def worker(position: int) -> None:
             torch.set_grad_enabled(grad_enabled)
@@ -501,7 +521,7 @@ class CudaBackend(DeviceBackend):
                 timer = CudaReplicaTimer(plan.slots[position], f"cuda:{device}", plan.sizes[position], stream,
                                          start, end, shares)
                 if time_backward:
-                    timer.watch_backward(output, replicas[position], self.last_gradient)
+                    self._watch_backward(timer, output)
                 timers[position] = timer
             except Exception as error:  # re-raised in the caller's thread below
                 results[position] = error

@@ -3,25 +3,26 @@
 The manager's predictor reads a replica's chunk time as the GPU work of that chunk for one
 iteration, forward and backward (docs/policy.md), as the emulated GPUs measure it. Events
 around the replica's call time the forward only, and the backward is about two thirds of a
-training step's device work, so on CUDA the backward is timed too:
+training step's device work (0.325 of a ResNet-50 step was the forward on an H200), so on CUDA
+the backward is timed too, by two events on the replica's stream:
 
-- it starts when the gradient of the replica's output arrives (a hook on each output tensor
-  records an event on the replica's stream);
-- it ends when the gradient of the replica's last parameter is computed (an event from a
-  hook on that parameter: a tensor hook on a replica's copy, a post-hook on the gradient
-  accumulator of a module's own parameter, which dies with the graph and so never stays on
-  the parameter, where it would stop ``torch.save`` or ``copy.deepcopy`` of the module).
+- one when the gradient of the replica's output arrives (a hook on each output tensor that
+  has a ``grad_fn``: never on a leaf, where a hook would stay on the user's tensor);
+- one when that backward has finished, from a callback the hook queues on the autograd engine
+  (``queue_callback``, as DistributedDataParallel's reducer uses): by then every kernel of the
+  backward has been queued, so the event completes when the replica's stream has run its share
+  of them. On ``device_ids[0]`` that includes the reduction of the replicas' gradients into the
+  module's (DataParallel's own cost).
 
-Which parameter gets its gradient last is fixed by the model's graph. It is learned once per
-wrapper from a *probe* backward with a hook on every trainable parameter (:class:`LastGradient`);
-from then on each replica costs two hooks and a lookup by name, not one hook per parameter
-(each hook is a Python call in the backward: a probe of ResNet-50's 161 parameters cost about
-3 ms on a slow CPU) nor a walk over the model (about 0.3 ms for ResNet-18 on the same CPU).
+Nothing is hooked on the module's parameters, so nothing stays on them. When several forwards
+share one backward (a Siamese step, say), a timed forward's backward time is divided among the
+forwards made from it up to that backward (right when the timed forward is the first of them).
 
-Hooks and events cost host time in every step they are on (``benchmarks/bench_parallel.py``),
-so the backward is timed on one training forward in ``backward_every`` (the backend's choice,
-default :data:`BACKWARD_EVERY`); on the others a replica's chunk time is its forward times
-(1 + the backward's share measured last on its slot, :class:`BackwardShares`).
+Hooks and events cost host time in every step they are on (``benchmarks/bench_parallel.py``: +3%
+of a 7 ms ResNet-18 step when every step was timed), so the backward is timed on one training
+forward in ``backward_every`` (the backend's choice, default :data:`BACKWARD_EVERY`; not the
+first forward, which pays for the GPU's warm-up); on the others a replica's chunk time is its
+forward times (1 + the backward's share measured last on its slot, :class:`BackwardShares`).
 
 Without a backward (evaluation, ``torch.no_grad``, a loss never backpropagated), or before one
 was timed on the slot, a timing covers the forward alone.
@@ -33,7 +34,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from drbalance.client.timing import ReplicaTiming
 
@@ -41,59 +41,11 @@ BACKWARD_EVERY = 8
 """Time the backward on one training forward in this many (the others scale their forward)."""
 
 
-class LastGradient:
-    """Which of a model's trainable parameters gets its gradient last in a backward: the
-    name of its module (as ``named_modules`` gives it) and its key there, learned by a probe.
-
-    The name, not the tensor, is kept: a replica made by ``replicate`` has the module's tree
-    with new tensors each forward, and finding one parameter by name costs far less than
-    listing them all (the cost of a timed step, ``benchmarks/bench_parallel.py``).
-    """
-
-    def __init__(self) -> None:
-        self.module: str | None = None
-        self.key: str | None = None
-
-    def learn(self, where: tuple[str, str]) -> None:
-        """Record the parameter at ``where`` = (module name, key) as the last to get a gradient."""
-        self.module, self.key = where
-
-    def find(self, replica: nn.Module) -> torch.Tensor | None:
-        """The learned parameter in ``replica`` (the module itself or a copy of it), or None when
-        nothing is learned or the parameter is gone or no longer trained (a new probe then)."""
-        if self.module is None:
-            return None
-        try:
-            module = replica.get_submodule(self.module)
-        except AttributeError:
-            return None
-        tensor = _parameters_of(module).get(self.key)
-        return tensor if tensor is not None and tensor.requires_grad else None
-
-
-def _parameters_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    # a replica keeps its parameter copies in _former_parameters; __dict__, not getattr: a
-    # missing attribute costs nn.Module.__getattr__ an exception
-    return module.__dict__.get("_former_parameters") or module._parameters
-
-
-def trainable_parameters(replica: nn.Module) -> list[tuple[tuple[str, str], torch.Tensor]]:
-    """The parameters of a module, or of a replica made by ``replicate``, that require a gradient,
-    in module order, each with where it is: (module name, key)."""
-    seen: set[int] = set()
-    found = []
-    for name, module in replica.named_modules():
-        for key, tensor in _parameters_of(module).items():
-            if tensor is not None and tensor.requires_grad and id(tensor) not in seen:
-                seen.add(id(tensor))
-                found.append(((name, key), tensor))
-    return found
-
-
 def tensors_needing_grad(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output (nested in tuples, lists, dicts) that require a gradient."""
+    """The tensors in a module's output (nested in tuples, lists, dicts) that a backward reaches
+    through a ``grad_fn`` (a leaf, such as a parameter returned as it is, is left out)."""
     if isinstance(output, torch.Tensor):
-        if output.requires_grad:
+        if output.requires_grad and output.grad_fn is not None:
             yield output
     elif isinstance(output, (list, tuple)):
         for item in output:
@@ -108,7 +60,8 @@ class BackwardShares:
     timed backward. An untimed training forward's chunk time is ``forward * (1 + share)``.
 
     Timed replicas are collected without waiting for the GPU (``Event.query``): at the next
-    forward, whichever have finished their backward give their share.
+    forward, whichever have finished their backward give their share. Copies and pickles keep
+    the shares, not the timers waiting (they hold CUDA events, which do not pickle).
     """
 
     KEEP = 8
@@ -117,6 +70,9 @@ class BackwardShares:
     def __init__(self) -> None:
         self.share: dict[int, float] = {}
         self._timed: list[CudaReplicaTimer] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"share": dict(self.share), "_timed": []}
 
     def expect(self, timer: CudaReplicaTimer) -> None:
         """Collect ``timer``'s share once its backward has run."""
@@ -160,9 +116,10 @@ class CudaReplicaTimer:
         self.shares = shares
         self.backward_start: torch.cuda.Event | None = None
         self.backward_end: torch.cuda.Event | None = None
+        self.forwards_sharing = 1  # forwards whose backward ran with this one's (set at its end)
         self.watching = False
-        self._arrivals: list[tuple[str, str] | None] = []
-        self._probe: tuple[LastGradient, int] | None = None
+        self._count_forwards: Callable[[], int] | None = None
+        self._forward_number = 0
         self._result: ReplicaTiming | None = None
 
     @property
@@ -170,24 +127,17 @@ class CudaReplicaTimer:
         """True while a watched backward has not finished: the timing would be the forward alone."""
         return self.watching and self.backward_end is None
 
-    def watch_backward(self, output: Any, replica: nn.Module, last: LastGradient) -> None:
-        """Hook the backward of this replica: ``output`` is what ``replica`` returned. Does nothing
-        when no output tensor needs a gradient."""
+    def watch_backward(self, output: Any, count_forwards: Callable[[], int] | None = None) -> None:
+        """Time the backward that reaches ``output`` (what the replica returned). Does nothing
+        when no output tensor has a ``grad_fn``. ``count_forwards`` gives the training forwards
+        made so far (this one included): at the backward's end, those made since this one share it."""
         outputs = list(tensors_needing_grad(output))
         if not outputs:
             return
-        known = last.find(replica)
-        if known is not None:
-            watched = [(None, known)]
-        else:
-            watched = trainable_parameters(replica)
-            if not watched:
-                return
-            self._probe = (last, len(watched))
         for tensor in outputs:
             tensor.register_hook(self._on_output_gradient)
-        for where, tensor in watched:
-            _hook_gradient(tensor, where, self._on_parameter_gradient)
+        if count_forwards is not None:
+            self._count_forwards, self._forward_number = count_forwards, count_forwards()
         self.watching = True
         if self.shares is not None:
             self.shares.expect(self)
@@ -198,22 +148,20 @@ class CudaReplicaTimer:
         return event
 
     def _on_output_gradient(self, grad: torch.Tensor) -> None:
-        if self.backward_start is None:
+        if self.backward_start is None:  # the first backward through this forward (or output)
             self.backward_start = self._record()
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
-    def _on_parameter_gradient(self, where: tuple[str, str] | None) -> None:
-        if self._probe is not None:  # every parameter: the last one recorded is the end
-            self._arrivals.append(where)
-            self.backward_end = self._record()
-            last, count = self._probe
-            if len(self._arrivals) == count:  # every parameter had its gradient: learned now
-                last.learn(where)
-        elif self.backward_end is None:  # the first backward through this forward
+    def _on_backward_end(self) -> None:
+        if self.backward_end is None:
+            if self._count_forwards is not None:
+                self.forwards_sharing = max(1, self._count_forwards() - self._forward_number + 1)
             self.backward_end = self._record()
 
     def split(self, wait: bool) -> tuple[float, float] | None:
-        """(forward, backward) seconds of a timed replica whose backward has run; None before
-        that, or with ``wait=False`` while the GPU has not reached the backward's end."""
+        """(forward, backward) seconds of a timed replica whose backward has run (its share of a
+        backward several forwards shared); None before that, or with ``wait=False`` while the
+        GPU has not reached the backward's end."""
         start, end = self.backward_start, self.backward_end
         if start is None or end is None:
             return None
@@ -221,10 +169,9 @@ class CudaReplicaTimer:
             end.synchronize()
         elif not end.query():
             return None
-        if self._probe is not None and self._arrivals:  # some parameters had none: the last that did
-            self._probe[0].learn(self._arrivals[-1])
         forward = self.forward_start.elapsed_time(self.forward_end) / 1000.0
-        return forward, max(0.0, start.elapsed_time(end) / 1000.0)
+        backward = max(0.0, start.elapsed_time(end) / 1000.0) / self.forwards_sharing
+        return forward, backward
 
     def __call__(self) -> ReplicaTiming:
         if self._result is not None:
@@ -246,14 +193,3 @@ class CudaReplicaTimer:
         if final:
             self._result = timing
         return timing
-
-
-def _hook_gradient(tensor: torch.Tensor, where: tuple[str, str] | None, on_gradient: Any) -> None:
-    """Call ``on_gradient(where)`` when ``tensor``'s gradient has been computed in a backward."""
-    if tensor.is_leaf:
-        # a module's own parameter: hook its gradient accumulator, which lives as long as this
-        # forward's graph (a tensor hook would stay on the parameter)
-        node = torch.autograd.graph.get_gradient_edge(tensor).node
-        node.register_hook(lambda grad_inputs, grad_outputs: on_gradient(where))
-    else:
-        tensor.register_hook(lambda grad: on_gradient(where))
