@@ -54,6 +54,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from drbalance.argtypes import positive_float, positive_int
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.colocation"
 NUM_CLASSES = 1000
@@ -81,28 +83,6 @@ class Member:
 
 class GroupSyntaxError(ValueError):
     """A ``--groups`` entry that cannot be parsed (empty member, bad ``@batch``)."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
-    return value
 
 
 def batch_list(text: str) -> list[int]:

@@ -489,7 +489,7 @@ class CudaBackend(DeviceBackend):
         must never fail a forward that ran), with one warning per backend."""
         try:
             timer.watch_backward(output, lambda: self.training_forwards)
-        except Exception as error:  # noqa: BLE001 - any failure of the timing, not of the model
+        except Exception as error:  # any failure of the timing (not of the model, whose forward ran)
             if not self._warned_untimed:
                 self._warned_untimed = True
                 logger.warning("drbalance: cannot time the backward on %s (%s); its chunk times cover the "
