@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     previous = _stop_on_sigterm()
     try:
-        return int(importlib.import_module(module).run(args) or 0)
+        status = int(importlib.import_module(module).run(args) or 0)
+        raise_if_terminated()  # a SIGTERM whose exception was swallowed: still a termination
+        return status
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. 'drbalance report ... --json | head': the reader has what it wanted
@@ -95,13 +97,30 @@ class Terminated(BaseException):
     their emulated GPUs) instead of the process dying and leaving them behind."""
 
 
+class _Sigterm:
+    """Whether SIGTERM arrived since ``_stop_on_sigterm``: its ``Terminated`` can be raised where
+    Python only prints it and goes on (an at-fork handler while ``subprocess`` starts a child, a
+    ``__del__``), so the waits of long commands also look here (:func:`raise_if_terminated`)."""
+
+    received = False
+
+
+def raise_if_terminated() -> None:
+    """Raise ``Terminated`` if SIGTERM arrived (for polling loops: its first raise may have been
+    swallowed; seen once in a launch under load, which then ran on and exited 0)."""
+    if _Sigterm.received:
+        raise Terminated()
+
+
 def _stop_on_sigterm() -> signal.Handlers | None:
     """Make SIGTERM raise ``Terminated`` once (a second one kills as usual); the handler it
     replaced, or None outside the main thread (where no handler can be set)."""
     if threading.current_thread() is not threading.main_thread():
         return None
+    _Sigterm.received = False
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        _Sigterm.received = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from drbalance import cli
 from drbalance.runs.launch import _wait_for_setup, earlier_run
 from drbalance.runs.train import pass_start_gate
 from tests.conftest import python_process
@@ -114,6 +116,34 @@ def _descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(300)
+class _SigtermInDel:
+    """Takes a SIGTERM inside ``__del__``, where Python prints an exception and goes on (as in
+    the at-fork handler where a launch under load once lost its ``Terminated``)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)  # the handler runs here and raises; the exception ends this __del__ only
+
+
+def test_a_sigterm_whose_exception_was_swallowed_still_stops_the_waits(tmp_path, monkeypatch):
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", swallowed.append)
+    previous = cli._stop_on_sigterm()
+    try:
+        _SigtermInDel()  # collected at once
+        assert [type(u.exc_value) for u in swallowed] == [cli.Terminated]  # lost, as in the failed run
+        never_ready = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(cli.Terminated):  # the launcher's waits see it at their next poll
+                _wait_for_setup({"app": never_ready}, {"app": tmp_path / "app"}, 60)
+        finally:
+            never_ready.kill()
+            never_ready.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cli._Sigterm.received = False
+
+
 def test_a_launcher_killed_outright_takes_its_manager_and_jobs_with_it(tmp_path):
     """SIGKILL (the out-of-memory killer, kill -9) gives the launcher no chance to stop anything:
     the manager, which never ends by itself, ran on for good, and the jobs trained on without it."""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from drbalance import defaults, progress
 from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
+from drbalance.cli import raise_if_terminated
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.private import make_dirs, open_private, write_private
@@ -170,6 +171,7 @@ def _wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | 
                                + (f": {why} (see {output})" if why else ""))
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not ready after {timeout:.0f} s")
+        raise_if_terminated()
         time.sleep(0.05)
 
 
@@ -200,6 +202,7 @@ def _wait_for_setup(apps: dict[str, subprocess.Popen], gates: dict[str, Path], t
         if waiting and time.monotonic() > deadline:
             raise RuntimeError(f"apps {sorted(waiting)} not set up after {timeout:.0f} s")
         if waiting:
+            raise_if_terminated()
             time.sleep(0.05)
 
 
@@ -401,6 +404,7 @@ def launch(options: LaunchOptions) -> Path:
         for index in order:
             app = scenario.apps[index]
             delay = info["started"] + app.arrival * info["time_scale"] - time.time()
+            raise_if_terminated()
             if delay > 0:
                 time.sleep(delay)
             if index in gated:
@@ -507,6 +511,7 @@ def _wait_for_apps(apps: dict[str, subprocess.Popen], info: dict, deadline: floa
                 stop_all(pending.values())
                 return
             if pending:
+                raise_if_terminated()
                 time.sleep(0.5)
     finally:
         bar.close()
