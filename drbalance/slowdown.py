@@ -18,7 +18,7 @@ grows in proportion, so the solo time per iteration stays the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,11 +51,18 @@ def check_solo_time(seconds: float) -> float:
 class SlowdownTracker:
     """Progress, the windowed mean iteration time, and SD (Eq. 2). Times in seconds."""
 
-    def __init__(self, plan: IterationPlan, solo_time: float, start: float, done: int = 0) -> None:
+    def __init__(self, plan: IterationPlan, solo_time: float, start: float, done: int = 0,
+                 uncounted: Callable[[], float] | None = None) -> None:
+        """``uncounted``: seconds (cumulative, read at each call) of the clock's time that count
+        neither in iteration times nor in the SD; the emulated backend's waits for a CPU core
+        (``DeviceBackend.uncounted_seconds``). Times passed in are the clock's; the tracker keeps
+        its own run time, the clock's less what became uncounted since the tracker started."""
         if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done < plan.total:
             raise ValueError(f"a run can start at iteration 0..{plan.total - 1} of its plan; got {done!r}")
         self.plan = plan
         self.solo_time = check_solo_time(solo_time)
+        self._uncounted = uncounted
+        self._uncounted_at_start = uncounted() if uncounted is not None else 0.0
         self.start = float(start)
         self.last_mark = float(start)
         self.first = done  # iterations done before this run started (resumed from a checkpoint)
@@ -68,6 +75,7 @@ class SlowdownTracker:
         """Record that one more iteration ended at ``now``; return its duration."""
         if self.done >= self.plan.total:
             raise RuntimeError(f"the plan has {self.plan.total} iterations and all are done")
+        now = self.run_time(now)
         duration = max(0.0, now - self.last_mark)
         self.last_mark = now
         self.done += 1
@@ -75,6 +83,15 @@ class SlowdownTracker:
             self._window_sum += duration
             self._window_count += 1
         return duration
+
+    @property
+    def uncounted_seconds(self) -> float:
+        """Seconds left out of the run so far (``uncounted``; 0 without it)."""
+        return self._uncounted() - self._uncounted_at_start if self._uncounted is not None else 0.0
+
+    def run_time(self, now: float) -> float:
+        """The clock's ``now`` less the seconds left out since the start."""
+        return now - self.uncounted_seconds if self._uncounted is not None else now
 
     def extend(self, plan: IterationPlan) -> None:
         """Continue with a longer ``plan`` (the solo time grows in proportion to its length)."""
@@ -121,7 +138,7 @@ class SlowdownTracker:
         mean = self.mean_iteration_time
         if mean is None:
             return None
-        return (now - self.start + self.iterations_left * mean) / self.run_solo_time
+        return (self.run_time(now) - self.start + self.iterations_left * mean) / self.run_solo_time
 
 
 # --- per-slot replica measurements ---------------------------------------------------------------

@@ -28,6 +28,26 @@ def test_eq2_by_hand():
     assert tracker.slowdown(107.0) == pytest.approx((7 + 4 * 4 / 3) / 8)
 
 
+def test_time_left_uncounted_counts_in_neither_iteration_times_nor_the_sd():
+    """Emulated GPUs leave a job's waits for a CPU core out of its SD: the tracker's run time is
+    the clock's less what its ``uncounted`` source added since the start."""
+    uncounted = [5.0]  # seconds already uncounted before the run: not the run's
+    tracker = SlowdownTracker(IterationPlan(1, 4), solo_time=4.0, start=100.0, uncounted=lambda: uncounted[0])
+    tracker.iteration_finished(101.0)  # warm-up
+    uncounted[0] = 5.5  # half a second of this iteration waited for a core
+    assert tracker.iteration_finished(103.0) == pytest.approx(1.5)
+    assert tracker.uncounted_seconds == pytest.approx(0.5)
+    assert tracker.run_time(103.0) == pytest.approx(102.5)
+    # elapsed 2.5 s of run time, 2 iterations left at 1.5 s -> (2.5 + 3) / 4
+    assert tracker.slowdown(103.0) == pytest.approx((2.5 + 2 * 1.5) / 4)
+    tracker.iteration_finished(104.0)
+    uncounted[0] = 6.0
+    tracker.iteration_finished(106.0)  # 2 s, of which 0.5 s uncounted
+    assert tracker.finished and tracker.slowdown(200.0) == pytest.approx((106.0 - 1.0 - 100.0) / 4)
+    plain = SlowdownTracker(IterationPlan(1, 4), solo_time=4.0, start=100.0)
+    assert plain.uncounted_seconds == 0.0 and plain.run_time(103.0) == 103.0
+
+
 def test_a_new_window_after_a_boundary_uses_the_last_mean_until_it_has_its_own():
     tracker = SlowdownTracker(IterationPlan(2, 3), solo_time=6.0, start=0.0)
     for now in (1.0, 3.0, 5.0):  # warm-up 1 s, then 2 s, 2 s

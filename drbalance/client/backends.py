@@ -171,6 +171,11 @@ class DeviceBackend(ABC):
         """Peak device memory in bytes per DR slot since the last call (None = not measured)."""
         return (None,) * len(device_ids)
 
+    def uncounted_seconds(self) -> float:
+        """Seconds of the job's time so far that its SD leaves out (0 on real devices: everything
+        counts; the emulated backend leaves out waits for this machine's CPU cores)."""
+        return 0.0
+
     def where(self, device_ids: Sequence[int], plan: ChunkPlan, position: int) -> str:
         slot = plan.slots[position]
         return (

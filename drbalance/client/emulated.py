@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from drbalance.client.backends import ChunkPlan, CpuBackend
+from drbalance.emu.cpu_wait import thread_cpu_wait
 from drbalance.emu.gpus import (
     DEFAULT_MEMORY_BYTES,
     EmulatedGpu,
@@ -97,6 +98,7 @@ class EmulatedBackend(CpuBackend):
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
         self.memory_bytes = int(memory_bytes)
+        self._uncounted = 0.0  # seconds of CPU waits left out of the job's time (uncounted_seconds)
         self._open_state()
 
     @classmethod
@@ -110,6 +112,7 @@ class EmulatedBackend(CpuBackend):
         self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
         self._pool: ThreadPoolExecutor | None = None
         self._last_device_end: float | None = None
+        self._wait_mark: tuple[int, float | None] | None = None  # (thread, its CPU wait) at the last device end
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
         self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
@@ -122,7 +125,18 @@ class EmulatedBackend(CpuBackend):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._uncounted = 0.0
         self._open_state()
+
+    def uncounted_seconds(self) -> float:
+        """Seconds this backend's forwards waited for a CPU core of this machine beyond their
+        modelled host time: a host phase that overran its modelled time while its thread waited for
+        a core counts the overrun (at most that wait) here, and the session leaves it out of the
+        job's SD and iteration times (``SlowdownTracker``). A real server gives each GPU's job cores
+        of its own; on a 2-core machine emulating 4 GPUs, the jobs' real compute queues for the same
+        two cores, which no DR changes (docs/emulation.md). Waits the modelled host time absorbs
+        (the phase then sleeps less) are not counted; nor are the device phase's (its threads sleep)."""
+        return self._uncounted
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
@@ -235,6 +249,7 @@ class EmulatedBackend(CpuBackend):
             cancel.set()
             raise
         self._last_device_end = time.monotonic()
+        self._wait_mark = (threading.get_ident(), thread_cpu_wait())
         # a replica's time is its device phase as its GPU served it: the wait, the slices and the
         # turns given to other jobs. The real CPU forward is host work here (the host phase counts
         # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU.
@@ -248,6 +263,18 @@ class EmulatedBackend(CpuBackend):
         spent = now - self._last_device_end if self._last_device_end is not None else forward_cpu
         if target > spent:
             time.sleep(target - spent)
+        else:
+            self._count_cpu_wait(spent - target)
+
+    def _count_cpu_wait(self, overrun: float) -> None:
+        """A host phase overran its modelled time by ``overrun`` seconds: the part of it its thread
+        spent waiting for a core since the last device phase ended is left uncounted."""
+        mark = self._wait_mark
+        if mark is None or mark[1] is None or mark[0] != threading.get_ident():
+            return  # no device phase before, no statistics, or another thread: count it all
+        waited = thread_cpu_wait()
+        if waited is not None:
+            self._uncounted += min(overrun, max(0.0, waited - mark[1]))
 
     def close(self) -> None:
         """Release memory reservations and close the emulated GPUs, removing those no other process

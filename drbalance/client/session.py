@@ -38,7 +38,7 @@ import numbers
 import os
 import signal
 import threading
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -194,7 +194,8 @@ class Session:
         else:
             solo = resolve_solo_time(solo_time)
         self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic(),
-                                       done=start_epoch * self.plan.iterations_per_epoch)
+                                       done=start_epoch * self.plan.iterations_per_epoch,
+                                       uncounted=_uncounted_time_of(model))
         self.start_wall = self.clock.wall()
         self.pid = os.getpid()
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
@@ -627,6 +628,9 @@ class Session:
             "iterations_total": self.plan.total, "sd": tracker.slowdown(now),
             "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
         }
+        uncounted = tracker.uncounted_seconds
+        if uncounted > 0:  # emulated GPUs: waits for this machine's CPU cores the SD leaves out
+            record["uncounted"] = uncounted
         record.update(extra)
         self.log.write(record)
         if event != "report":
@@ -679,3 +683,9 @@ def _device_uuids(model: RatioTarget) -> tuple[str, ...]:
     if len(uuids) != count:
         return ("",) * count
     return tuple(str(uuid) for uuid in uuids)
+
+
+def _uncounted_time_of(model: RatioTarget) -> Callable[[], float] | None:
+    """The model's backend's ``uncounted_seconds`` (the time its SD leaves out), if it has one."""
+    method = getattr(getattr(model, "backend", None), "uncounted_seconds", None)
+    return method if callable(method) else None
