@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from drbalance.client.backends import ChunkPlan, CpuBackend
-from drbalance.emu.cpu_wait import thread_cpu_wait
 from drbalance.emu.gpus import (
     DEFAULT_MEMORY_BYTES,
     EmulatedGpu,
@@ -49,6 +48,7 @@ from drbalance.emu.gpus import (
     release_at_exit,
     release_emulated_gpus,
 )
+from drbalance.emu.runnable import thread_runnable_seconds
 from drbalance.ipc.names import IpcNames
 from drbalance.workload.models import ModelCosts, estimate_costs
 
@@ -98,7 +98,7 @@ class EmulatedBackend(CpuBackend):
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
         self.memory_bytes = int(memory_bytes)
-        self._uncounted = 0.0  # seconds of CPU waits left out of the job's time (uncounted_seconds)
+        self._uncounted = 0.0  # seconds of host phases left out of the job's time (uncounted_seconds)
         self._open_state()
 
     @classmethod
@@ -112,7 +112,7 @@ class EmulatedBackend(CpuBackend):
         self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
         self._pool: ThreadPoolExecutor | None = None
         self._last_device_end: float | None = None
-        self._wait_mark: tuple[int, float | None] | None = None  # (thread, its CPU wait) at the last device end
+        self._runnable_mark: tuple[int, float | None] | None = None  # (thread, runnable time) at the last device end
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
         self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
@@ -129,13 +129,19 @@ class EmulatedBackend(CpuBackend):
         self._open_state()
 
     def uncounted_seconds(self) -> float:
-        """Seconds this backend's forwards waited for a CPU core of this machine beyond their
-        modelled host time: a host phase that overran its modelled time while its thread waited for
-        a core counts the overrun (at most that wait) here, and the session leaves it out of the
-        job's SD and iteration times (``SlowdownTracker``). A real server gives each GPU's job cores
-        of its own; on a 2-core machine emulating 4 GPUs, the jobs' real compute queues for the same
-        two cores, which no DR changes (docs/emulation.md). Waits the modelled host time absorbs
-        (the phase then sleeps less) are not counted; nor are the device phase's (its threads sleep)."""
+        """Seconds by which this backend's host phases overran their modelled host time while the
+        forward's thread ran on this machine's CPU or waited for a core: the session leaves them
+        out of the job's SD and iteration times (``SlowdownTracker``).
+
+        That CPU work (each chunk's forward and backward, the optimizer step) stands for work the
+        modelled server does on its GPU, which the device phase already charges; on a 2-core
+        machine emulating a 4-GPU server it also queues for cores and memory bandwidth the
+        server's jobs would not share. An overrun is left out up to the thread's runnable time
+        since the last device phase (``drbalance.emu.runnable``): time it was blocked (the
+        manager's answer, a data-loader worker) counts, and so does the whole device phase (the
+        wait for the emulated GPU is what is emulated). A host phase the modelled time holds
+        leaves nothing out (it sleeps the rest). docs/emulation.md.
+        """
         return self._uncounted
 
     @property
@@ -249,7 +255,7 @@ class EmulatedBackend(CpuBackend):
             cancel.set()
             raise
         self._last_device_end = time.monotonic()
-        self._wait_mark = (threading.get_ident(), thread_cpu_wait())
+        self._runnable_mark = (threading.get_ident(), thread_runnable_seconds())
         # a replica's time is its device phase as its GPU served it: the wait, the slices and the
         # turns given to other jobs. The real CPU forward is host work here (the host phase counts
         # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU.
@@ -264,17 +270,17 @@ class EmulatedBackend(CpuBackend):
         if target > spent:
             time.sleep(target - spent)
         else:
-            self._count_cpu_wait(spent - target)
+            self._leave_out(spent - target)
 
-    def _count_cpu_wait(self, overrun: float) -> None:
-        """A host phase overran its modelled time by ``overrun`` seconds: the part of it its thread
-        spent waiting for a core since the last device phase ended is left uncounted."""
-        mark = self._wait_mark
+    def _leave_out(self, overrun: float) -> None:
+        """A host phase overran its modelled time by ``overrun`` seconds: as much of it as the
+        thread was runnable since the last device phase ended is left uncounted."""
+        mark = self._runnable_mark
         if mark is None or mark[1] is None or mark[0] != threading.get_ident():
             return  # no device phase before, no statistics, or another thread: count it all
-        waited = thread_cpu_wait()
-        if waited is not None:
-            self._uncounted += min(overrun, max(0.0, waited - mark[1]))
+        runnable = thread_runnable_seconds()
+        if runnable is not None:
+            self._uncounted += min(overrun, max(0.0, runnable - mark[1]))
 
     def close(self) -> None:
         """Release memory reservations and close the emulated GPUs, removing those no other process

@@ -1,9 +1,10 @@
 """A training loop on one emulated GPU, pinned to one CPU core, with (or without) a busy process
 pinned to the same core: prints JSON with what the emulated backend left uncounted, what the
-session's SD tracker left out, the thread's CPU wait and the loop's wall time (seconds).
+session's SD tracker left out, the thread's runnable time and the loop's wall time (seconds).
 
-Usage: python -m tests.helpers.cpu_wait_job HOST_SECONDS BURNER(0|1)
+Usage: python -m tests.helpers.runnable_job HOST_SECONDS BURNER(0|1) SLEEP_SECONDS
 HOST_SECONDS: the modelled host time of an iteration (0: every host phase overruns it).
+SLEEP_SECONDS: the loop sleeps this long after each step (a blocking wait, as for a manager's answer).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from torch import nn
 from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.client.session import Session
-from drbalance.emu.cpu_wait import thread_cpu_wait
+from drbalance.emu.runnable import thread_runnable_seconds
 from drbalance.ipc.link import DetachedLink
 from drbalance.workload.models import ModelCosts
 
 BURNER = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+ITERATIONS = 16
 
 
 def main() -> None:
-    host_seconds, with_burner = float(sys.argv[1]), sys.argv[2] == "1"
+    host_seconds, with_burner, sleep = float(sys.argv[1]), sys.argv[2] == "1", float(sys.argv[3])
     core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
@@ -36,23 +38,24 @@ def main() -> None:
     try:
         time.sleep(0.2)  # the burner pinned and spinning
         device = 0.01  # seconds of modelled device time per iteration (one chunk, fixed)
-        costs = ModelCosts("cpu-wait", fixed=device, per_sample=0.0, dp_overhead=0.0, host_ratio=host_seconds / device)
+        costs = ModelCosts("runnable", fixed=device, per_sample=0.0, dp_overhead=0.0, host_ratio=host_seconds / device)
         backend = EmulatedBackend(1, costs)
         model = BalancedDataParallel(nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)),
                                      backend=backend)
-        session = Session(model, "cpuwait", epochs=1, iterations_per_epoch=16, solo_time=1.0, link=DetachedLink(),
-                          sd_log=False, handle_sigterm=False)
+        session = Session(model, "runnable", epochs=1, iterations_per_epoch=ITERATIONS, solo_time=1.0,
+                          link=DetachedLink(), sd_log=False, handle_sigterm=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.randn(256, 512)
-        waited, started = thread_cpu_wait(), time.monotonic()
-        for _ in range(16):
+        runnable, started = thread_runnable_seconds(), time.monotonic()
+        for _ in range(ITERATIONS):
             optimizer.zero_grad()
             model(data).square().mean().backward()
             optimizer.step()
             session.step()
+            time.sleep(sleep)
         wall = time.monotonic() - started
         print(json.dumps({"uncounted": backend.uncounted_seconds(), "tracker": session.tracker.uncounted_seconds,
-                          "waited": thread_cpu_wait() - waited, "wall": wall}))
+                          "runnable": thread_runnable_seconds() - runnable, "wall": wall}))
         session.close()
         backend.close()
     finally:

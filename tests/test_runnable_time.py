@@ -1,0 +1,71 @@
+"""Emulated GPUs leave the host-phase time this machine's CPU took past the modelled host time out
+of a job's SD (docs/emulation.md): the thread's runnable time from the kernel, and the host phase
+that leaves out at most that, only past its modelled time. Real processes pinned to one core."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from drbalance.emu.runnable import thread_runnable_seconds
+from tests.conftest import python_process
+
+
+def _job(host_seconds: float, burner: bool, sleep: float = 0.0) -> dict:
+    process = python_process("tests.helpers.runnable_job", str(host_seconds), "1" if burner else "0", str(sleep))
+    out, err = process.communicate(timeout=150)
+    assert process.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_kernel_says_how_long_this_thread_has_been_runnable():
+    first = thread_runnable_seconds()
+    assert first is not None and first > 0.0  # Linux with scheduler statistics, as CI and servers are
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:  # 50 ms on a CPU
+        pass
+    assert thread_runnable_seconds() - first >= 0.045
+    slept = thread_runnable_seconds()
+    time.sleep(0.2)  # blocked, not runnable
+    assert thread_runnable_seconds() - slept < 0.1
+
+
+def test_an_unreadable_or_malformed_statistics_file_means_nothing_is_left_out(tmp_path):
+    assert thread_runnable_seconds(str(tmp_path / "missing")) is None
+    for text in ("", "12 x 3", "1 2", "1 -5 3", "-1 5 3"):
+        path = tmp_path / "schedstat"
+        path.write_text(text)
+        assert thread_runnable_seconds(str(path)) is None, text
+    path.write_text("500000000 2000000000 7\n")
+    assert thread_runnable_seconds(str(path)) == 2.5
+
+
+@pytest.mark.timeout(300)
+def test_a_host_phase_past_its_modelled_time_is_left_out_of_the_sd(ipc_env):
+    """A busy process on the job's only core, and a host phase modelled as 0 s: each phase's CPU
+    work and its wait for the core are left out (at most the thread's runnable time), and the
+    session's tracker leaves out the same."""
+    got = _job(0.0, burner=True)
+    assert got["uncounted"] > 0.05
+    assert got["uncounted"] <= got["runnable"] + 1e-6 and got["uncounted"] < got["wall"]
+    assert got["tracker"] == pytest.approx(got["uncounted"], abs=1e-9)  # all of it after the session began
+
+
+@pytest.mark.timeout(300)
+def test_a_host_phase_the_modelled_time_holds_leaves_nothing_out(ipc_env):
+    """The modelled host time holds the CPU work and its wait for the core: the phase sleeps the
+    rest, the job's time is the modelled one, and nothing is left out."""
+    got = _job(0.2, burner=True)
+    assert got["runnable"] > 0.0
+    assert got["uncounted"] == 0.0 and got["tracker"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_time_the_job_is_blocked_counts_even_past_the_modelled_host_time(ipc_env):
+    """A loop blocked 0.1 s after each of its 16 steps (as for a manager's answer) overruns a
+    host time modelled as 0 s by those 1.6 s too, but they are not CPU work: they count."""
+    got = _job(0.0, burner=False, sleep=0.1)
+    assert got["wall"] >= 1.6
+    assert got["uncounted"] < 1.0 and got["uncounted"] <= got["runnable"] + 1e-6
