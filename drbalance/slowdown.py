@@ -54,7 +54,7 @@ class SlowdownTracker:
     def __init__(self, plan: IterationPlan, solo_time: float, start: float, done: int = 0,
                  uncounted: Callable[[], float] | None = None) -> None:
         """``uncounted``: seconds (cumulative, read at each call) of the clock's time that count
-        neither in iteration times nor in the SD; the emulated backend's waits for a CPU core
+        neither in iteration times nor in the SD; an emulated job's CPU time past its modelled host time
         (``DeviceBackend.uncounted_seconds``). Times passed in are the clock's; the tracker keeps
         its own run time, the clock's less what became uncounted since the tracker started."""
         if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done < plan.total:

@@ -629,7 +629,7 @@ class Session:
             "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
         }
         uncounted = tracker.uncounted_seconds
-        if uncounted > 0:  # emulated GPUs: waits for this machine's CPU cores the SD leaves out
+        if uncounted > 0:  # emulated GPUs: this machine's CPU time the SD leaves out
             record["uncounted"] = uncounted
         record.update(extra)
         self.log.write(record)
