@@ -13,8 +13,9 @@ from drbalance.emu.runnable import thread_runnable_seconds
 from tests.conftest import python_process
 
 
-def _job(host_seconds: float, burner: bool, sleep: float = 0.0) -> dict:
-    process = python_process("tests.helpers.runnable_job", str(host_seconds), "1" if burner else "0", str(sleep))
+def _job(host_seconds: float, burner: bool, sleep: float = 0.0, first_step_cpu: float = 0.0) -> dict:
+    process = python_process("tests.helpers.runnable_job", str(host_seconds), "1" if burner else "0", str(sleep),
+                             str(first_step_cpu))
     out, err = process.communicate(timeout=150)
     assert process.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
@@ -69,3 +70,14 @@ def test_time_the_job_is_blocked_counts_even_past_the_modelled_host_time(ipc_env
     got = _job(0.0, burner=False, sleep=0.1)
     assert got["wall"] >= 1.6
     assert got["uncounted"] < 1.0 and got["uncounted"] <= got["runnable"] + 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_cpu_time_is_left_out_of_the_iteration_that_took_it(ipc_env):
+    """An iteration ends inside the next host phase (after its backward and optimizer step): a
+    first step that takes 0.3 s of CPU more is left out of the first iteration, as it goes, not
+    of the second when that one's host phase ends, which would make the second look shorter
+    than its own device phase (counted once at the host phase's end, it did: 0 s)."""
+    got = _job(0.0, burner=False, first_step_cpu=0.3)
+    assert got["uncounted"] >= 0.3
+    assert min(got["iterations"]) >= 0.9 * got["device"], got["iterations"]

@@ -99,6 +99,8 @@ class EmulatedBackend(CpuBackend):
         self.namespace = namespace
         self.memory_bytes = int(memory_bytes)
         self._uncounted = 0.0  # seconds of host phases left out of the job's time (uncounted_seconds)
+        self._granted = 0.0  # of the host phase under way: what uncounted_seconds has counted so far
+        self._last_target: float | None = None  # the last host phase's modelled seconds
         self._open_state()
 
     @classmethod
@@ -125,7 +127,8 @@ class EmulatedBackend(CpuBackend):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._uncounted = 0.0
+        self._uncounted = self._granted = 0.0
+        self._last_target = None
         self._open_state()
 
     def uncounted_seconds(self) -> float:
@@ -141,8 +144,25 @@ class EmulatedBackend(CpuBackend):
         manager's answer, a data-loader worker) counts, and so does the whole device phase (the
         wait for the emulated GPU is what is emulated). A host phase the modelled time holds
         leaves nothing out (it sleeps the rest). docs/emulation.md.
+
+        The host phase under way counts as it goes, past the last phase's modelled time: an
+        iteration ends (``Session.step``) inside the next host phase, after the backward and the
+        optimizer step, so the overrun is left out of the iteration whose time it took.
         """
-        return self._uncounted
+        return self._uncounted + self._overrun_so_far()
+
+    def _overrun_so_far(self) -> float:
+        """Of the host phase under way (since the last device phase ended): its time past the last
+        phase's modelled time, at most its runnable time, never less than counted before."""
+        mark, target = self._runnable_mark, self._last_target
+        if mark is None or mark[1] is None or target is None or mark[0] != threading.get_ident():
+            return self._granted
+        over = time.monotonic() - self._last_device_end - target
+        if over > self._granted:
+            runnable = thread_runnable_seconds()
+            if runnable is not None:
+                self._granted = max(self._granted, min(over, runnable - mark[1]))
+        return self._granted
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
@@ -269,18 +289,21 @@ class EmulatedBackend(CpuBackend):
         spent = now - self._last_device_end if self._last_device_end is not None else forward_cpu
         if target > spent:
             time.sleep(target - spent)
+            self._close_host_phase(0.0, target)
         else:
-            self._leave_out(spent - target)
+            self._close_host_phase(spent - target, target)
 
-    def _leave_out(self, overrun: float) -> None:
-        """A host phase overran its modelled time by ``overrun`` seconds: as much of it as the
-        thread was runnable since the last device phase ended is left uncounted."""
-        mark = self._runnable_mark
-        if mark is None or mark[1] is None or mark[0] != threading.get_ident():
-            return  # no device phase before, no statistics, or another thread: count it all
-        runnable = thread_runnable_seconds()
-        if runnable is not None:
-            self._uncounted += min(overrun, max(0.0, runnable - mark[1]))
+    def _close_host_phase(self, overrun: float, target: float) -> None:
+        """The host phase ends ``overrun`` seconds past its modelled time ``target``: as much of it as
+        the thread was runnable since the last device phase ended is left uncounted (at least what
+        ``uncounted_seconds`` already counted of it)."""
+        mark, left_out = self._runnable_mark, self._granted
+        if overrun > left_out and mark is not None and mark[1] is not None and mark[0] == threading.get_ident():
+            runnable = thread_runnable_seconds()
+            if runnable is not None:
+                left_out = max(left_out, min(overrun, runnable - mark[1]))
+        self._uncounted += left_out
+        self._granted, self._runnable_mark, self._last_target = 0.0, None, target
 
     def close(self) -> None:
         """Release memory reservations and close the emulated GPUs, removing those no other process

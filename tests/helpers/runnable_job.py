@@ -2,9 +2,12 @@
 pinned to the same core: prints JSON with what the emulated backend left uncounted, what the
 session's SD tracker left out, the thread's runnable time and the loop's wall time (seconds).
 
-Usage: python -m tests.helpers.runnable_job HOST_SECONDS BURNER(0|1) SLEEP_SECONDS
+Usage: python -m tests.helpers.runnable_job HOST_SECONDS BURNER(0|1) SLEEP_SECONDS [FIRST_STEP_CPU]
 HOST_SECONDS: the modelled host time of an iteration (0: every host phase overruns it).
 SLEEP_SECONDS: the loop sleeps this long after each step (a blocking wait, as for a manager's answer).
+FIRST_STEP_CPU: seconds of extra CPU work in the first iteration's optimizer step (a slow first
+step, as when momentum buffers are made), before that iteration ends.
+Also prints each iteration's time as the session's tracker counted it (but the first's).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ITERATIONS = 16
 
 def main() -> None:
     host_seconds, with_burner, sleep = float(sys.argv[1]), sys.argv[2] == "1", float(sys.argv[3])
+    first_step_cpu = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
@@ -47,15 +51,21 @@ def main() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.randn(256, 512)
         runnable, started = thread_runnable_seconds(), time.monotonic()
-        for _ in range(ITERATIONS):
+        marks = []
+        for iteration in range(ITERATIONS):
             optimizer.zero_grad()
             model(data).square().mean().backward()
             optimizer.step()
+            end = time.thread_time() + (first_step_cpu if iteration == 0 else 0.0)
+            while time.thread_time() < end:
+                pass
             session.step()
+            marks.append(session.tracker.last_mark)
             time.sleep(sleep)
         wall = time.monotonic() - started
         print(json.dumps({"uncounted": backend.uncounted_seconds(), "tracker": session.tracker.uncounted_seconds,
-                          "runnable": thread_runnable_seconds() - runnable, "wall": wall}))
+                          "runnable": thread_runnable_seconds() - runnable, "wall": wall,
+                          "iterations": [b - a for a, b in zip(marks, marks[1:])], "device": device}))
         session.close()
         backend.close()
     finally:
