@@ -69,10 +69,11 @@ def test_a_host_phase_the_modelled_time_holds_leaves_nothing_out(ipc_env):
 @pytest.mark.timeout(300)
 def test_time_the_job_is_blocked_counts_even_past_the_modelled_host_time(ipc_env):
     """A loop blocked 0.1 s after each of its 16 steps (as for a manager's answer) overruns a
-    host time modelled as 0 s by those 1.6 s too, but they are not CPU work: they count."""
+    host time modelled as 0 s by those 1.6 s too, but they are not CPU work: they count. (What
+    is left out is at most the runnable time, which on a loaded core can itself be seconds.)"""
     got = _job(0.0, burner=False, sleep=0.1)
-    assert got["wall"] >= 1.6
-    assert got["uncounted"] < 1.0 and got["uncounted"] <= got["runnable"] + 1e-6
+    assert got["uncounted"] <= got["runnable"] + 1e-6
+    assert got["wall"] - got["uncounted"] >= 1.6  # the blocked 1.6 s all count
 
 
 @pytest.mark.timeout(300)
