@@ -30,8 +30,8 @@ def test_the_kernel_says_how_long_this_thread_has_been_runnable():
         pass
     assert thread_runnable_seconds() - first >= 0.045
     slept = thread_runnable_seconds()
-    time.sleep(0.2)  # blocked, not runnable
-    assert thread_runnable_seconds() - slept < 0.1
+    time.sleep(0.5)  # blocked, not runnable (a loaded machine may add a wait for a core on waking)
+    assert thread_runnable_seconds() - slept < 0.25
 
 
 def test_an_unreadable_or_malformed_statistics_file_means_nothing_is_left_out(tmp_path):
