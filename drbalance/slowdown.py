@@ -91,7 +91,7 @@ class SlowdownTracker:
 
     def run_time(self, now: float) -> float:
         """The clock's ``now`` less the seconds left out since the start."""
-        return now - self.uncounted_seconds if self._uncounted is not None else now
+        return now - self.uncounted_seconds
 
     def extend(self, plan: IterationPlan) -> None:
         """Continue with a longer ``plan`` (the solo time grows in proportion to its length)."""

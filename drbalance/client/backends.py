@@ -173,7 +173,7 @@ class DeviceBackend(ABC):
 
     def uncounted_seconds(self) -> float:
         """Seconds of the job's time so far that its SD leaves out (0 on real devices: everything
-        counts; the emulated backend leaves out waits for this machine's CPU cores)."""
+        counts; the emulated backend leaves out this machine's CPU time past the modelled host time)."""
         return 0.0
 
     def where(self, device_ids: Sequence[int], plan: ChunkPlan, position: int) -> str:

@@ -154,15 +154,25 @@ class EmulatedBackend(CpuBackend):
     def _overrun_so_far(self) -> float:
         """Of the host phase under way (since the last device phase ended): its time past the last
         phase's modelled time, at most its runnable time, never less than counted before."""
-        mark, target = self._runnable_mark, self._last_target
-        if mark is None or mark[1] is None or target is None or mark[0] != threading.get_ident():
+        target = self._last_target
+        if target is None or self._runnable_mark is None:
             return self._granted
         over = time.monotonic() - self._last_device_end - target
         if over > self._granted:
-            runnable = thread_runnable_seconds()
+            runnable = self._runnable_since_mark()
             if runnable is not None:
-                self._granted = max(self._granted, min(over, runnable - mark[1]))
+                self._granted = max(self._granted, min(over, runnable))
         return self._granted
+
+    def _runnable_since_mark(self) -> float | None:
+        """Seconds the calling thread was runnable since the last device phase ended; None when
+        that is unknown: no device phase since the last host phase, no statistics, or the phase
+        ended on another thread (then nothing is left out)."""
+        mark = self._runnable_mark
+        if mark is None or mark[1] is None or mark[0] != threading.get_ident():
+            return None
+        runnable = thread_runnable_seconds()
+        return None if runnable is None else runnable - mark[1]
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
@@ -297,11 +307,11 @@ class EmulatedBackend(CpuBackend):
         """The host phase ends ``overrun`` seconds past its modelled time ``target``: as much of it as
         the thread was runnable since the last device phase ended is left uncounted (at least what
         ``uncounted_seconds`` already counted of it)."""
-        mark, left_out = self._runnable_mark, self._granted
-        if overrun > left_out and mark is not None and mark[1] is not None and mark[0] == threading.get_ident():
-            runnable = thread_runnable_seconds()
+        left_out = self._granted
+        if overrun > left_out:
+            runnable = self._runnable_since_mark()
             if runnable is not None:
-                left_out = max(left_out, min(overrun, runnable - mark[1]))
+                left_out = max(left_out, min(overrun, runnable))
         self._uncounted += left_out
         self._granted, self._runnable_mark, self._last_target = 0.0, None, target
 
