@@ -52,7 +52,9 @@ def test_a_host_phase_past_its_modelled_time_is_left_out_of_the_sd(ipc_env):
     got = _job(0.0, burner=True)
     assert got["uncounted"] > 0.05
     assert got["uncounted"] <= got["runnable"] + 1e-6 and got["uncounted"] < got["wall"]
-    assert got["tracker"] == pytest.approx(got["uncounted"], abs=1e-9)  # all of it after the session began
+    # all of it after the session began (the host phase under way counts on between the reads; the
+    # kernel updates a running thread's time at scheduler ticks, so the reads are usually equal)
+    assert got["uncounted"] <= got["tracker"] <= got["uncounted_after"] <= got["uncounted"] + 0.05
 
 
 @pytest.mark.timeout(300)

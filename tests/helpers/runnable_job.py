@@ -65,7 +65,11 @@ def main() -> None:
             marks.append(session.tracker.last_mark)
             time.sleep(sleep)
         wall = time.monotonic() - started
-        print(json.dumps({"uncounted": backend.uncounted_seconds(), "tracker": session.tracker.uncounted_seconds,
+        # the phase under way keeps counting between reads: the tracker's is read between two of the backend's
+        before = backend.uncounted_seconds()
+        tracker = session.tracker.uncounted_seconds
+        after = backend.uncounted_seconds()
+        print(json.dumps({"uncounted": before, "tracker": tracker, "uncounted_after": after,
                           "runnable": thread_runnable_seconds() - runnable, "wall": wall,
                           "iterations": [b - a for a, b in zip(marks, marks[1:])], "device": device}))
         session.close()
