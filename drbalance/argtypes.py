@@ -46,6 +46,14 @@ def percent(text: str) -> float:
     return value
 
 
+def relative_spread(text: str) -> float:
+    """A relative spread within 0..2 (the simulator's ``--jitter``: 0.1 = about 10% per phase)."""
+    value = _finite(text)
+    if not 0 <= value <= 2:
+        raise argparse.ArgumentTypeError(f"must be a relative spread within 0..2 (0.1: about 10%); got {text}")
+    return value
+
+
 def _integer_at_least(text: str, least: int) -> int:
     try:
         value = int(text)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_int
+from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_int, relative_spread
 from drbalance.ipc.private import make_dirs, write_private
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scenario's, 10); a DDP app keeps one unit on each rank")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between decisions besides epoch ends (default, or 0: the policy's choice)")
+    parser.add_argument("--jitter", type=relative_spread, default=0.0,
+                        help="relative spread of every host phase and GPU chunk (log-normal, mean 1), as on a real "
+                        "or emulated machine: 0.1 = about 10%%; default 0 (every iteration alike)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seed of --jitter's random numbers (the same seed, the same run; default 0)")
     parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.SD_THRESHOLD,
                         help="SD_th (paper policy): no move while max SD - min SD is below this")
     parser.add_argument("--util-threshold", type=percent, default=defaults.UTIL_THRESHOLD,
@@ -149,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.scenario}: --dr-total: {error}") from None
     policy = args.policy or DEFAULT_POLICY
     base = SimConfig(policy=policy, placement=args.placement, scheduler=args.scheduler,
-                     decide_every=args.decide_every, sd_threshold=args.sd_threshold,
+                     decide_every=args.decide_every, sd_threshold=args.sd_threshold, jitter=args.jitter,
+                     seed=args.seed,
                      util_threshold=args.util_threshold, contention=make_interference(args.interference))
     try:  # before anything is simulated or written, naming the scenario file
         check_horizon(scenario, base.max_time)
@@ -180,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     found = bounds(scenario, base.contention)
     bound = found.value
     if args.json:
-        print(json.dumps({"scenario": scenario.name, "interference": args.interference, "bound_max_sd": bound,
+        print(json.dumps({"scenario": scenario.name, "interference": args.interference, "jitter": args.jitter,
+                          "seed": args.seed, "bound_max_sd": bound,
                           "capacity_bound": found.capacity,
                           "sharing_bound": found.sharing.value if found.sharing is not None else None,
                           "runs": report}, indent=2))

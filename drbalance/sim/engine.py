@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -58,6 +59,12 @@ class SimConfig:
     switch_seconds: float = 5.0
     record: bool = True
     max_time: float = 1e7
+    jitter: float = 0.0  # relative spread of every host phase and chunk (a log-normal factor of mean 1); 0: none
+    seed: int = 0  # of the jitter's random numbers (the same seed: the same run)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.jitter <= 2.0:  # also refuses NaN
+            raise ValueError(f"jitter must be a relative spread within 0..2; got {self.jitter!r}")
 
 
 class _Chunk:
@@ -187,6 +194,8 @@ class Simulation:
         self.gpus = [_Gpu(g, self.scenario.speed(g)) for g in range(self.scenario.gpus)]
         self.apps = [_App(spec, i, self.scenario.initial_ratio(i)) for i, spec in enumerate(self.scenario.apps)]
         self.window = UtilizationWindow(self.scenario.gpus, self.config.window)
+        # the jitter's source; None without jitter, so a run without it draws nothing
+        self._noise = random.Random(self.config.seed) if self.config.jitter > 0 else None
         self.now = 0.0
         self.events: list[tuple[float, int, int, Any, Any]] = []
         self._seq = itertools.count()
@@ -318,7 +327,7 @@ class Simulation:
         app.chunks_left = replicas
         app.running = True
         host = app.costs.host_seconds(batch) + app.costs.overhead_seconds(replicas)
-        self.push(self.now + host, HOST_END, app)
+        self.push(self.now + host * self._jitter(), HOST_END, app)
 
     def _host_end(self, app: _App) -> None:
         device = app.costs.device_seconds
@@ -326,7 +335,16 @@ class Simulation:
         app.timings = []
         for gpu, size in zip(self.gpus, app.sizes):
             if size:
-                self._add_chunk(gpu, _Chunk(app, gpu.index, size, device(size), self.now))
+                self._add_chunk(gpu, _Chunk(app, gpu.index, size, device(size) * self._jitter(), self.now))
+
+    def _jitter(self) -> float:
+        """A phase's time factor: 1 without jitter, else log-normal with mean 1 and a relative
+        spread of about ``jitter`` (a real machine's iterations are not all alike: emulated GPUs
+        on a busy CPU, other users' work, data loading)."""
+        if self._noise is None:
+            return 1.0
+        sigma = math.sqrt(math.log1p(self.config.jitter ** 2))
+        return math.exp(self._noise.gauss(-sigma * sigma / 2, sigma))
 
     def _iteration_done(self, app: _App) -> None:
         tracker = app.tracker
