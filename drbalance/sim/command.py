@@ -154,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.scenario}: --dr-total: {error}") from None
     policy = args.policy or DEFAULT_POLICY
     base = SimConfig(policy=policy, placement=args.placement, scheduler=args.scheduler,
-                     decide_every=args.decide_every, sd_threshold=args.sd_threshold, jitter=args.jitter,
-                     seed=args.seed,
-                     util_threshold=args.util_threshold, contention=make_interference(args.interference))
+                     decide_every=args.decide_every, sd_threshold=args.sd_threshold,
+                     util_threshold=args.util_threshold, contention=make_interference(args.interference),
+                     jitter=args.jitter, seed=args.seed)
     try:  # before anything is simulated or written, naming the scenario file
         check_horizon(scenario, base.max_time)
     except ValueError as error:
