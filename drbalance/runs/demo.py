@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="emulated GPUs: how much slower than the modelled GPU (default 15)")
     parser.add_argument("--decide-every", type=non_negative_int, default=4,
                         help="iterations between decisions, for every policy (default 4: the demo's jobs run "
-                        "12-40 iterations, and a move judged on fewer is judged on noise; docs/benchmarks.md; "
-                        "0: the policy's own cadence)")
+                        "only 12-40 iterations, and every 2 a move is judged on two iterations' noisy times; "
+                        "docs/benchmarks.md. 0: the policy's own cadence)")
     parser.add_argument("--policies", type=parse_policies, default=DEMO_POLICIES,
                         help=f"comma-separated policies to run in turn (default {','.join(DEMO_POLICIES)})")
     progress.add_argument(parser)
