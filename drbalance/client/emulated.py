@@ -157,11 +157,16 @@ class EmulatedBackend(CpuBackend):
         target = self._last_target
         if target is None or self._runnable_mark is None:
             return self._granted
-        over = time.monotonic() - self._last_device_end - target
-        if over > self._granted:
+        return self._grant(time.monotonic() - self._last_device_end - target)
+
+    def _grant(self, overrun: float) -> float:
+        """Of the host phase under way, ``overrun`` seconds past its modelled time: what is left out
+        of it, at most the thread's runnable time since the last device phase, never less than
+        granted before (kept in ``_granted``)."""
+        if overrun > self._granted:
             runnable = self._runnable_since_mark()
             if runnable is not None:
-                self._granted = max(self._granted, min(over, runnable))
+                self._granted = max(self._granted, min(overrun, runnable))
         return self._granted
 
     def _runnable_since_mark(self) -> float | None:
@@ -307,12 +312,7 @@ class EmulatedBackend(CpuBackend):
         """The host phase ends ``overrun`` seconds past its modelled time ``target``: as much of it as
         the thread was runnable since the last device phase ended is left uncounted (at least what
         ``uncounted_seconds`` already counted of it)."""
-        left_out = self._granted
-        if overrun > left_out:
-            runnable = self._runnable_since_mark()
-            if runnable is not None:
-                left_out = max(left_out, min(overrun, runnable))
-        self._uncounted += left_out
+        self._uncounted += self._grant(overrun)
         self._granted, self._runnable_mark, self._last_target = 0.0, None, target
 
     def close(self) -> None:

@@ -196,6 +196,7 @@ class Simulation:
         self.window = UtilizationWindow(self.scenario.gpus, self.config.window)
         # the jitter's source; None without jitter, so a run without it draws nothing
         self._noise = random.Random(self.config.seed) if self.config.jitter > 0 else None
+        self._noise_sigma = math.sqrt(math.log1p(self.config.jitter ** 2))  # of the factor's logarithm
         self.now = 0.0
         self.events: list[tuple[float, int, int, Any, Any]] = []
         self._seq = itertools.count()
@@ -343,7 +344,7 @@ class Simulation:
         on a busy CPU, other users' work, data loading)."""
         if self._noise is None:
             return 1.0
-        sigma = math.sqrt(math.log1p(self.config.jitter ** 2))
+        sigma = self._noise_sigma
         return math.exp(self._noise.gauss(-sigma * sigma / 2, sigma))
 
     def _iteration_done(self, app: _App) -> None:
