@@ -21,10 +21,13 @@ import argparse
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
+from benchmarks.random_mixes import Knobs, knob
 from benchmarks.timing import add_no_write, save
 from drbalance.argtypes import non_negative_int, positive_int, relative_spread
-from drbalance.sim.engine import SimConfig, simulate
+from drbalance.policy.fair import FairConfig, FairPolicy
+from drbalance.sim.engine import SimConfig, Simulation
 from drbalance.workload.scenarios import load_scenario
 
 POLICIES = ("observe", "paper", "fair")
@@ -37,11 +40,14 @@ def _list_of(kind):
     return parse
 
 
-def final(job: Job) -> tuple[Job, tuple[float, float, float]]:
-    """One simulated run's final spread, max SD and mean SD."""
+def final(task: tuple[Job, Knobs]) -> tuple[Job, tuple[float, float, float]]:
+    """One simulated run's final spread, max SD and mean SD (``fair`` with ``knobs`` replacing
+    FairConfig's defaults)."""
+    job, knobs = task
     scenario, policy, jitter, cadence, seed = job
-    result = simulate(load_scenario(scenario), SimConfig(policy=policy, decide_every=cadence,
-                                                         jitter=jitter, seed=seed, record=False))
+    chosen = FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
+    config = SimConfig(policy=policy, decide_every=cadence, jitter=jitter, seed=seed, record=False)
+    result = Simulation(load_scenario(scenario), config, policy=chosen).run()
     return job, (result.sd_spread, result.max_sd, result.mean_sd)
 
 
@@ -71,12 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decide-every", type=_list_of(non_negative_int), default=[2, 4],
                         help="comma-separated cadences in iterations (default 2,4; 0: the policy's own)")
     parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel (default 2)")
+    parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
+                        help="run fair with this FairConfig knob changed (repeatable), e.g. judge_iterations=4")
     add_no_write(parser)
     args = parser.parse_args(argv)
+    knobs: Knobs = tuple(args.set)
+    replace(FairConfig(), **dict(knobs))  # FairConfig checks the values
     jobs = [(args.scenario, policy, jitter, cadence, seed) for jitter in args.jitter for cadence in args.decide_every
             for seed in range(args.seeds if jitter > 0 else 1) for policy in POLICIES]
     with ProcessPoolExecutor(args.workers) as pool:
-        results = dict(pool.map(final, jobs, chunksize=8))
+        results = dict(pool.map(final, [(job, knobs) for job in jobs], chunksize=8))
     rows = []
     print(f"{args.scenario}: `fair` lowest of observe / paper / fair, counted over seeds "
           f"(jitter 0 is one run: every seed is the same)")
@@ -90,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                 for policy in POLICIES)
             print(f"{jitter:6g}  {cadence:12d}  {row['seeds']:5d}  {row['fair_lowest_spread']:13d}  "
                   f"{row['fair_lowest_max']:10d}  {row['fair_lowest_both']:4d}  | {medians}")
-    save("demo_noise", "benchmarks.demo_noise", argv, {"scenario": args.scenario, "rows": rows}, args.no_write)
+    save("demo_noise", "benchmarks.demo_noise", argv, {"scenario": args.scenario, "knobs": dict(knobs), "rows": rows},
+         args.no_write)
     return 0
 
 

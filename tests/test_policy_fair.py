@@ -83,6 +83,40 @@ def test_a_move_that_turned_out_worse_is_undone_and_the_predictor_corrected():
     assert third.ratio == DataRatio([0, 10])
 
 
+def test_a_move_is_judged_over_judge_iterations_averaged_across_short_windows():
+    """A job that asks for a decision every 2 iterations (the demo's --decide-every 2): its move
+    is judged once it has run 4 iterations, on their mean time, not on the first two alone."""
+    policy = FairPolicy()
+    assert policy.config.judge_iterations == 4
+    assert policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25))).ratio == DataRatio([10, 0])
+    waiting = policy.decide("a", "boundary", snapshot(app("a", [10, 0], [0.4, 0], 0.45, iteration=102)))
+    assert waiting.branch == "measuring" and waiting.ratio == DataRatio([10, 0])
+    assert policy.protected("a")  # no other app is moved onto its GPUs meanwhile
+    judged = policy.decide("a", "boundary", snapshot(app("a", [10, 0], [0.3, 0], 0.35, iteration=104)))
+    assert judged.branch == "revert" and judged.ratio == DataRatio([0, 10])
+    assert judged.details["measured_iteration"] == pytest.approx((2 * 0.45 + 2 * 0.35) / 4)
+
+
+@pytest.mark.parametrize("judge_iterations, undone", [(1, True), (4, False)])
+def test_one_slow_iteration_right_after_a_move_undoes_it_only_when_judged_on_it_alone(judge_iterations, undone):
+    """An epoch ends one iteration after a move, and that iteration was slow (a data loader
+    restarting, say); the next three run as predicted. Judged on the first alone the move is
+    undone; judged over four iterations it is kept."""
+    policy = FairPolicy(FairConfig(judge_iterations=judge_iterations))
+    assert policy.decide("a", "boundary", snapshot(app("a", [0, 10], [0, 0.2], 0.25))).ratio == DataRatio([10, 0])
+    outcomes = [policy.decide("a", "epoch", snapshot(app("a", [10, 0], [0.4, 0], 0.45, iteration=101)))]
+    if outcomes[0].branch != "revert":
+        outcomes.append(policy.decide("a", "boundary", snapshot(app("a", [10, 0], [0.1, 0], 0.15, iteration=104))))
+    assert any(decision.branch == "revert" for decision in outcomes) is undone
+    assert outcomes[-1].ratio == (DataRatio([0, 10]) if undone else DataRatio([10, 0]))
+
+
+def test_judge_iterations_must_be_an_integer_at_least_zero():
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="judge_iterations"):
+            FairConfig(judge_iterations=bad)
+
+
 def test_a_split_over_a_fast_and_a_slow_gpu_teaches_the_slow_gpus_speed_and_is_undone():
     """Random mix 165: an app alone on the full-speed GPU 0 was split 5:5 onto the idle GPU 1, which
     runs at half speed. Its 16-sample chunk there took twice its chunk on GPU 0 and the iteration
@@ -696,7 +730,8 @@ def test_every_decision_is_a_valid_dr_and_nothing_moves_while_protected(raw, dec
                  app(name, first.ratio.shares, [0.1, 0.1, 0.1], me.iteration_time, iteration=me.iteration + 1)
                  for view in views]
         later = policy.decide(name, "boundary", Snapshot(tuple(moved), (50.0, 50.0, 50.0), config))
-        assert (later.branch, later.ratio) in {("protected", first.ratio), ("revert", me.ratio)}
+        assert (later.branch, later.ratio) in {("protected", first.ratio), ("measuring", first.ratio),
+                                               ("revert", me.ratio)}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

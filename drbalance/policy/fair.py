@@ -8,7 +8,9 @@ run for a while (branch ``place``; ``_place_newcomer``); else i keeps its DR unt
 measured a window. At app i's decision:
 
 1. Learn from the snapshot (``Predictor.observe``).
-2. If i's last move has now been measured for a whole decision window, check it: a move that
+2. If i's last move has now been measured for a whole decision window and for at least
+   ``judge_iterations`` of i's iterations (else branch ``measuring``: i stays put, and the move
+   is judged later on the mean of the windows since it), check it: a move that
    changed i's replica count corrects the predictor's replica penalty by how far the measured
    iteration time missed the predicted one (``Predictor.learn_move``); the corrected predictor
    compares i's current DR with the one before the move; a move that made things worse by at
@@ -52,6 +54,7 @@ class FairConfig:
     mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
     idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
     protect_windows: int = 1
+    judge_iterations: int = 4  # a move is judged once measured for at least this many of the app's iterations
     max_moves_per_epoch: int = 4
     ban_windows: int = 4
     destinations: int = 4  # least-loaded GPUs tried as destinations
@@ -78,7 +81,8 @@ class FairConfig:
             raise ValueError(f"novel_floor must be a finite number >= 0 (1 or more: off); got {self.novel_floor!r}")
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
-        for name in ("protect_windows", "max_moves_per_epoch", "ban_windows", "destinations", "swap_partners"):
+        for name in ("protect_windows", "judge_iterations", "max_moves_per_epoch", "ban_windows", "destinations",
+                     "swap_partners"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
@@ -103,6 +107,23 @@ class _Move:
     quiet: int = 0  # the app's next decisions during which it stays put
     checked: bool = False  # measured for a whole window and judged
     novel: bool = False  # its change put an app (the mover or a partner) beside a stranger (puts_strangers_together)
+    measured_seconds: float = 0.0  # seconds of the app's iterations measured since the move (its windows' means)
+    measured_iterations: int = 0  # ...over this many iterations
+    seen: int = -1  # the app's iteration at the last decision that added to them (-1: ``iteration``)
+
+    def measure(self, view: AppView) -> float | None:
+        """Add the window the app's record describes (its mean iteration time over the iterations
+        since the last decision that looked) and return the mean seconds per iteration since the
+        move, or None if nothing was measured."""
+        start = self.iteration if self.seen < 0 else self.seen
+        self.seen = max(start, view.iteration)
+        if view.iteration_time is not None and view.iteration > start:
+            first = not self.measured_iterations
+            self.measured_seconds += view.iteration_time * (view.iteration - start)
+            self.measured_iterations += view.iteration - start
+            if first:  # one window: its mean as the record gives it
+                return view.iteration_time
+        return self.measured_seconds / self.measured_iterations if self.measured_iterations else None
 
 
 @dataclass
@@ -469,6 +490,13 @@ class FairPolicy:
         """Whether the error of moves beside strangers would raise a change's margin now."""
         return self.margin_excess(novel=True) > self.margin_excess()
 
+    @staticmethod
+    def _measuring(me: AppView, move: _Move) -> Decision:
+        """The app's last move has run fewer than ``judge_iterations`` iterations: it stays put
+        (its protected decisions count down meanwhile) and the move is judged later."""
+        move.quiet = max(0, move.quiet - 1)
+        return Decision.of(me.name, me.ratio, "measuring", iterations=me.iteration - move.iteration)
+
     def _check_last_move(self, me: AppView, ratio: DataRatio, track: _Track, search: _Search) -> Decision | None:
         """Undo the app's last move if, measured for a whole window, it made things worse: going
         back pays by the policy's judgement, or lowers the SDs of the apps it affects by
@@ -480,8 +508,10 @@ class FairPolicy:
             if ratio == move.before:  # the job never ran it (an out-of-memory revert, a refused or lost command):
                 track.last_move = None  # nothing to judge, and no GPU to hold or period to protect for it
             return None
+        measured = move.measure(me)
+        if me.iteration - move.iteration < self.config.judge_iterations:
+            return self._measuring(me, move)
         move.checked = True
-        measured = me.iteration_time
         details = {"measured_iteration": measured, "predicted_iteration": move.predicted}
         if move.predicted > 0 and measured:
             self._learn_from_move(me, move, measured, search.predictor)
