@@ -21,12 +21,10 @@ import argparse
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
-from benchmarks.random_mixes import Knobs, knob
+from benchmarks.random_mixes import Knobs, add_knob_option, fair_with, parsed_knobs
 from benchmarks.timing import add_no_write, save
 from drbalance.argtypes import non_negative_int, positive_int, relative_spread
-from drbalance.policy.fair import FairConfig, FairPolicy
 from drbalance.sim.engine import SimConfig, Simulation
 from drbalance.workload.scenarios import load_scenario
 
@@ -45,9 +43,8 @@ def final(task: tuple[Job, Knobs]) -> tuple[Job, tuple[float, float, float]]:
     FairConfig's defaults)."""
     job, knobs = task
     scenario, policy, jitter, cadence, seed = job
-    chosen = FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
     config = SimConfig(policy=policy, decide_every=cadence, jitter=jitter, seed=seed, record=False)
-    result = Simulation(load_scenario(scenario), config, policy=chosen).run()
+    result = Simulation(load_scenario(scenario), config, policy=fair_with(policy, knobs)).run()
     return job, (result.sd_spread, result.max_sd, result.mean_sd)
 
 
@@ -77,12 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decide-every", type=_list_of(non_negative_int), default=[2, 4],
                         help="comma-separated cadences in iterations (default 2,4; 0: the policy's own)")
     parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel (default 2)")
-    parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
-                        help="run fair with this FairConfig knob changed (repeatable), e.g. judge_iterations=4")
+    add_knob_option(parser)
     add_no_write(parser)
     args = parser.parse_args(argv)
-    knobs: Knobs = tuple(args.set)
-    replace(FairConfig(), **dict(knobs))  # FairConfig checks the values
+    knobs = parsed_knobs(parser, args)
     jobs = [(args.scenario, policy, jitter, cadence, seed) for jitter in args.jitter for cadence in args.decide_every
             for seed in range(args.seeds if jitter > 0 else 1) for policy in POLICIES]
     with ProcessPoolExecutor(args.workers) as pool:

@@ -75,8 +75,28 @@ def simulate_mix(scenario: Scenario, interference: str, policy: str, knobs: Knob
     sweep does; ``fair`` with ``knobs`` replacing FairConfig's defaults."""
     config = SimConfig(policy=policy, placement="round-robin", record=False,
                        contention=make_interference(interference))
-    chosen = FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
-    return Simulation(scenario, config, policy=chosen).run()
+    return Simulation(scenario, config, policy=fair_with(policy, knobs)).run()
+
+
+def fair_with(policy: str, knobs: Knobs) -> FairPolicy | None:
+    """``fair`` with ``knobs`` replacing FairConfig's defaults if ``policy`` is fair and there are
+    knobs; else None (the simulation makes the registry's policy)."""
+    return FairPolicy(replace(FairConfig(), **dict(knobs))) if policy == "fair" and knobs else None
+
+
+def add_knob_option(parser: argparse.ArgumentParser) -> None:
+    """``--set NAME=VALUE`` (repeatable): a FairConfig knob changed; read with ``parsed_knobs``."""
+    parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
+                        help="run fair with this FairConfig knob changed (repeatable), e.g. swap_partners=1")
+
+
+def parsed_knobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Knobs:
+    """The ``--set`` knobs, checked by FairConfig (a value it refuses is a usage error)."""
+    try:
+        replace(FairConfig(), **dict(args.set))
+    except ValueError as error:
+        parser.error(str(error))
+    return tuple(args.set)
 
 
 def run(job: tuple[int, str, str], knobs: Knobs = ()) -> Run:
@@ -160,17 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],
                         help="comma-separated policies besides observe")
     parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel")
-    parser.add_argument("--set", type=knob, action="append", default=[], metavar="NAME=VALUE",
-                        help="run fair with this FairConfig knob changed (repeatable), e.g. swap_partners=1")
+    add_knob_option(parser)
     parser.add_argument("--json", metavar="PATH", help="also write every run's final SDs here")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     policies = args.policies
-    try:
-        replace(FairConfig(), **dict(args.set))  # FairConfig checks the values
-    except ValueError as error:
-        parser.error(str(error))
-    results = sweep(args.seeds, policies, args.workers, tuple(args.set))
+    results = sweep(args.seeds, policies, args.workers, parsed_knobs(parser, args))
     print(report(results, args.seeds, policies))
     if args.json:
         rows = [vars(result) | {"worse": worse(result, results[(result.seed, result.interference, "observe")])}

@@ -66,3 +66,17 @@ def test_a_changed_knob_reaches_the_policy_of_the_run():
     fewer = run((14, "gavel", "fair"), (("swap_partners", 1),))
     assert (fewer.max_sd, fewer.mean_sd) != (default.max_sd, default.mean_sd)
     assert run((14, "gavel", "observe"), (("swap_partners", 1),)) == run((14, "gavel", "observe"))
+
+
+def test_set_changes_fairs_knob_and_a_value_fairconfig_refuses_is_a_usage_error(capsys):
+    from benchmarks import demo_noise
+
+    chosen = random_mixes.fair_with("fair", (("judge_iterations", 6),))
+    assert chosen is not None and chosen.config.judge_iterations == 6
+    assert random_mixes.fair_with("paper", (("judge_iterations", 6),)) is None  # only fair takes knobs
+    assert random_mixes.fair_with("fair", ()) is None  # the registry's fair
+    for main in (random_mixes.main, demo_noise.main):
+        with pytest.raises(SystemExit) as exited:
+            main(["--set", "judge_iterations=-1", "--seeds", "1"])
+        assert exited.value.code == 2
+        assert "judge_iterations must be an integer >= 0" in capsys.readouterr().err
