@@ -61,7 +61,9 @@ def kernel_path(path: str | os.PathLike[str]) -> Path:
 
 
 class JsonLinesWriter:
-    """Append records to a file; ``flush_every`` lines are buffered at most.
+    """Append records to a file; ``flush_every`` lines are buffered at most, and with
+    ``flush_seconds`` (None = no limit) a line is written at the first ``write`` this many
+    seconds after the last flush at the latest (a reader tailing the file lags by that much).
 
     ``max_bytes`` (None = never) rotates the file when the next line would make it larger;
     ``keep`` old files are kept. The constructor raises ``OSError`` (``UnsafePath`` included)
@@ -72,7 +74,9 @@ class JsonLinesWriter:
     """
 
     def __init__(self, path: str | Path, flush_every: int = 1, max_bytes: int | None = None, keep: int = 5,
-                 open_later: bool = False) -> None:
+                 open_later: bool = False, flush_seconds: float | None = None) -> None:
+        if flush_seconds is not None and not 0 <= flush_seconds < math.inf:  # also refuses NaN
+            raise ValueError(f"flush_seconds must be a finite number of seconds >= 0 or None; got {flush_seconds!r}")
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be positive or None; got {max_bytes}")
         if keep < 0:
@@ -81,6 +85,8 @@ class JsonLinesWriter:
         self.max_bytes = max_bytes
         self.keep = keep
         self._flush_every = max(1, flush_every)
+        self._flush_seconds = flush_seconds
+        self._flushed_at = time.monotonic()  # the last flush (or the opening)
         self._pending: deque[bytes] = deque()
         self.dropped = 0  # lines lost since the last successful write (reported in a log_gap record)
         self.dropped_total = 0
@@ -111,7 +117,8 @@ class JsonLinesWriter:
             self._pending.popleft()
             self.dropped += 1
             self.dropped_total += 1
-        if len(self._pending) >= self._flush_every:
+        if len(self._pending) >= self._flush_every or (
+                self._flush_seconds is not None and time.monotonic() - self._flushed_at >= self._flush_seconds):
             self.flush()
 
     def flush(self) -> None:
@@ -121,6 +128,7 @@ class JsonLinesWriter:
         now = time.monotonic()
         if self.error is not None and now < self._retry_at:
             return
+        self._flushed_at = now
         try:
             if self._fd is None:
                 self._open()

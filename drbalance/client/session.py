@@ -66,6 +66,11 @@ from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 
 logger = logging.getLogger("drbalance.client")
 
+SD_LOG_FLUSH_SECONDS = 2.0
+"""Report lines wait in the SD log's buffer (64 at most) this long at most (seconds): a reader
+tailing the log (``drbalance progress``, a test, a person) lags a slow job by about this much, not
+by 64 of its iterations, and a job killed outright loses at most this much of its reports."""
+
 LOG_CHECK_SECONDS = 5.0
 """How often (seconds, at most) a session looks whether its SD log was removed or replaced under
 it (an ``rm``, logrotate's rename): it then writes to a new file at the log's path, not to one
@@ -261,7 +266,7 @@ class Session:
         if sd_log is False:
             return None
         path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
-        writer = JsonLinesWriter(path, flush_every=64, open_later=True)
+        writer = JsonLinesWriter(path, flush_every=64, flush_seconds=SD_LOG_FLUSH_SECONDS, open_later=True)
         if writer.error is not None:  # e.g. a full disk: training goes on, the lines wait in memory
             self._warned_log = True
             logger.warning("drbalance: cannot open the SD log %s (%s); its lines are kept in memory and written "
