@@ -17,6 +17,9 @@ differences.
 the changes it judged (distinct ones: ``Neighbourhood.compare`` calls), the apps each affects,
 and the consolidation plans proposed: what a decision's time is made of.
 
+``--set NAME=VALUE`` runs ``fair`` with a FairConfig knob changed (as ``random_mixes`` does;
+also for ``--count`` and ``--crowd``), e.g. ``--set spread_gpus=0`` for the wider search of before.
+
 ``--placement spread`` starts every app over every GPU (plain DataParallel's layout): the crowded
 start, where every candidate change affects every app and a decision costs far more.
 
@@ -27,7 +30,7 @@ solved in Python, alternately in one process, each on a fresh policy; every deci
 is compared (results in policy_crowd.json).
 
 Usage: python -m benchmarks.bench_policy [--policies fair,paper,f-sched] [--placement spread] [--against REV]
-       [--count] [--crowd APPSxGPUS [--repeats N]] [--no-write]
+       [--count] [--crowd APPSxGPUS [--repeats N]] [--set NAME=VALUE] [--no-write]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks.bench_simulator import big_scenario
+from benchmarks.random_mixes import Knobs, add_knob_option, fair_with, parsed_knobs
 from benchmarks.timing import add_no_write, save, summary
 from drbalance.argtypes import positive_int
 from drbalance.policy import POLICIES, AppView, Decision, Policy, PolicyConfig, Snapshot
@@ -134,11 +138,13 @@ def modules_at(revision: str) -> dict[str, types.ModuleType]:
     return modules
 
 
-def run(policy: str, apps: int, gpus: int, against: str | None = None, placement: str = "round-robin") -> dict:
+def run(policy: str, apps: int, gpus: int, against: str | None = None, placement: str = "round-robin",
+        knobs: Knobs = ()) -> dict:
+    deciding = fair_with(policy, knobs) or POLICIES[policy]()
     if against is None:
-        timed = driver = Timed(POLICIES[policy]())
+        timed = driver = Timed(deciding)
     else:
-        driver = Lockstep(POLICIES[policy](), policy_at(against, policy))
+        driver = Lockstep(deciding, policy_at(against, policy))
         timed = driver.current
     started = time.perf_counter()
     config = SimConfig(policy=policy, placement=placement, record=False)
@@ -155,7 +161,7 @@ def run(policy: str, apps: int, gpus: int, against: str | None = None, placement
     return case
 
 
-def count_fair(apps: int, gpus: int) -> dict:
+def count_fair(apps: int, gpus: int, placement: str = "round-robin", knobs: Knobs = ()) -> dict:
     """Per decision of ``fair`` (today's code) in the ``apps`` x ``gpus`` run: the distinct
     changes it judged, and over all of them the apps each affected; the consolidation plans
     proposed. Counted in an untimed run (the counting wraps two methods)."""
@@ -179,7 +185,7 @@ def count_fair(apps: int, gpus: int) -> dict:
         plans[0] += len(found)
         return found
 
-    policy = POLICIES["fair"]()
+    policy = fair_with("fair", knobs) or POLICIES["fair"]()
 
     class Counting:
         name = policy.name
@@ -190,7 +196,8 @@ def count_fair(apps: int, gpus: int) -> dict:
 
     Neighbourhood.compare, _Search._consolidation_plans = counted_compare, counted_plans
     try:
-        Simulation(big_scenario(apps, gpus), SimConfig(policy="fair", record=False), policy=Counting()).run()
+        Simulation(big_scenario(apps, gpus), SimConfig(policy="fair", placement=placement, record=False),
+                   policy=Counting()).run()
     finally:
         Neighbourhood.compare, _Search._consolidation_plans = compare, consolidation
     ordered = sorted(judged)
@@ -225,7 +232,7 @@ def crowd_snapshot(apps: int, gpus: int, step: int, seed: int = 0) -> Snapshot:
     return Snapshot(tuple(views), (90.0,) * gpus, PolicyConfig(gpus))
 
 
-def crowd(apps: int, gpus: int, repeats: int, steps: int = 3) -> dict:
+def crowd(apps: int, gpus: int, repeats: int, steps: int = 3, knobs: Knobs = ()) -> dict:
     """``fair``'s decisions on ``crowd_snapshot`` windows 0..steps-1 (app0 deciding), on a fresh
     policy per repeat, with the dense solve and with Python only (``DENSE_PARTNERS`` out of reach),
     alternating which goes first; seconds per decision, per window; decisions compared."""
@@ -240,7 +247,7 @@ def crowd(apps: int, gpus: int, repeats: int, steps: int = 3) -> dict:
             order = list(modes) if repeat % 2 == 0 else list(modes)[::-1]
             for mode in order:
                 Neighbourhood.DENSE_PARTNERS = modes[mode]
-                policy = POLICIES["fair"]()
+                policy = fair_with("fair", knobs) or POLICIES["fair"]()
                 made = []
                 for step, snapshot in enumerate(snapshots):
                     started = time.perf_counter()
@@ -277,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crowd", default=None, metavar="APPSxGPUS",
                         help="time fair's first decisions on a hand-built crowd instead (see above)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="runs per solve path with --crowd (default 5)")
+    add_knob_option(parser)
     add_no_write(parser)
     args = parser.parse_args(argv)
+    knobs = parsed_knobs(parser, args)
     if args.crowd is not None:
         return _crowd_main(args, argv)
     payload: dict = {"args": vars(args), "runs": {}}
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         apps, gpus = (int(part) for part in size.split("x"))
         for policy in args.policies.split(","):
             against = args.against if args.against and policy in ("fair", "f-sched") else None
-            case = run(policy, apps, gpus, against, args.placement)
+            case = run(policy, apps, gpus, against, args.placement, knobs)
             payload["runs"][f"{policy}@{size}"] = case
             print(f"{policy:8} {size:7} decisions {case['decisions']:6}: "
                   + _line("", case["decision_seconds"], case["decision_max_s"])[2:]
@@ -309,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 if case["against"]["first_difference"]:
                     print(f"{'':17} first: {case['against']['first_difference']}", flush=True)
             if args.count and policy == "fair":
-                counts = case["counts"] = count_fair(apps, gpus)
+                counts = case["counts"] = count_fair(apps, gpus, args.placement, knobs)
                 print(f"{'':17} judged changes per decision: median {counts['judged_median']}, "
                       f"p90 {counts['judged_p90']}, p99 {counts['judged_p99']}, max {counts['judged_max']}; "
                       f"apps affected per change {counts['affected_mean']:.1f} on average; "
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _crowd_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     apps, gpus = (int(part) for part in args.crowd.split("x"))
-    case = crowd(apps, gpus, args.repeats)
+    case = crowd(apps, gpus, args.repeats, knobs=tuple(args.set))
     for step, (dense, python) in enumerate(zip(case["seconds"]["dense"], case["seconds"]["python"])):
         print(f"window {step} ({case['branches'][step]}): dense {dense * 1e3:.1f} ms, python {python * 1e3:.1f} ms, "
               f"ratio {dense / python:.2f} (medians of {args.repeats})", flush=True)

@@ -921,3 +921,35 @@ def test_the_replica_penalty_is_learned_from_splits_and_joins_and_kept_in_bounds
     for bad in ({"replica_penalty_step": 1.5}, {"replica_penalty_max": float("nan")}):
         with pytest.raises(ValueError, match="replica_penalty"):
             PredictorConfig(**bad)
+
+
+def _shifts_of_a(spread_gpus):
+    """(source, target) GPUs of every candidate of a's own that moves part of a share, with a over
+    all six GPUs and the other apps' load 2, 1, 1, 0, 0, 0 on them."""
+    views = (app("a", [2, 2, 2, 2, 1, 1], [0.03] * 6, 0.3),
+             app("b", [10, 0, 0, 0, 0, 0], [0.1, 0, 0, 0, 0, 0], 0.3),
+             app("c", [10, 0, 0, 0, 0, 0], [0.1, 0, 0, 0, 0, 0], 0.3),
+             app("d", [0, 10, 0, 0, 0, 0], [0, 0.1, 0, 0, 0, 0], 0.2),
+             app("e", [0, 0, 10, 0, 0, 0], [0, 0, 0.1, 0, 0, 0], 0.2))
+    policy = FairPolicy(FairConfig(spread_gpus=spread_gpus))
+    shot = snapshot(*views, gpus=6)
+    search = _Search(policy, shot, policy._predictor(shot, "a"), shot.app("a"), set())
+    mine = shot.app("a").ratio
+    shifts = set()
+    for candidate in search._own_candidates(mine):
+        if len(candidate.used) > 1:
+            source = next(g for g in range(6) if candidate[g] < mine[g])
+            target = next(g for g in range(6) if candidate[g] > mine[g])
+            shifts.add((source, target))
+    return shifts
+
+
+def test_an_app_spread_wide_moves_shares_only_from_its_most_loaded_gpus_to_its_least_loaded_ones():
+    # spread_gpus 2: from GPUs 0 and 2 (load 2; of GPUs 1 and 2, both at load 1, the higher number) to
+    # GPUs 3 and 4 (the least loaded it uses) and the quiet ones (3, 4, 5: no other app)
+    assert _shifts_of_a(2) == {(source, target) for source in (0, 2) for target in (3, 4, 5)}
+    everywhere = _shifts_of_a(0)  # 0: from and to every GPU it uses
+    assert everywhere == {(source, target) for source in range(6) for target in range(6) if source != target}
+    assert FairConfig().spread_gpus == 3
+    with pytest.raises(ValueError, match="spread_gpus"):
+        FairConfig(spread_gpus=-1)

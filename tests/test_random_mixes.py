@@ -75,8 +75,11 @@ def test_set_changes_fairs_knob_and_a_value_fairconfig_refuses_is_a_usage_error(
     assert chosen is not None and chosen.config.judge_iterations == 6
     assert random_mixes.fair_with("paper", (("judge_iterations", 6),)) is None  # only fair takes knobs
     assert random_mixes.fair_with("fair", ()) is None  # the registry's fair
-    for main in (random_mixes.main, demo_noise.main):
+    from benchmarks import bench_policy
+
+    for main, others in ((random_mixes.main, ["--seeds", "1"]), (demo_noise.main, ["--seeds", "1"]),
+                         (bench_policy.main, ["--sizes", "4x2", "--no-write"])):
         with pytest.raises(SystemExit) as exited:
-            main(["--set", "judge_iterations=-1", "--seeds", "1"])
+            main(["--set", "judge_iterations=-1", *others])
         assert exited.value.code == 2
         assert "judge_iterations must be an integer >= 0" in capsys.readouterr().err

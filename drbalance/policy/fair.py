@@ -58,6 +58,8 @@ class FairConfig:
     max_moves_per_epoch: int = 4
     ban_windows: int = 4
     destinations: int = 4  # least-loaded GPUs tried as destinations
+    spread_gpus: int = 3  # an app over more GPUs moves shares from its this many most loaded ones to its
+    # this many least loaded ones (and the destinations) only; 0: from and to every GPU it uses
     swap_partners: int = 6  # apps tried as swap partners
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
@@ -82,7 +84,7 @@ class FairConfig:
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "judge_iterations", "max_moves_per_epoch", "ban_windows", "destinations",
-                     "swap_partners"):
+                     "swap_partners", "spread_gpus"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
@@ -559,6 +561,7 @@ class _Search:
         self._all_sds: dict[str, float] | None = None
         self._neighbourhood: Neighbourhood | None = None
         self._occupants: list[list[str]] | None = None
+        self._load: list[float] | None = None  # ``_others_load``
         self._compared: dict[tuple, tuple[Mapping[str, float], dict[str, float]]] = {}
         self._sds_of: dict[int, tuple[Mapping[str, float], dict[str, float]]] = {}  # id(times) -> (times, SDs)
         self._eq2: dict[str, tuple[float, int, float] | None] = {}
@@ -813,9 +816,14 @@ class _Search:
         destinations = self._quiet_gpus()
         for gpu in destinations:
             yield DataRatio.single(gpus, gpu, total)
-        used = ratio.used
-        for source in used:
-            for gpu in sorted(set(destinations) | set(used)):
+        sources = targets = used = ratio.used
+        limit = self.policy.config.spread_gpus
+        if 0 < limit < len(used):  # spread wide: from the most loaded GPUs to the least loaded ones
+            load = self._others_load()
+            by_load = sorted(used, key=lambda g: (load[g], g))
+            sources, targets = sorted(by_load[-limit:]), by_load[:limit]
+        for source in sources:
+            for gpu in sorted(set(destinations) | set(targets)):
                 if gpu == source:
                     continue
                 for amount in sorted({ratio[source] // 2, ratio[source]}):  # half, all
@@ -830,13 +838,7 @@ class _Search:
         an app (their shares summed), quietest first: moving there balances load, where moving
         to an averagely loaded GPU would only shuffle it."""
         gpus = self.config.gpu_count
-        load = [0.0] * gpus
-        me = self.me.name
-        for name, ratio in self.ratios.items():
-            if name != me:
-                shares, total = ratio.shares, ratio.total
-                for gpu in ratio.used:
-                    load[gpu] += shares[gpu] / total
+        load = self._others_load()
         average = sum(load) / gpus
         quiet = [g for g in range(gpus) if g not in self.locked and (load[g] == 0 or load[g] <= average - 0.5)]
         mine = self.ratios.get(self.me.name)
@@ -844,6 +846,19 @@ class _Search:
             heaviest = max(load[g] + mine[g] / mine.total for g in mine.used)
             quiet = [g for g in range(gpus) if g not in self.locked and load[g] <= heaviest - 1.0]
         return sorted(quiet, key=lambda g: (load[g], g))[: self.policy.config.destinations]
+
+    def _others_load(self) -> list[float]:
+        """Per GPU, the other apps' shares on it summed (in apps: 1.0 is one app's whole share);
+        computed once per search."""
+        if self._load is None:
+            load = self._load = [0.0] * self.config.gpu_count
+            me = self.me.name
+            for name, ratio in self.ratios.items():
+                if name != me:
+                    shares, total = ratio.shares, ratio.total
+                    for gpu in ratio.used:
+                        load[gpu] += shares[gpu] / total
+        return self._load
 
     def _sharing_pays(self) -> bool:
         """Whether every pair measured alone together kept a kappa under 1: overlapping chunks
