@@ -18,7 +18,8 @@ the changes it judged (distinct ones: ``Neighbourhood.compare`` calls), the apps
 and the consolidation plans proposed: what a decision's time is made of.
 
 ``--set NAME=VALUE`` runs ``fair`` with a FairConfig knob changed (as ``random_mixes`` does;
-also for ``--count`` and ``--crowd``), e.g. ``--set spread_gpus=0`` for the wider search of before.
+also for ``--count`` and ``--crowd``; not for the old revision of ``--against``), e.g. ``--set
+spread_gpus=0`` for the wider search of before; its results go to a file named after the knobs.
 
 ``--placement spread`` starts every app over every GPU (plain DataParallel's layout): the crowded
 start, where every candidate change affects every app and a decision costs far more.
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     knobs = parsed_knobs(parser, args)
     if args.crowd is not None:
-        return _crowd_main(args, argv)
+        return _crowd_main(args, argv, knobs)
     payload: dict = {"args": vars(args), "runs": {}}
     for size in args.sizes.split(","):
         apps, gpus = (int(part) for part in size.split("x"))
@@ -324,18 +325,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"apps affected per change {counts['affected_mean']:.1f} on average; "
                       f"consolidation plans proposed {counts['consolidation_plans']}", flush=True)
     name = "policy" if args.placement == "round-robin" else "policy_spread"
+    if knobs:  # a variant: never in place of the defaults' results
+        name += "_set_" + "_".join(f"{knob}-{value}" for knob, value in knobs)
     save(name, "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
 
 
-def _crowd_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+def _crowd_main(args: argparse.Namespace, argv: list[str] | None, knobs: Knobs = ()) -> int:
     apps, gpus = (int(part) for part in args.crowd.split("x"))
-    case = crowd(apps, gpus, args.repeats, knobs=tuple(args.set))
+    case = crowd(apps, gpus, args.repeats, knobs=knobs)
     for step, (dense, python) in enumerate(zip(case["seconds"]["dense"], case["seconds"]["python"])):
         print(f"window {step} ({case['branches'][step]}): dense {dense * 1e3:.1f} ms, python {python * 1e3:.1f} ms, "
               f"ratio {dense / python:.2f} (medians of {args.repeats})", flush=True)
     print(f"decisions that differ: {case['differences']}", flush=True)
-    save("policy_crowd", "benchmarks.bench_policy", argv, {"args": vars(args), "crowd": case}, args.no_write)
+    name = "policy_crowd" + ("_set_" + "_".join(f"{knob}-{value}" for knob, value in knobs) if knobs else "")
+    save(name, "benchmarks.bench_policy", argv, {"args": vars(args), "crowd": case}, args.no_write)
     return 1 if case["differences"] else 0
 
 

@@ -215,3 +215,32 @@ def test_a_job_says_why_it_found_no_manager(ipc_env, tmp_path, caplog):
             session.step()
     assert f"(the manager named in {ipc_env.manager_info()} (pid {manager.process.pid}) is gone)" in caplog.text
     assert "none is running" not in caplog.text
+
+
+def test_a_sessions_report_lines_reach_the_sd_log_two_seconds_after_its_last_write(alone, tmp_path, monkeypatch):
+    # SD_LOG_FLUSH_SECONDS: a slow job's reports are not held back until 64 of them are buffered
+    from drbalance import jsonlog
+    from drbalance.client.session import SD_LOG_FLUSH_SECONDS
+
+    class Clock:  # jsonlog's time.monotonic under the test's control (the session keeps its own clock)
+        now = 0.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+        @staticmethod
+        def time() -> float:
+            import time
+
+            return time.time()
+
+    clock = Clock()
+    monkeypatch.setattr(jsonlog, "time", clock)
+    with Session(model(), "tailed", epochs=1, iterations_per_epoch=50, solo_time=1.0, report_every=1) as session:
+        session.step()
+        session.step()
+        assert [e["event"] for e in events(tmp_path, "tailed")] == ["start"]  # reports buffered
+        clock.now += SD_LOG_FLUSH_SECONDS
+        session.step()
+        reports = [e for e in events(tmp_path, "tailed") if e["event"] == "report"]
+        assert [r["iteration"] for r in reports] == [1, 2, 3]  # written before the session ends

@@ -22,9 +22,6 @@ from drbalance.slowdown import SlowdownTracker
 from drbalance.workload.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_costs
 from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
 
-# one xdist worker runs the whole module: its module fixtures simulate for about a minute (pyproject.toml)
-pytestmark = pytest.mark.xdist_group("simulator")
-
 VARIANTS = {
     "paper": SimConfig(policy="paper", record=False),
     "fair": SimConfig(policy="fair", record=False),

@@ -67,9 +67,11 @@ from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 logger = logging.getLogger("drbalance.client")
 
 SD_LOG_FLUSH_SECONDS = 2.0
-"""Report lines wait in the SD log's buffer (64 at most) this long at most (seconds): a reader
-tailing the log (``drbalance progress``, a test, a person) lags a slow job by about this much, not
-by 64 of its iterations, and a job killed outright loses at most this much of its reports."""
+"""Report lines wait in the SD log's buffer (64 at most) until the first report this many seconds
+or more after the last write: a reader tailing the log (a test, a person) lags a job that keeps
+reporting by about this much, not by 64 of its iterations, and a job killed outright loses
+the reports of about this long. A job that stops reporting (a long evaluation) keeps its last
+lines buffered until its next report or its end."""
 
 LOG_CHECK_SECONDS = 5.0
 """How often (seconds, at most) a session looks whether its SD log was removed or replaced under
