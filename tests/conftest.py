@@ -8,13 +8,17 @@ generous bounds (``wait_for``), never tight wall-clock windows.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
+import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +29,7 @@ from drbalance.ipc.names import SHM_DIR, IpcNames
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
 _counter = itertools.count()
+T = TypeVar("T")
 
 # Each example of our property tests takes milliseconds. On a loaded 2-core CI machine one can
 # stall for a second when the scheduler runs something else; a deadline that short would make the
@@ -47,6 +52,26 @@ def pytest_collection_modifyitems(config, items) -> None:
         limit = LONG_TEST_LIMITS.get(item.path.name)
         if limit is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit))
+
+
+def computed_once(tmp_path_factory: pytest.TempPathFactory, key: str, compute: Callable[[], T]) -> T:
+    """``compute()``'s result, computed once per pytest run however many xdist workers ask for it:
+    the first to ask computes it while holding a lock file and pickles it into the run's temporary
+    folder (the workers' common parent); the others wait on the lock and read it. For a module
+    fixture that simulates for tens of seconds: per worker, a module fixture is computed again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-<n>/, above every worker's popen-gw<i>
+    path = root / f"{key}.pickle"
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on an exception
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        written = path.with_name(path.name + ".part")
+        written.write_bytes(pickle.dumps(value))
+        os.replace(written, path)  # whole or absent
+        return value
 
 
 def leftovers(names: IpcNames) -> list[str]:

@@ -21,6 +21,7 @@ from drbalance.sim.command import to_run
 from drbalance.slowdown import SlowdownTracker
 from drbalance.workload.models import CO_LOCATED_SPEED, CO_LOCATION_CAPACITY, model_costs
 from drbalance.workload.scenarios import SCENARIOS, AppSpec, Scenario, load_scenario, scenario_from_json
+from tests.conftest import computed_once
 
 VARIANTS = {
     "paper": SimConfig(policy="paper", record=False),
@@ -50,14 +51,18 @@ def simulated(name: str, label: str):
 
 
 @pytest.fixture(scope="module")
-def paper_results():
-    """Every variant of a, b and c, simulated in two processes (CI has two cores) and kept for the
-    module's other tests (``simulated``)."""
+def paper_results(tmp_path_factory):
+    """Every variant of a, b and c, simulated in two processes (CI has two cores), once per test
+    run (``computed_once``: not again in the other xdist worker), and kept for the module's other
+    tests (``simulated``)."""
+    _known.update(computed_once(tmp_path_factory, "simulator-paper-results", _simulate_every_variant))
+    return {name: {label: simulated(name, label) for label in VARIANTS} for name in ("a", "b", "c")}
+
+
+def _simulate_every_variant() -> dict:
     jobs = [(name, label) for name in ("a", "b", "c") for label in VARIANTS]
     with ProcessPoolExecutor(2) as pool:
-        for job, result in zip(jobs, pool.map(_simulated_job, jobs)):
-            _known[job] = result
-    return {name: {label: simulated(name, label) for label in VARIANTS} for name in ("a", "b", "c")}
+        return dict(zip(jobs, pool.map(_simulated_job, jobs)))
 
 
 def _simulated_job(job: tuple[str, str]):
@@ -92,7 +97,7 @@ def test_identical_apps_under_symmetric_placement_get_identical_sds():
 
 @pytest.mark.parametrize("scenario", [*SCENARIOS.values(), small(), small("one-gpu", 1),
                                       small("late", 3, (("resnet50", 32, 50), ("resnet50", 64, 20)))])
-def test_no_policy_run_beats_the_bound(scenario):
+def test_no_policy_run_beats_the_bound(scenario, paper_results):
     bound = lower_bound(scenario)
     assert bound >= 0.0
     for label, config in VARIANTS.items():
@@ -252,9 +257,11 @@ FAIR_SCALE = 0.3
 
 
 @pytest.fixture(scope="module")
-def fair_runs():
-    from concurrent.futures import ProcessPoolExecutor
+def fair_runs(tmp_path_factory):
+    return computed_once(tmp_path_factory, "simulator-fair-runs", _simulate_fair_runs)
 
+
+def _simulate_fair_runs() -> dict:
     jobs = [(name, placement, policy, interference) for name in "abc" for interference in ("calibrated", "gavel")
             for placement, policy in (("round-robin", "observe"), ("round-robin", "fair"), ("spread", "fair"))]
     with ProcessPoolExecutor(2) as pool:
