@@ -139,9 +139,19 @@ def modules_at(revision: str) -> dict[str, types.ModuleType]:
     return modules
 
 
+def _policy(name: str, knobs: Knobs) -> Policy:
+    """A fresh policy of the registry, or ``fair`` with ``--set``'s knobs."""
+    return fair_with(name, knobs) or POLICIES[name]()
+
+
+def _results_name(base: str, knobs: Knobs) -> str:
+    """The results file's name: a variant's (``--set``) never replaces the defaults' results."""
+    return base + "".join(f"_set_{knob}-{value}" for knob, value in knobs)
+
+
 def run(policy: str, apps: int, gpus: int, against: str | None = None, placement: str = "round-robin",
         knobs: Knobs = ()) -> dict:
-    deciding = fair_with(policy, knobs) or POLICIES[policy]()
+    deciding = _policy(policy, knobs)
     if against is None:
         timed = driver = Timed(deciding)
     else:
@@ -186,7 +196,7 @@ def count_fair(apps: int, gpus: int, placement: str = "round-robin", knobs: Knob
         plans[0] += len(found)
         return found
 
-    policy = fair_with("fair", knobs) or POLICIES["fair"]()
+    policy = _policy("fair", knobs)
 
     class Counting:
         name = policy.name
@@ -248,7 +258,7 @@ def crowd(apps: int, gpus: int, repeats: int, steps: int = 3, knobs: Knobs = ())
             order = list(modes) if repeat % 2 == 0 else list(modes)[::-1]
             for mode in order:
                 Neighbourhood.DENSE_PARTNERS = modes[mode]
-                policy = fair_with("fair", knobs) or POLICIES["fair"]()
+                policy = _policy("fair", knobs)
                 made = []
                 for step, snapshot in enumerate(snapshots):
                     started = time.perf_counter()
@@ -325,9 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"apps affected per change {counts['affected_mean']:.1f} on average; "
                       f"consolidation plans proposed {counts['consolidation_plans']}", flush=True)
     name = "policy" if args.placement == "round-robin" else "policy_spread"
-    if knobs:  # a variant: never in place of the defaults' results
-        name += "_set_" + "_".join(f"{knob}-{value}" for knob, value in knobs)
-    save(name, "benchmarks.bench_policy", argv, payload, args.no_write)
+    save(_results_name(name, knobs), "benchmarks.bench_policy", argv, payload, args.no_write)
     return 0
 
 
@@ -338,8 +346,8 @@ def _crowd_main(args: argparse.Namespace, argv: list[str] | None, knobs: Knobs =
         print(f"window {step} ({case['branches'][step]}): dense {dense * 1e3:.1f} ms, python {python * 1e3:.1f} ms, "
               f"ratio {dense / python:.2f} (medians of {args.repeats})", flush=True)
     print(f"decisions that differ: {case['differences']}", flush=True)
-    name = "policy_crowd" + ("_set_" + "_".join(f"{knob}-{value}" for knob, value in knobs) if knobs else "")
-    save(name, "benchmarks.bench_policy", argv, {"args": vars(args), "crowd": case}, args.no_write)
+    save(_results_name("policy_crowd", knobs), "benchmarks.bench_policy", argv, {"args": vars(args), "crowd": case},
+         args.no_write)
     return 1 if case["differences"] else 0
 
 

@@ -62,8 +62,8 @@ def kernel_path(path: str | os.PathLike[str]) -> Path:
 
 class JsonLinesWriter:
     """Append records to a file; ``flush_every`` lines are buffered at most, and with
-    ``flush_seconds`` (None = no limit) a line is written at the first ``write`` this many
-    seconds after the last flush at the latest (a reader tailing the file lags by that much).
+    ``flush_seconds`` (None = no limit) the first ``write`` this many seconds or more after the
+    last flush writes what is buffered (no timer: without writes, lines wait for ``close``).
 
     ``max_bytes`` (None = never) rotates the file when the next line would make it larger;
     ``keep`` old files are kept. The constructor raises ``OSError`` (``UnsafePath`` included)

@@ -8,8 +8,9 @@ from drbalance import jsonlog
 from drbalance.jsonlog import JsonLinesWriter
 
 
-class _Clock:
-    """time.monotonic under the test's control; time.time as it is."""
+class MonotonicClock:
+    """Stands in for ``drbalance.jsonlog``'s ``time`` module: ``monotonic`` under the test's
+    control, ``time`` as it is (also used by tests/test_session_plan.py)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -29,7 +30,7 @@ def _lines(path) -> int:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("flush_seconds", [None, 2.0])
 def test_buffered_lines_wait_for_the_count_or_for_flush_seconds(tmp_path, monkeypatch, flush_seconds):
-    clock = _Clock()
+    clock = MonotonicClock()
     monkeypatch.setattr(jsonlog, "time", clock)
     path = tmp_path / "job.sd.jsonl"
     writer = JsonLinesWriter(path, flush_every=64, flush_seconds=flush_seconds)

@@ -221,20 +221,9 @@ def test_a_sessions_report_lines_reach_the_sd_log_two_seconds_after_its_last_wri
     # SD_LOG_FLUSH_SECONDS: a slow job's reports are not held back until 64 of them are buffered
     from drbalance import jsonlog
     from drbalance.client.session import SD_LOG_FLUSH_SECONDS
+    from tests.test_jsonlog import MonotonicClock
 
-    class Clock:  # jsonlog's time.monotonic under the test's control (the session keeps its own clock)
-        now = 0.0
-
-        def monotonic(self) -> float:
-            return self.now
-
-        @staticmethod
-        def time() -> float:
-            import time
-
-            return time.time()
-
-    clock = Clock()
+    clock = MonotonicClock()  # jsonlog's clock only: the session keeps its own
     monkeypatch.setattr(jsonlog, "time", clock)
     with Session(model(), "tailed", epochs=1, iterations_per_epoch=50, solo_time=1.0, report_every=1) as session:
         session.step()
