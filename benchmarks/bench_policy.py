@@ -21,8 +21,9 @@ and the consolidation plans proposed: what a decision's time is made of.
 also for ``--count`` and ``--crowd``; not for the old revision of ``--against``), e.g. ``--set
 spread_gpus=0`` for the wider search of before; its results go to a file named after the knobs.
 
-``--placement spread`` starts every app over every GPU (plain DataParallel's layout): the crowded
-start, where every candidate change affects every app and a decision costs far more.
+``--placement spread`` starts every app as evenly over the GPUs as its DR allows (plain DataParallel's
+layout; at 64 x 16 with a DR total of 10: one unit on each of GPUs 0-9): the crowded start, where a
+candidate change affects every app on the GPUs it uses and a decision costs far more.
 
 ``--crowd APPSxGPUS`` times instead ``fair``'s first decisions on a hand-built crowd: every app
 spread over every GPU and measured (the worst start: one snapshot in which every change affects
@@ -289,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", action="store_true",
                         help="for fair, also count judged changes per decision in an untimed run (see above)")
     parser.add_argument("--placement", choices=("round-robin", "spread"), default="round-robin",
-                        help="where each app starts: alone on one GPU (default) or over every GPU, as plain "
-                             "DataParallel (the crowded start: every change then affects every app); "
+                        help="where each app starts: alone on one GPU (default) or as evenly over the GPUs as its DR "
+                             "allows, as plain DataParallel (the crowded start: a change then affects every app on "
+                             "the GPUs it uses); "
                              "results go to policy_spread.json")
     parser.add_argument("--crowd", default=None, metavar="APPSxGPUS",
                         help="time fair's first decisions on a hand-built crowd instead (see above)")

@@ -953,3 +953,27 @@ def test_an_app_spread_wide_moves_shares_only_from_its_most_loaded_gpus_to_its_l
     assert FairConfig().spread_gpus == 3
     with pytest.raises(ValueError, match="spread_gpus"):
         FairConfig(spread_gpus=-1)
+
+
+def _crowd_beside_a():
+    """a over all six GPUs (shares 2, 2, 2, 2, 1, 1), beside one app alone on each GPU and a second
+    on GPU 0: the other apps' load is 2, 1, 1, 1, 1, 1, so no GPU is quiet (none carries half an
+    app less than the average). a's 0.03 s chunks take 0.6 s per iteration: its six replicas cost."""
+    others = [app(name, DataRatio.single(6, gpu, 10).shares, [0.1 if g == gpu else 0 for g in range(6)], 0.3)
+              for name, gpu in (("b", 0), ("c", 0), ("d", 1), ("e", 2), ("f", 3), ("g", 4), ("h", 5))]
+    return snapshot(app("a", [2, 2, 2, 2, 1, 1], [0.03] * 6, 0.6), *others, gpus=6)
+
+
+def test_an_app_spread_wide_over_a_crowd_is_offered_its_least_loaded_gpus_whole():
+    shot = _crowd_beside_a()
+    for spread_gpus, singles in ((3, {1, 2, 3}), (2, {1, 2}), (0, set())):
+        policy = FairPolicy(FairConfig(spread_gpus=spread_gpus))
+        search = _Search(policy, shot, policy._predictor(shot, "a"), shot.app("a"), set())
+        assert search._quiet_gpus() == []  # nothing to go to whole but these
+        offered = {c.used[0] for c in search._own_candidates(shot.app("a").ratio) if len(c.used) == 1}
+        assert offered == singles
+
+
+def test_an_app_spread_wide_over_a_crowd_leaves_it_in_one_move():
+    decision = FairPolicy().decide("a", "boundary", _crowd_beside_a())
+    assert decision.branch == "move" and decision.ratio.used in ((1,), (2,), (3,))

@@ -59,7 +59,8 @@ class FairConfig:
     ban_windows: int = 4
     destinations: int = 4  # least-loaded GPUs tried as destinations
     spread_gpus: int = 3  # an app over more GPUs moves shares from its this many most loaded ones to its
-    # this many least loaded ones (and the destinations) only; 0: from and to every GPU it uses
+    # this many least loaded ones (and the destinations) only, or goes whole onto one of the least loaded;
+    # 0: shares from and to every GPU it uses
     swap_partners: int = 6  # apps tried as swap partners
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
@@ -822,6 +823,9 @@ class _Search:
             load = self._others_load()
             by_load = sorted(used, key=lambda g: (load[g], g))
             sources, targets = sorted(by_load[-limit:]), by_load[:limit]
+            for gpu in targets:  # the whole batch onto one of them: a wide app can leave a crowd in one move
+                if gpu not in destinations:
+                    yield DataRatio.single(gpus, gpu, total)
         for source in sources:
             for gpu in sorted(set(destinations) | set(targets)):
                 if gpu == source:
