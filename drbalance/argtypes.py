@@ -7,6 +7,8 @@ import argparse
 import math
 from collections.abc import Callable, Iterable
 
+from drbalance.defaults import MAX_JITTER
+
 
 def _number(text: str) -> float:
     try:
@@ -47,10 +49,11 @@ def percent(text: str) -> float:
 
 
 def relative_spread(text: str) -> float:
-    """A relative spread within 0..2 (the simulator's ``--jitter``: 0.1 = about 10% per phase)."""
+    """A relative spread within 0..``MAX_JITTER`` (the simulator's ``--jitter``: 0.1 = about 10% per phase)."""
     value = _finite(text)
-    if not 0 <= value <= 2:
-        raise argparse.ArgumentTypeError(f"must be a relative spread within 0..2 (0.1: about 10%); got {text}")
+    if not 0 <= value <= MAX_JITTER:
+        raise argparse.ArgumentTypeError(
+            f"must be a relative spread within 0..{MAX_JITTER:g} (0.1: about 10%); got {text}")
     return value
 
 

@@ -13,6 +13,10 @@ SD_THRESHOLD = 0.1
 UTIL_THRESHOLD = 20.0
 """Util_th, percentage points: above it the paper policy's utilisation branch runs, else its SD branch."""
 
+# --- the simulator's noise (its config and the commands that set it) --------------------------------
+MAX_JITTER = 2.0
+"""The largest relative spread the simulator's jitter takes (2: a log-normal factor of mean 1 and sd 2)."""
+
 # --- utilisation sampling (manager and simulator) ----------------------------------------------------
 SAMPLE_PERIOD = 0.5
 """Seconds between utilisation samples."""

@@ -68,6 +68,18 @@ def test_a_changed_knob_reaches_the_policy_of_the_run():
     assert run((14, "gavel", "observe"), (("swap_partners", 1),)) == run((14, "gavel", "observe"))
 
 
+def test_bench_policys_knobs_reach_the_timed_run_and_the_counted_one():
+    from benchmarks.bench_policy import count_fair
+    from benchmarks.bench_policy import run as timed_run
+
+    # 8 apps on 4 GPUs from round-robin: with no gain ever enough, fair ends elsewhere (measured)
+    default, still = timed_run("fair", 8, 4), timed_run("fair", 8, 4, knobs=(("min_gain", 100.0),))
+    assert (still["max_sd"], still["mean_sd"]) != (default["max_sd"], default["mean_sd"])
+    # no quiet GPU tried and no swap partner: nobody there is split, so nothing is left to judge
+    assert count_fair(8, 4)["judged_max"] > 0
+    assert count_fair(8, 4, knobs=(("destinations", 0), ("swap_partners", 0)))["judged_max"] == 0
+
+
 def test_set_changes_fairs_knob_and_a_value_fairconfig_refuses_is_a_usage_error(capsys):
     from benchmarks import demo_noise
 

@@ -63,8 +63,8 @@ class SimConfig:
     seed: int = 0  # of the jitter's random numbers (the same seed: the same run)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.jitter <= 2.0:  # also refuses NaN
-            raise ValueError(f"jitter must be a relative spread within 0..2; got {self.jitter!r}")
+        if not 0.0 <= self.jitter <= defaults.MAX_JITTER:  # also refuses NaN
+            raise ValueError(f"jitter must be a relative spread within 0..{defaults.MAX_JITTER:g}; got {self.jitter!r}")
 
 
 class _Chunk:
