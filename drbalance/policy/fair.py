@@ -824,8 +824,7 @@ class _Search:
             by_load = sorted(used, key=lambda g: (load[g], g))
             sources, targets = sorted(by_load[-limit:]), by_load[:limit]
             for gpu in targets:  # the whole batch onto one of them: a wide app can leave a crowd in one move
-                if gpu not in destinations:
-                    yield DataRatio.single(gpus, gpu, total)
+                yield DataRatio.single(gpus, gpu, total)  # (one that is also a destination: judged once, _candidates)
         for source in sources:
             for gpu in sorted(set(destinations) | set(targets)):
                 if gpu == source:
