@@ -126,6 +126,13 @@ def ipc_env(monkeypatch, tmp_path) -> IpcNames:
     remove_leftovers(names)
 
 
+def torchrun_args(log_dir: Path, ranks: int) -> list[str]:
+    """torchrun's options for a standalone job of ``ranks`` ranks on this node that keeps its
+    per-rank directories under ``log_dir`` (a test's own): without ``--log-dir`` every run leaves
+    an empty ``torchelastic_*`` directory in the system's temporary directory."""
+    return ["--standalone", "--nproc_per_node", str(ranks), "--log-dir", str(log_dir)]
+
+
 def python_process(module: str, *args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
     """Start ``python -m module args`` from the repository root with the current environment."""
     child_env = dict(os.environ)

@@ -23,7 +23,7 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from drbalance.policy.base import Decision
 from drbalance.ratio import DataRatio
-from tests.conftest import leftovers, python_process
+from tests.conftest import leftovers, python_process, torchrun_args
 from tests.helpers import ddp_workers
 
 pytestmark = pytest.mark.timeout(180)
@@ -155,8 +155,8 @@ class ScriptPolicy:
         return Decision(app, view.ratio, "keep")
 
 
-def torchrun(ranks: int, *args: str):
-    return python_process("torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+def torchrun(log_dir: Path, ranks: int, *args: str):
+    return python_process("torch.distributed.run", *torchrun_args(log_dir, ranks),
                           "-m", "tests.helpers.ddp_app", *args)
 
 
@@ -174,8 +174,8 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     loop = threading.Thread(target=manager.run, daemon=True)
     loop.start()
     try:
-        job = torchrun(2, "--app", "ddpjob", "--ratio", "5,5", "--epochs", "2", "--iterations", "6",
-                       "--decide-every", "2", "--report-every", "1", "--exchange-every", "1")
+        job = torchrun(tmp_path / "torchrun", 2, "--app", "ddpjob", "--ratio", "5,5", "--epochs", "2",
+                       "--iterations", "6", "--decide-every", "2", "--report-every", "1", "--exchange-every", "1")
         out, err = job.communicate(timeout=150)
     finally:
         manager.request_stop("test over")
@@ -264,8 +264,8 @@ def read_ready(process, ranks: int, timeout: float) -> dict[int, int]:
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(ipc_env, tmp_path, victim):
     manager = ManagerProcess(tmp_path, ipc_env)
-    job = torchrun(2, "--app", "ddpjob", "--epochs", "50", "--iterations", "10", "--sleep", "0.05",
-                   "--decide-every", "2")
+    job = torchrun(tmp_path / "torchrun", 2, "--app", "ddpjob", "--epochs", "50", "--iterations", "10",
+                   "--sleep", "0.05", "--decide-every", "2")
     neighbour = None
     try:
         pids = read_ready(job, 2, timeout=90)

@@ -13,7 +13,7 @@ import pytest
 from drbalance.jsonlog import read_json_lines
 from drbalance.runs.launch import LaunchOptions, app_command, launch
 from drbalance.workload.scenarios import AppSpec, Scenario, load_scenario, scenario_from_json
-from tests.conftest import ROOT, leftovers, python_process, wait_for
+from tests.conftest import ROOT, leftovers, python_process, torchrun_args, wait_for
 from tests.helpers.processes import running
 
 MIXED = {
@@ -34,6 +34,8 @@ def test_a_ddp_job_runs_beside_a_dataparallel_job_under_the_launcher(ipc_env, tm
     info = json.loads((run_dir / "run.json").read_text())
     assert {name: app["returncode"] for name, app in info["apps"].items()} == {"dd": 0, "dp": 0}
     assert "torch.distributed.run" in info["apps"]["dd"]["command"]
+    rank_dirs = list((run_dir / "apps" / "dd.torchrun").glob("*/attempt_0/*"))  # torchrun's, in the run directory
+    assert sorted(path.name for path in rank_dirs) == ["0", "1"], rank_dirs
     sd_log = list(read_json_lines(run_dir / "apps" / "dd.sd.jsonl"))
     assert [e["iteration"] for e in sd_log if e["event"] == "finish"] == [8]
     assert {e["dr_total"] for e in sd_log} == {10} and {len(e["dr"]) for e in sd_log} == {2}
@@ -50,6 +52,7 @@ def test_the_launcher_starts_a_ddp_app_with_one_rank_per_gpu_of_its_initial_rati
     command = app_command(LaunchOptions(scenario, "paper", tmp_path, "emulated"), 0, "emulated:4")
     assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     assert command[command.index("--gpus") + 1] == "1,3" and command[command.index("--ratio") + 1] == "6,4"
+    assert command[command.index("--log-dir") + 1] == str(tmp_path.resolve() / "apps" / "d.torchrun")
     plain = app_command(LaunchOptions(scenario, "paper", tmp_path, "emulated"), 1, "emulated:4")
     assert plain[1:3] == ["-m", "drbalance.runs.train"] and plain[plain.index("--ratio") + 1] == "0,10,0,0"
     assert json.loads(scenario.to_json())["apps"][0]["ddp"] is True
@@ -87,7 +90,7 @@ def test_the_ranks_die_with_their_torchrun_agent(ipc_env, tmp_path):
     """torchrun starts each rank in a session of its own: when the agent was killed (SIGKILL, or
     the launcher's SIGKILL after its stop grace, shorter than torchrun's own), the ranks ran on,
     waiting for each other until the process group's timeout."""
-    agent = python_process("torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    agent = python_process("torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                            "-m", "drbalance.runs.train_ddp", "--devices", "cpu", "--model", "alexnet",
                            "--batch-size", "4", "--iterations", "100000", "--epochs", "1", "--solo-time", "1000",
                            "--app", "orphan", "--no-progress", "--timeout", "600", "--report-every", "1",

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, torchrun_args
 
 EXAMPLES = ROOT / "examples"
 TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -61,7 +61,7 @@ def test_integrate_trains_the_readme_loop_and_its_session_logs_start_to_finish(i
 
 @pytest.mark.timeout(300)
 def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env, tmp_path):
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    result = _run([sys.executable, "-m", "torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                    str(EXAMPLES / "torchrun_ddp.py"), "--app", "copied-ddp", "--batch-size", "12"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = {int(m.group(1)): int(m.group(2)) for m in

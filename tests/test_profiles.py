@@ -17,6 +17,7 @@ from drbalance.profiling.store import (
     resolve_solo_time,
     run_profile,
 )
+from tests.conftest import torchrun_args
 from tests.helpers.processes import running
 
 
@@ -159,12 +160,12 @@ def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_proces
 
 
 @pytest.mark.timeout(300)
-def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env):
+def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env, tmp_path):
     """docs/ddp.md says to profile a DDP job's model with one rank; train_ddp.py asked for
     --solo-time even while being profiled, so that command failed."""
     status = drbalance([
         "profile", "ddp-one", "--iterations", "8", "--warmup", "2", "--",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        sys.executable, "-m", "torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 1),
         "-m", "drbalance.runs.train_ddp", "--devices", "cpu", "--model", "alexnet", "--batch-size", "4",
         "--image-size", "64", "--iterations", "40", "--epochs", "1", "--no-progress",
     ])

@@ -7,16 +7,16 @@ import signal
 
 import pytest
 
-from tests.conftest import python_process
+from tests.conftest import python_process, torchrun_args
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_a_ddp_job_whose_app_name_is_taken_says_so_in_one_line(ipc_env):
+def test_a_ddp_job_whose_app_name_is_taken_says_so_in_one_line(ipc_env, tmp_path):
     holder = python_process("tests.helpers.idle_app", "taken")  # a live app of that name, same namespace
     try:
         assert holder.stdout.readline().split()[0] == "ready"
-        job = python_process("torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        job = python_process("torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                              "-m", "drbalance.runs.train_ddp", "--devices", "cpu", "--model", "alexnet",
                              "--batch-size", "4", "--iterations", "2", "--epochs", "1", "--solo-time", "10",
                              "--app", "taken", "--no-progress")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import python_process
+from tests.conftest import python_process, torchrun_args
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_two_ranks_on_one_device_are_refused_by_every_rank(ipc_env):
-    job = python_process("torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def test_two_ranks_on_one_device_are_refused_by_every_rank(ipc_env, tmp_path):
+    job = python_process("torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                          "-m", "drbalance.runs.train_ddp", "--devices", "emulated:2", "--gpus", "0,0",
                          "--model", "alexnet", "--batch-size", "4", "--iterations", "2", "--epochs", "1",
                          "--solo-time", "auto", "--time-scale", "0.01", "--no-progress")

@@ -277,6 +277,13 @@ def stop_all(processes: Iterable[subprocess.Popen], grace: float = STOP_GRACE) -
             process.wait()
 
 
+def torchrun_log_dir(run_dir: Path, app: str) -> Path:
+    """Where torchrun keeps a DDP app's per-rank directories: in the run directory. Without
+    ``--log-dir`` torchrun makes a ``torchelastic_*`` directory in the system's temporary
+    directory for every job and never removes it, on a server that other users share."""
+    return run_dir.resolve() / "apps" / f"{app}.torchrun"
+
+
 def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[str]:
     scenario, app = options.scenario, options.scenario.apps[index]
     ratio = scenario.initial_ratio(index)
@@ -285,6 +292,7 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
         gpus = list(ratio.used)
         shares = [ratio.shares[g] for g in gpus]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(len(gpus)),
+                   "--log-dir", str(torchrun_log_dir(options.run_dir, app.name)),
                    "-m", "drbalance.runs.train_ddp", "--gpus", ",".join(map(str, gpus))]
     else:
         shares = list(ratio.shares)
