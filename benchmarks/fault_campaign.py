@@ -50,6 +50,7 @@ from drbalance.ipc.layout import (
 from drbalance.ipc.link import DEFAULT_EXCHANGE_TIMEOUT, PosixManagerLink
 from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
 from drbalance.jsonlog import read_json_lines
+from tests.helpers.disk import fill_up, mount_small_tmpfs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -470,10 +471,7 @@ def campaign_filesystem(scratch: Path) -> dict:
 
 def full_disk(scratch: Path) -> dict:
     small = scratch / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(small)],
-                             capture_output=True).returncode == 0
-    if not mounted:
+    if not mount_small_tmpfs(small):
         return {"skipped": "mounting a tmpfs is not permitted here"}
     env = {"DRBALANCE_RUNTIME_DIR": str(small / "run")}
     os.environ.update(env)
@@ -483,13 +481,7 @@ def full_disk(scratch: Path) -> dict:
         manager.ready()
         job = python("benchmarks.fault_campaign", "--role", "paced", "diskjob", "12", str(scratch / "disk.json"))
         wait(lambda: "diskjob" in IpcNames.current().listed_apps())
-        with open(small / "filler", "wb") as out:
-            try:
-                while True:
-                    out.write(b"\0" * 65536)
-                    out.flush()
-            except OSError:
-                pass
+        fill_up(small / "filler")
         time.sleep(4.0)
         alive = manager.alive()
         (small / "filler").unlink()

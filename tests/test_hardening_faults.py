@@ -20,23 +20,8 @@ from drbalance.cli import main as drbalance
 from drbalance.ipc import discovery
 from drbalance.ipc.names import SHM_DIR
 from tests.conftest import wait_for
-from tests.helpers.processes import ManagerProcess, first_line, toy_app
-
-
-def long_app(name: str) -> subprocess.Popen:
-    """A job with a boundary every 3 iterations that runs until the test kills it."""
-    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
-
-
-def decisions_for(manager: ManagerProcess, app: str) -> int:
-    return len([e for e in manager.events("decision") if e["app"] == app])
-
-
-def stop_all(manager: ManagerProcess, *apps: subprocess.Popen) -> tuple[int, str]:
-    for app in apps:
-        app.kill()
-        app.wait(timeout=30)
-    return manager.stop()
+from tests.helpers.disk import fill_up, mount_small_tmpfs
+from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all, toy_app
 
 
 def test_the_runtime_directory_removed_under_a_running_manager(ipc_env, tmp_path):
@@ -94,13 +79,6 @@ def test_the_status_file_replaced_by_a_folder(ipc_env, tmp_path):
     assert "IsADirectoryError" in fault[0]["error"]
 
 
-def small_tmpfs(path: Path) -> bool:
-    path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(path)],
-                            capture_output=True, text=True)
-    return result.returncode == 0
-
-
 @pytest.mark.parametrize("kind", ["tmpfs", "file-size limit"])
 def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, kind):
     """``tmpfs``: the log and the runtime directory on a real 512 KiB file system, filled up (ENOSPC).
@@ -108,7 +86,7 @@ def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, k
     small = tmp_path / "small"
     extra_env = {}
     if kind == "tmpfs":
-        if os.geteuid() != 0 or not small_tmpfs(small):
+        if os.geteuid() != 0 or not mount_small_tmpfs(small):
             pytest.skip("mounting a small tmpfs needs root with CAP_SYS_ADMIN; the file-size limit case covers it")
         extra_env["DRBALANCE_RUNTIME_DIR"] = str(small / "run")
     log = (small if kind == "tmpfs" else tmp_path) / "manager.jsonl"
@@ -122,13 +100,7 @@ def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, k
         wait_for(lambda: decisions_for(manager, "writer") >= 2)
         if kind == "tmpfs":
             filler = small / "filler"
-            with open(filler, "wb") as out:
-                try:
-                    while True:
-                        out.write(b"\0" * 65536)
-                        out.flush()
-                except OSError:
-                    pass
+            fill_up(filler)
         else:
             soft, hard = resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE)
             resource.prlimit(manager.process.pid, resource.RLIMIT_FSIZE, (log.stat().st_size, hard))

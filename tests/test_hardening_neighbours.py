@@ -39,7 +39,7 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import ROOT, python_process, wait_for
 from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
-from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all, toy_app
 from tests.helpers.steered import SteeredModel
 
 
@@ -435,10 +435,6 @@ def test_an_emulated_gpu_name_a_neighbour_takes_once_it_is_gone_is_not_used_agai
 
 
 # --- a job's objects made again after RemoveIPC: their names were public ------------------------------
-def decisions_for(manager: ManagerProcess, app: str) -> int:
-    return len([e for e in manager.events("decision") if e["app"] == app])
-
-
 @needs_second_user
 def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_and_stays_managed(ipc_env, tmp_path):
     """RemoveIPC unlinks a running job's record and semaphore; their names (with the token) were
@@ -450,8 +446,7 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
     manager = ManagerProcess(tmp_path, ipc_env)
     app = None
     try:
-        app = toy_app("moved", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05",
-                      "--exchange-timeout", "1.0")
+        app = long_app("moved")
         assert first_line(app)["attached"]
         wait_for(lambda: decisions_for(manager, "moved") >= 2)
         claim = discovery.read_claim(ipc_env, "moved")
@@ -468,10 +463,7 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
         assert objects.listed_owner(taken[0]) == uid and objects.listed_owner(taken[1], "semaphore") == uid
         assert manager.alive() and app.poll() is None
     finally:
-        if app is not None:
-            app.kill()
-            app.wait(timeout=30)
-        code, err = manager.stop()
+        code, err = stop_all(manager, app)
     assert code == 0 and "Traceback" not in err, err
 
 

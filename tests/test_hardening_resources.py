@@ -26,7 +26,7 @@ from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import SEGMENT_SIZE, Segment
 from drbalance.jsonlog import JsonLinesWriter, read_json_lines
 from tests.conftest import wait_for
-from tests.helpers.processes import ManagerProcess, first_line, toy_app
+from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all
 from tests.helpers.steered import SteeredModel
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,15 +199,6 @@ def test_open_later_still_refuses_a_path_that_is_not_ours(tmp_path):
     assert writer.close() == 0
 
 
-def long_app(name: str) -> subprocess.Popen:
-    """A job with a boundary every 3 iterations that runs until the test kills it."""
-    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
-
-
-def decisions_for(manager: ManagerProcess, app: str) -> int:
-    return len([e for e in manager.events("decision") if e["app"] == app])
-
-
 def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_path):
     """As systemd-logind's RemoveIPC=yes does when the user's last session ends: the manager's
     inbox and heartbeat and a running job's record and semaphore are unlinked. The manager used
@@ -239,11 +230,7 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
         served = decisions_for(manager, "early")
         wait_for(lambda: decisions_for(manager, "early") >= served + 2)
     finally:
-        for app in (early, later):
-            if app is not None:
-                app.kill()
-                app.wait(timeout=30)
-        code, err = manager.stop()
+        code, err = stop_all(manager, early, later)
     assert code == 0 and "Traceback" not in err, err
 
 
@@ -291,10 +278,7 @@ def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_
         assert first_line(app)["attached"]  # it found the new inbox through manager.json
         wait_for(lambda: decisions_for(manager, "after") >= 1)
     finally:
-        if app is not None:
-            app.kill()
-            app.wait(timeout=30)
-        code, err = manager.stop()
+        code, err = stop_all(manager, app)
     assert code == 0 and "Traceback" not in err, err
 
 

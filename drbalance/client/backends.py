@@ -194,6 +194,15 @@ def _slot_of(error: BaseException, device_ids: Sequence[int], device: int | None
     return None
 
 
+def _distinct_device_ids(device_ids: list[int], device: str) -> list[int]:
+    """``device_ids`` when they name at least one ``device`` and none twice; else ValueError."""
+    if len(set(device_ids)) != len(device_ids):
+        raise ValueError(f"device_ids {device_ids} contain duplicates")
+    if not device_ids:
+        raise ValueError(f"device_ids is empty; give at least one {device}")
+    return device_ids
+
+
 def _scatter_all(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -236,11 +245,7 @@ class CpuBackend(DeviceBackend):
             if isinstance(device, bool) or not isinstance(device, int):
                 raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer")
             labels.append(device)
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"device_ids {labels} contain duplicates")
-        if not labels:
-            raise ValueError("device_ids is empty; give at least one device")
-        return labels
+        return _distinct_device_ids(labels, "device")
 
     def describe(self, device_ids: Sequence[int], slot: int) -> str:
         return "cpu"
@@ -370,11 +375,7 @@ class CudaBackend(DeviceBackend):
             if not 0 <= index < count:
                 raise ValueError(f"device_ids[{position}] = {device!r} is not one of the {count} CUDA devices")
             resolved.append(index)
-        if len(set(resolved)) != len(resolved):
-            raise ValueError(f"device_ids {resolved} contain duplicates")
-        if not resolved:
-            raise ValueError("device_ids is empty; give at least one CUDA device")
-        return resolved
+        return _distinct_device_ids(resolved, "CUDA device")
 
     def resolve_output_device(self, output_device, device_ids):
         if output_device is None:

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torchvision
@@ -25,11 +26,15 @@ from torchvision import transforms
 from drbalance import defaults, env
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
+from drbalance.client.session import RatioTarget
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
 from drbalance.ratio import DataRatio
 from drbalance.workload.models import MIN_IMAGE_SIZE
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 MODELS = tuple(MIN_IMAGE_SIZE)  # the models these scripts train
 
@@ -69,6 +74,15 @@ def thread_count(text: str) -> int:
     return value
 
 
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The first options train.py and train_ddp.py share word for word: the model, the data, the
+    classes of FakeData and the epochs."""
+    parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
+    parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
+    parser.add_argument("--classes", type=positive_int, default=10, help="classes of FakeData (default 10)")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
+
+
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The options train.py and train_ddp.py share word for word: reporting, decisions, the
     learning rate, and the emulated GPUs' time and sample scales."""
@@ -85,10 +99,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
-    parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
-    parser.add_argument("--classes", type=positive_int, default=10, help="classes of FakeData (default 10)")
-    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
+    add_model_options(parser)
     parser.add_argument("--iterations", type=positive_int, default=None,
                         help="iterations per epoch (default: the whole dataset; FakeData then has 20 batches)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per iteration (default 8)")
@@ -135,8 +146,11 @@ def pass_start_gate(gate: str, timeout: float, poll: float = 0.05) -> None:
         time.sleep(poll)
 
 
-def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
-    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory)."""
+def choose_devices(spec: str, program: str = "train.py",
+                   without_cuda: str = "emulated:4") -> tuple[str, EmulatedSpec | None]:
+    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory) from ``--devices``. Bad values
+    exit with a message that starts with ``program``; ``without_cuda`` is the ``--devices`` it
+    suggests when CUDA is asked for but not available."""
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
@@ -144,36 +158,43 @@ def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
         spec = f"emulated:{emulated}" if emulated else "cpu"
     kind, colon, count = spec.partition(":")
     if kind in ("cuda", "cpu") and colon:  # 'cuda:1' used to mean every CUDA GPU, without a word
-        raise SystemExit(f"train.py: --devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with "
+        raise SystemExit(f"{program}: --devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with "
                          f"--gpus (e.g. --devices cuda --gpus {count or '0,1'})")
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("train.py: --devices cuda, but CUDA is not available; try --devices emulated:4")
+            raise SystemExit(f"{program}: --devices cuda, but CUDA is not available; try --devices {without_cuda}")
         return "cuda", None
-    if kind == "emulated":
+    if kind == "emulated":  # N or N:MEMORY, as DRBALANCE_EMULATED_GPUS takes it
         try:
             return "emulated", emulated_spec(count or None)
         except ValueError as error:
-            raise SystemExit(f"train.py: --devices {spec!r}: {error}") from None
+            raise SystemExit(f"{program}: --devices {spec!r}: {error}") from None
     if kind == "cpu":
         return "cpu", None
-    raise SystemExit(f"train.py: unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
+    raise SystemExit(f"{program}: unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
 
 
-def build_loader(args: argparse.Namespace, iterations: int | None) -> tuple[DataLoader, int]:
+def build_dataset(args: argparse.Namespace,
+                  program: str = "train.py") -> torchvision.datasets.FakeData | torchvision.datasets.ImageFolder:
+    """``--data``: FakeData of ``--iterations`` batches (default 20) of ``--batch-size`` images, or
+    the ImageFolder at that path, resized and cropped to ``--image-size``. A path that is not a
+    directory exits with a message that starts with ``program``."""
     tensor = transforms.ToTensor()
     if args.data == "fake":
-        batches = iterations or 20
-        dataset = torchvision.datasets.FakeData(size=batches * args.batch_size, image_size=(3, args.image_size,
-                                                args.image_size), num_classes=args.classes, transform=tensor)
-        classes = args.classes
-    else:
-        if not os.path.isdir(args.data):
-            raise SystemExit(f"train.py: --data {args.data!r} is neither 'fake' nor a directory")
-        size = args.image_size
-        resize = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), tensor])
-        dataset = torchvision.datasets.ImageFolder(args.data, transform=resize)
-        classes = len(dataset.classes)
+        batches = args.iterations or 20
+        return torchvision.datasets.FakeData(size=batches * args.batch_size, image_size=(3, args.image_size,
+                                             args.image_size), num_classes=args.classes, transform=tensor)
+    if not os.path.isdir(args.data):
+        raise SystemExit(f"{program}: --data {args.data!r} is neither 'fake' nor a directory")
+    size = args.image_size
+    resize = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), tensor])
+    return torchvision.datasets.ImageFolder(args.data, transform=resize)
+
+
+def build_loader(args: argparse.Namespace) -> tuple[DataLoader, int]:
+    """The shuffled loader of whole ``--batch-size`` batches, and the number of classes."""
+    dataset = build_dataset(args)
+    classes = args.classes if args.data == "fake" else len(dataset.classes)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0)
     if len(loader) == 0:
         raise SystemExit(f"train.py: the dataset has fewer than --batch-size {args.batch_size} samples")
@@ -240,6 +261,28 @@ def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str
     return seconds
 
 
+def open_progress(args: argparse.Namespace, total: int, app: str, shown: bool = True) -> tqdm | None:
+    """A progress bar of ``total`` iterations when ``shown``, ``--no-progress`` is not given and
+    stderr is a terminal; else None."""
+    if not shown or args.no_progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=app, unit="it")
+
+
+def advance_progress(progress: tqdm | None, session: Session, epoch: int, loss: torch.Tensor,
+                     model: RatioTarget) -> None:
+    """One iteration more on ``progress`` (None: nothing), showing the epoch, the loss, the job's SD
+    and the model's DR."""
+    if progress is None:
+        return
+    sd = session.slowdown
+    progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", sd="-" if sd is None else f"{sd:.2f}",
+                         dr=str(model.ratio))
+    progress.update()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -248,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:  # bad input found while setting up (a DR, a profile name, ...) is one line, not a traceback
         kind, emulated_gpus = choose_devices(args.devices)
-        loader, classes = build_loader(args, args.iterations)
+        loader, classes = build_loader(args)
         iterations = min(args.iterations or len(loader), len(loader))
         model = build_model(args, classes, kind, emulated_gpus)
         app = args.app or f"{args.model}-{os.getpid()}"
@@ -263,11 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     device = torch.device("cuda", model.device_ids[0]) if kind == "cuda" else torch.device("cpu")
-    progress = None
-    if not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        progress = tqdm(total=iterations * args.epochs, desc=app, unit="it")
+    progress = open_progress(args, iterations * args.epochs, app)
     started = time.monotonic()
     with session:
         for epoch in range(args.epochs):
@@ -286,11 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss = model.train_step(closure)  # an out-of-memory error after a DR change is undone and re-run
                 optimizer.step()
                 session.step()
-                if progress is not None:
-                    sd = session.slowdown
-                    progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}",
-                                         sd="-" if sd is None else f"{sd:.2f}", dr=str(model.ratio))
-                    progress.update()
+                advance_progress(progress, session, epoch, loss, model)
     if progress is not None:
         progress.close()
     print(f"{app}: {iterations * args.epochs} iterations in {time.monotonic() - started:.1f} s, "

@@ -26,20 +26,23 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.utils.data import DataLoader
-from torchvision import transforms
 
-from drbalance import defaults, env
+from drbalance import defaults
 from drbalance.argtypes import non_negative_int, positive_float, positive_int
 from drbalance.client import BalancedBatchSampler, BalancedDistributedDataParallel, Session
 from drbalance.client.sampler import check_rank_ratio
-from drbalance.emu.gpus import EmulatedSpec, emulated_spec
+from drbalance.emu.gpus import EmulatedSpec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
+from drbalance.runs import train as train_py
 from drbalance.runs.launch import follow_parent
 from drbalance.runs.train import (
-    MODELS,
+    add_model_options,
     add_training_options,
+    advance_progress,
+    build_dataset,
     check_image_size,
+    open_progress,
     parse_integers,
     seed,
     solo_time,
@@ -51,10 +54,7 @@ PROGRAM = "train_ddp.py"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default="resnet50", help="torchvision model (no pretrained weights)")
-    parser.add_argument("--data", default="fake", help="'fake' (FakeData) or an ImageFolder directory")
-    parser.add_argument("--classes", type=positive_int, default=10, help="classes of FakeData (default 10)")
-    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
+    add_model_options(parser)
     parser.add_argument("--iterations", type=positive_int, default=None,
                         help="global batches per epoch (default: the whole dataset; FakeData then has 20)")
     parser.add_argument("--batch-size", type=positive_int, default=16,
@@ -99,28 +99,9 @@ def torchrun_environment() -> tuple[int, int, int]:
 
 
 def choose_devices(spec: str) -> tuple[str, EmulatedSpec | None]:
-    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory)."""
-    if spec == "auto":
-        if torch.cuda.is_available():
-            return "cuda", None
-        emulated = env.emulated_gpus()
-        spec = f"emulated:{emulated}" if emulated else "cpu"
-    kind, colon, count = spec.partition(":")
-    if kind in ("cuda", "cpu") and colon:  # 'cuda:1' used to mean every CUDA GPU, without a word
-        raise fail(f"--devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with --gpus "
-                   f"(e.g. --devices cuda --gpus {count or '0,1'})")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise fail("--devices cuda, but CUDA is not available; try --devices emulated:4 or cpu")
-        return "cuda", None
-    if kind == "emulated":  # N or N:MEMORY, as DRBALANCE_EMULATED_GPUS and train.py take it
-        try:
-            return "emulated", emulated_spec(count or None)
-        except ValueError as error:
-            raise fail(f"--devices {spec!r}: {error}") from None
-    if kind == "cpu":
-        return "cpu", None
-    raise fail(f"unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
+    """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory), as train.py chooses them;
+    bad values exit with a message that starts with train_ddp.py."""
+    return train_py.choose_devices(spec, PROGRAM, without_cuda="emulated:4 or cpu")
 
 
 def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated: EmulatedSpec | None) -> int | None:
@@ -148,17 +129,7 @@ def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated: 
 
 
 def build_loader(args: argparse.Namespace, model: BalancedDistributedDataParallel, pin: bool):
-    tensor = transforms.ToTensor()
-    if args.data == "fake":
-        batches = args.iterations or 20
-        dataset = torchvision.datasets.FakeData(size=batches * args.batch_size, image_size=(3, args.image_size,
-                                                args.image_size), num_classes=args.classes, transform=tensor)
-    else:
-        if not os.path.isdir(args.data):
-            raise fail(f"--data {args.data!r} is neither 'fake' nor a directory")
-        size = args.image_size
-        resize = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), tensor])
-        dataset = torchvision.datasets.ImageFolder(args.data, transform=resize)
+    dataset = build_dataset(args, PROGRAM)
     sampler = BalancedBatchSampler(dataset, args.batch_size, model=model, seed=args.seed)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.workers, pin_memory=pin)
     return loader, sampler
@@ -234,11 +205,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
     app = app_name(args, rank)
     session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations, PROGRAM),
                       report_every=args.report_every, decide_every=args.decide_every or None)
-    progress = None
-    if rank == 0 and not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        progress = tqdm(total=iterations * args.epochs, desc=app, unit="it")
+    progress = open_progress(args, iterations * args.epochs, app, shown=rank == 0)
     started = time.monotonic()
     with session:
         for epoch in range(args.epochs):
@@ -252,11 +219,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
                 loss.backward()
                 optimizer.step()
                 session.step()
-                if progress is not None:
-                    sd = session.slowdown
-                    progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}",
-                                         sd="-" if sd is None else f"{sd:.2f}", dr=str(model.ratio))
-                    progress.update()
+                advance_progress(progress, session, epoch, loss, model)
     if progress is not None:
         progress.close()
     if rank == 0:

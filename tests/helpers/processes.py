@@ -84,6 +84,25 @@ def toy_app(name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     return python_process("tests.helpers.toy_app", "--app", name, *args, env={"PYTHONFAULTHANDLER": "1", **(env or {})})
 
 
+def long_app(name: str) -> subprocess.Popen:
+    """A job with a boundary every 3 iterations that runs until the test kills it."""
+    return toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--exchange-timeout", "1.0")
+
+
+def decisions_for(manager: ManagerProcess, app: str) -> int:
+    """How many decisions ``manager`` has logged for the job ``app``."""
+    return len([e for e in manager.events("decision") if e["app"] == app])
+
+
+def stop_all(manager: ManagerProcess, *apps: subprocess.Popen | None) -> tuple[int, str]:
+    """Kill each app (None: one never started) and stop the manager; the manager's (code, stderr)."""
+    for app in apps:
+        if app is not None:
+            app.kill()
+            app.wait(timeout=30)
+    return manager.stop()
+
+
 def stop_app(app: subprocess.Popen, timeout: float = 90.0) -> int:
     """SIGTERM ``app`` and wait ``timeout`` seconds for it to exit; its exit status.
 
