@@ -1,11 +1,13 @@
-"""``argparse`` types for numbers that must be positive: a bad value is a one-line usage error
-(``argparse`` prints it and exits 2), never a traceback or a silent change of meaning."""
+"""``argparse`` types for numbers that must be positive, and for paths that must not be empty: a bad
+value is a one-line usage error (``argparse`` prints it and exits 2), never a traceback or a silent
+change of meaning."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from drbalance.defaults import MAX_JITTER
 
@@ -23,6 +25,19 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
     return value
+
+
+def positive_float_up_to(largest: float) -> Callable[[str], float]:
+    """A finite number > 0 and at most ``largest`` (a time scale, a pause: one too large overflows
+    the clock the command sleeps on)."""
+
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if value > largest:
+            raise argparse.ArgumentTypeError(f"must be at most {largest:g}; got {text}")
+        return value
+
+    return parse
 
 
 def _finite(text: str) -> float:
@@ -67,6 +82,18 @@ def _integer_at_least(text: str, least: int) -> int:
     return value
 
 
+def integer_within(least: int, most: int) -> Callable[[str], int]:
+    """An integer within ``least``..``most`` (a DR total: a record's shares are 16-bit)."""
+
+    def parse(text: str) -> int:
+        value = _integer_at_least(text, least)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be an integer within {least}..{most}; got {text}")
+        return value
+
+    return parse
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (counts of iterations, sizes)."""
     return _integer_at_least(text, 1)
@@ -75,6 +102,14 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (where 0 means "none": e.g. no decisions besides the policy's own)."""
     return _integer_at_least(text, 0)
+
+
+def non_empty_path(text: str) -> Path:
+    """A file or folder path that is not empty: '' (an unset shell variable, ``--out "$DIR"``)
+    would otherwise be the current folder, and a run's logs would land there without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return Path(text)
 
 
 def names_from(known: Iterable[str], what: str) -> Callable[[str], list[str]]:

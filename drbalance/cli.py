@@ -52,12 +52,21 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Arg
     return parser, None, None
 
 
+def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``profile``'s own arguments and the program's command line after its ``--``. For every other
+    subcommand ``--`` keeps argparse's meaning (the options end there), so what follows it is
+    parsed, or refused as an unrecognised argument, never dropped without a word: cut off for all,
+    ``launch s.json -- --policy observe`` ran the default policy and exited 0."""
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    if chosen == "profile" and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough: list[str] = []
-    if "--" in argv:  # everything after '--' is another program's command line
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1:]
+    argv, passthrough = split_command_line(argv)
     parser, sub, module = build_parser(argv)
     args = parser.parse_args(argv)
     args.passthrough = passthrough

@@ -331,10 +331,49 @@ def test_a_built_in_name_wins_over_a_file_of_that_name_and_says_so(tmp_path, mon
         load_scenario("./a")  # the file, when the user says so
 
 
-def test_simulate_compare_refuses_a_policy_or_scheduler_it_would_ignore(capsys):
-    for chosen in (["--policy", "paper"], ["--scheduler", "themis"]):
-        assert cli.main(["simulate", "e2e-a", "--compare", *chosen]) == 1
-        assert f"{chosen[0]} cannot be combined with it" in capsys.readouterr().err
+def test_simulate_refuses_a_policy_or_scheduler_another_option_would_ignore(capsys):
+    """A usage error (exit status 2): ``--scheduler themis --policy paper`` ran themis and exited 0."""
+    for argv, given in ((["--compare", "--policy", "paper"], "--policy"), (["--compare", "--scheduler", "themis"],
+                        "--scheduler"), (["--scheduler", "themis", "--policy", "paper"], "--policy")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["simulate", "e2e-a", *argv])
+        assert stopped.value.code == 2 and f"{given} cannot be combined with it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "e2e-a", "--out", ""], "argument --out: expected a path, got ''"),
+    (["report", "somewhere", "--out", ""], "argument --out: expected a path, got ''"),
+    (["report", ""], "argument runs: expected a path, got ''"),
+    (["launch", "e2e-a", "--run-dir", ""], "argument --run-dir: expected a path, got ''"),
+    (["demo", "--out", ""], "argument --out: expected a path, got ''"),
+    (["launch", "e2e-a", "--run-dir", "x", "--time-scale", "1e308"], "--time-scale: must be at most 10000"),
+    (["demo", "--out", "x", "--time-scale", "1e5"], "--time-scale: must be at most 10000"),
+    (["simulate", "e2e-a", "--dr-total", "65536"], "--dr-total: must be an integer within 1..65535"),
+])
+def test_an_empty_path_or_a_number_past_what_works_is_a_usage_error(argv, message, tmp_path, monkeypatch, capsys):
+    """An empty path (an unset shell variable) put a run's logs in the current folder; a time scale
+    of 1e308 started a manager and six jobs, then overflowed the launcher's clock (a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing started
+
+
+def test_what_follows_a_double_dash_is_parsed_or_refused_never_dropped(tmp_path, monkeypatch, capsys):
+    """Every subcommand cut its command line at '--': ``launch S --run-dir R -- --policy observe``
+    ran the default policy and exited 0. Only ``profile`` takes a program's command line there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["launch", "e2e-a", "--run-dir", "run", "--", "--policy", "observe"])
+    assert stopped.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert cli.main(["simulate", "--policy", "observe", "--", "e2e-a"]) == 0  # '--' ends the options, as usual
+    assert "observe" in capsys.readouterr().out
+    assert cli.split_command_line(["profile", "p", "--iterations", "5", "--", "python", "-m", "x", "--", "y"]) == (
+        ["profile", "p", "--iterations", "5"], ["python", "-m", "x", "--", "y"])
+    assert cli.split_command_line(["-v", "launch", "s", "--", "--policy", "x"]) == (
+        ["-v", "launch", "s", "--", "--policy", "x"], [])
 
 
 def test_verbose_may_follow_the_subcommand(capsys):

@@ -119,11 +119,16 @@ def _next(reads):
 
 
 def test_watch_options_are_checked(ipc_env, capsys):
-    assert drbalance(["status", "--count", "2"]) == 1
-    assert "--interval and --count go with --watch" in capsys.readouterr().err
-    assert drbalance(["status", "--watch", "--json"]) == 1
-    with pytest.raises(SystemExit):
-        drbalance(["status", "--watch", "--interval", "0"])
+    """Usage errors (exit status 2) before anything is read; an interval beyond a day overflowed
+    the clock the view sleeps on, a traceback after the first frame."""
+    for argv, message in ((["status", "--count", "2"], "--interval and --count go with --watch"),
+                          (["status", "--watch", "--json"], "--json prints the status once: choose one"),
+                          (["status", "--namespace", "../x"], "namespace '../x' is not valid"),
+                          (["status", "--watch", "--interval", "0"], "--interval: must be a positive number"),
+                          (["status", "--watch", "--interval", "1e12"], "--interval: must be at most 86400")):
+        with pytest.raises(SystemExit) as stopped:
+            drbalance(argv)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 @pytest.mark.timeout(180)

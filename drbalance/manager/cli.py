@@ -6,10 +6,16 @@ import argparse
 import logging
 import os
 import signal
-from pathlib import Path
 
 from drbalance import __version__, env
-from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
+from drbalance.argtypes import (
+    non_empty_path,
+    non_negative_float,
+    non_negative_int,
+    percent,
+    positive_float,
+    positive_int,
+)
 from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.ipc.private import UnsafePath
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
@@ -102,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=defaults.quiet_after,
                         help="seconds without a record update after which a job is shown as quiet in "
                         "'drbalance status' (a job is removed only when its process is gone, never for being quiet)")
-    parser.add_argument("--log", type=Path, default=None,
+    parser.add_argument("--log", type=non_empty_path, default=None,
                         help="manager log, JSON Lines (default: <runtime dir>/<namespace>/manager.jsonl)")
     parser.add_argument("--log-max-bytes", type=non_negative_int, default=defaults.log_max_bytes,
                         help="rotate the manager log when it would grow beyond this many bytes, at least 4096 "

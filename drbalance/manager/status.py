@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from drbalance.argtypes import positive_float, positive_int
+from drbalance import defaults
+from drbalance.argtypes import positive_float_up_to, positive_int
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.objects import pid_alive
 from drbalance.ipc.private import read_private
@@ -38,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the manager's status as JSON")
     parser.add_argument("--watch", action="store_true",
                         help="refresh a live view (GPU utilisation bars; each app's SD, DR and state) until Ctrl-C")
-    parser.add_argument("--interval", type=positive_float, default=None, metavar="S",
-                        help="seconds between refreshes with --watch (default: 2)")
+    parser.add_argument("--interval", type=positive_float_up_to(defaults.MAX_WATCH_INTERVAL), default=None, metavar="S",
+                        help=f"seconds between refreshes with --watch (default: 2, at most "
+                        f"{defaults.MAX_WATCH_INTERVAL:g})")
     parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="with --watch: stop after N frames (default: until Ctrl-C)")
 
@@ -258,11 +260,17 @@ def _stop_on_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Options that would be ignored or cannot be combined, and a namespace that is not a valid
+    name: ValueError, a usage error (exit status 2) before anything is read."""
     if not args.watch and (args.interval is not None or args.count is not None):
         raise ValueError("--interval and --count go with --watch")
     if args.watch and args.json:
         raise ValueError("--watch shows a live view; --json prints the status once: choose one")
+    IpcNames.current(args.namespace)
+
+
+def run(args: argparse.Namespace) -> int:
     names = IpcNames.current(args.namespace)
     if args.watch:
         _stop_on_ctrl_c()

@@ -8,14 +8,14 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from drbalance.argtypes import positive_float
+from drbalance.argtypes import non_empty_path, positive_float
 from drbalance.ipc.private import write_private
 from drbalance.report.metrics import Summary, load_run, summarise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (from launch, demo or simulate)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("runs", nargs="+", type=non_empty_path, help="run directories (from launch, demo or simulate)")
+    parser.add_argument("--out", type=non_empty_path, default=None,
                         help="where to write the plots and report.md (default: <first run>/../report)")
     parser.add_argument("--step", type=positive_float, default=1.0,
                         help="time grid of the SD views, seconds (default 1)")

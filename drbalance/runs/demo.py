@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from drbalance import progress
-from drbalance.argtypes import non_negative_int, positive_float
+from drbalance import defaults, progress
+from drbalance.argtypes import non_empty_path, non_negative_int, positive_float_up_to
 from drbalance.ipc.private import write_private
 from drbalance.policy import POLICIES
 from drbalance.report.metrics import load_run, summarise
@@ -32,13 +32,14 @@ EMULATED_NOTICE = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("drbalance-demo"),
+    parser.add_argument("--out", type=non_empty_path, default=Path("drbalance-demo"),
                         help="directory for the runs (one per policy) and the report (default ./drbalance-demo)")
     parser.add_argument("--scenario", default="demo-a", help="scenario to run (default demo-a)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="CUDA GPUs if the scenario's number exist (auto), or emulated ones")
-    parser.add_argument("--time-scale", type=positive_float, default=15.0,
-                        help="emulated GPUs: how much slower than the modelled GPU (default 15)")
+    parser.add_argument("--time-scale", type=positive_float_up_to(defaults.MAX_TIME_SCALE), default=15.0,
+                        help="emulated GPUs: how much slower than the modelled GPU (default 15, at most "
+                        f"{defaults.MAX_TIME_SCALE:g})")
     parser.add_argument("--decide-every", type=non_negative_int, default=4,
                         help="iterations between decisions, for every policy (default 4: the demo's jobs run "
                         "only 12-40 iterations, and every 2 a move is judged on two iterations' noisy times; "

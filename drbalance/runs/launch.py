@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_float, positive_int
+from drbalance.argtypes import (
+    non_empty_path,
+    non_negative_float,
+    non_negative_int,
+    percent,
+    positive_float,
+    positive_float_up_to,
+    positive_int,
+)
 from drbalance.cli import raise_if_terminated
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.names import IpcNames
@@ -63,12 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a, b, c, demo-a, e2e-a, e2e-skewed, or a scenario .json file")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                         help="the manager's policy ('observe' = no balancing)")
-    parser.add_argument("--run-dir", type=Path, required=True,
+    parser.add_argument("--run-dir", type=non_empty_path, required=True,
                         help="directory for this run's logs (created; refused if it holds an earlier run's logs)")
     parser.add_argument("--devices", default="auto", choices=["auto", "emulated", "cuda"],
                         help="real CUDA GPUs or emulated ones (auto: CUDA if the scenario's GPUs exist)")
-    parser.add_argument("--time-scale", type=positive_float, default=defaults.EMULATED_TIME_SCALE,
-                        help="emulated GPUs: stretch modelled times")
+    parser.add_argument("--time-scale", type=positive_float_up_to(defaults.MAX_TIME_SCALE),
+                        default=defaults.EMULATED_TIME_SCALE,
+                        help=f"emulated GPUs: stretch modelled times (at most {defaults.MAX_TIME_SCALE:g})")
     parser.add_argument("--real-batch", type=positive_int, default=defaults.EMULATED_REAL_BATCH,
                         help="emulated GPUs: real images per iteration")
     parser.add_argument("--image-size", type=positive_int, default=defaults.IMAGE_SIZE, help="image side in pixels")

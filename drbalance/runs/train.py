@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from drbalance import defaults, env
-from drbalance.argtypes import non_negative_int, positive_float, positive_int
+from drbalance.argtypes import non_negative_int, positive_float, positive_float_up_to, positive_int
 from drbalance.client import BalancedDataParallel, CpuBackend, Session
 from drbalance.client.session import RatioTarget
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
@@ -91,8 +91,9 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
                         help="iterations between DR decisions (default: epoch ends only)")
     parser.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default 0.01)")
-    parser.add_argument("--time-scale", type=positive_float, default=1.0,
-                        help="emulated GPUs: multiply modelled times by this (default 1)")
+    parser.add_argument("--time-scale", type=positive_float_up_to(defaults.MAX_TIME_SCALE), default=1.0,
+                        help=f"emulated GPUs: multiply modelled times by this (default 1, at most "
+                        f"{defaults.MAX_TIME_SCALE:g})")
     parser.add_argument("--sample-scale", type=positive_float, default=1.0,
                         help="emulated GPUs: modelled samples per real sample (default 1)")
 

@@ -17,6 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
+from drbalance.argtypes import non_empty_path
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import ContentionModel
 from drbalance.workload.models import CO_LOCATED_SPEED, FIXED_FRACTION_AT_12, MODEL_COSTS, model_costs
@@ -123,7 +124,8 @@ def rows(gavel: Path | None) -> list[tuple[str, str, str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gavel", type=Path, default=None, help="gavel_throughputs.json, to recompute its median")
+    parser.add_argument("--gavel", type=non_empty_path, default=None,
+                        help="gavel_throughputs.json, to recompute its median")
     parser.add_argument("--fit", action="store_true", help="also fit the co-location capacity to the pair speed")
     parser.add_argument("--fit-gavel", action="store_true",
                         help="refit the gavel interference model's pair rates for our models at batch 16-128 and "

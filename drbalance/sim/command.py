@@ -15,7 +15,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drbalance import defaults, progress
-from drbalance.argtypes import non_negative_float, non_negative_int, percent, positive_int, relative_spread
+from drbalance.argtypes import (
+    integer_within,
+    non_empty_path,
+    non_negative_float,
+    non_negative_int,
+    percent,
+    relative_spread,
+)
 from drbalance.ipc.private import make_dirs, write_private
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.policy import DEFAULT_POLICY, POLICIES
@@ -25,7 +32,7 @@ from drbalance.runs.launch import earlier_run
 from drbalance.sim.bound import bounds
 from drbalance.sim.engine import SimConfig, SimResult, check_horizon, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import PLACEMENTS, Scenario, load_scenario
+from drbalance.workload.scenarios import MAX_DR_TOTAL, PLACEMENTS, Scenario, load_scenario
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interference", choices=list(INTERFERENCE_MODELS), default="calibrated",
                         help="how co-located apps slow each other: one fitted capacity for every pair "
                         "(calibrated) or Gavel's measured pairs (gavel); see docs/simulator.md")
-    parser.add_argument("--dr-total", type=positive_int, default=None,
+    parser.add_argument("--dr-total", type=integer_within(1, MAX_DR_TOTAL), default=None,
                         help="DR granularity (shares per mini-batch, 1..65535 as for the manager; default: the "
                         "scenario's, 10); a DDP app keeps one unit on each rank")
     parser.add_argument("--decide-every", type=non_negative_int, default=None,
@@ -76,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SD_th (paper policy): no move while max SD - min SD is below this")
     parser.add_argument("--util-threshold", type=percent, default=defaults.UTIL_THRESHOLD,
                         help="Util_th in percent points (paper policy)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=non_empty_path, default=None,
                         help="write each run's logs to OUT/<label>/ (readable by 'drbalance report')")
     parser.add_argument("--json", action="store_true",
                         help="print results as JSON (keys: docs/simulator.md; every value but a run's "
@@ -135,17 +142,20 @@ def check_out_dirs(out: Path, names: list[str]) -> None:
                              f"give another --out or move it away")
 
 
-def check_compare(args: argparse.Namespace) -> None:
-    """``--compare`` runs every policy and the scheduler itself: a ``--policy`` or ``--scheduler``
-    beside it would be silently ignored, so it is refused (ValueError)."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """Options that another one would silently override are refused (ValueError: a usage error,
+    exit status 2): ``--compare`` runs every policy and the scheduler itself, and ``--scheduler``
+    time-slices whole GPUs instead of running a DR policy."""
     if args.compare and (args.policy is not None or args.scheduler is not None):
         given = "--policy" if args.policy is not None else "--scheduler"
         raise ValueError(f"--compare runs fair, f-sched, paper, observe, DataParallel and themis itself; "
                          f"{given} cannot be combined with it (drop one of the two)")
+    if args.scheduler is not None and args.policy is not None:
+        raise ValueError(f"--scheduler {args.scheduler} time-slices whole GPUs instead of a DR policy; "
+                         f"--policy cannot be combined with it (drop one of the two)")
 
 
 def run(args: argparse.Namespace) -> int:
-    check_compare(args)
     scenario = load_scenario(args.scenario)
     if args.dr_total is not None:
         try:
