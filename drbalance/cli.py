@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         status = int(importlib.import_module(module).run(args) or 0)
         raise_if_terminated()  # a SIGTERM whose exception was swallowed: still a termination
         return status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a command's own cleanup ran as it unwound (launch stops its manager and jobs)
+        print(f"drbalance {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. 'drbalance report ... --json | head': the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

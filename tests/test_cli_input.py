@@ -688,3 +688,16 @@ def test_the_launch_function_refuses_an_image_size_before_anything_starts(tmp_pa
                                          r"got 32"):
         launch.launch(launch.LaunchOptions(load_scenario("e2e-a"), "fair", run_dir, "emulated", image_size=32))
     assert not run_dir.exists()
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch, capsys):
+    """It ended with exit status 130 and not a word (a launch then left a run folder that holds a
+    partial run, with nothing said)."""
+    import drbalance.sim.command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(drbalance.sim.command, "run", interrupted)
+    assert cli.main(["simulate", "e2e-a"]) == 130
+    assert capsys.readouterr().err.strip() == "drbalance simulate: interrupted"

@@ -23,7 +23,7 @@ from drbalance.emu.gpus import (
 )
 from drbalance.manager.utilization import open_source
 from drbalance.workload.models import ModelCosts
-from tests.conftest import ROOT, python_process
+from tests.conftest import ROOT, python_process, wait_for
 
 
 @pytest.fixture
@@ -567,3 +567,48 @@ def _interrupt_in_the_device_phase(emu, interrupt) -> None:
             job.kill()
         job.wait(timeout=30)
         gpu.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_gpu(emu, tmp_path):
+    """train.py builds its model (and opens its emulated GPU) before its session; the session's
+    exit hook, which re-raises SIGTERM, was registered after the GPU's release and ran first (exit
+    hooks run last first): the job died of SIGTERM with its GPU left in /dev/shm."""
+    job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "emulated:1", "--solo-time", "auto",
+                         "--time-scale", "10", "--epochs", "1", "--iterations", "400", "--image-size", "64",
+                         "--report-every", "1", "--no-progress", "--app", "stopped",
+                         env={"DRBALANCE_NO_MANAGER": "1"})
+    log = tmp_path / "logs" / "stopped.sd.jsonl"
+    try:
+        wait_for(lambda: log.exists() and '"report"' in log.read_text(), timeout=180)  # training
+        assert [entry for entry in os.listdir("/dev/shm") if entry.startswith(emu.emulated_gpu(0).lstrip("/"))]
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+    assert job.returncode == -signal.SIGTERM  # it still dies of SIGTERM, as without drbalance
+    assert '"closed"' in log.read_text()  # its session closed in normal flow first
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_on_a_training_job_is_one_line_and_leaves_no_emulated_gpu(emu, tmp_path):
+    """Ctrl-C printed a torch traceback of some twenty lines; now one line and exit status 130."""
+    job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "emulated:1", "--solo-time", "auto",
+                         "--time-scale", "10", "--epochs", "1", "--iterations", "400", "--image-size", "64",
+                         "--report-every", "1", "--no-progress", "--app", "interrupted",
+                         env={"DRBALANCE_NO_MANAGER": "1"}, preexec_fn=_sigint_by_default)
+    log = tmp_path / "logs" / "interrupted.sd.jsonl"
+    try:
+        wait_for(lambda: log.exists() and '"report"' in log.read_text(), timeout=180)
+        job.send_signal(signal.SIGINT)
+        _out, err = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+    assert job.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "train.py: interrupted (Ctrl-C)", err
+    assert not [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]

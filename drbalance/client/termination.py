@@ -2,7 +2,8 @@
 
 A session's SIGTERM handler raises :class:`SessionTerminated` in the main thread, so the script's
 ``with`` blocks and ``finally`` clauses run and the session closes in normal flow; at interpreter
-exit the process re-raises SIGTERM on itself and dies of it, as it would without drbalance.
+exit, after every exit hook registered since drbalance's client was imported, the process
+re-raises SIGTERM on itself and dies of it, as it would without drbalance.
 
 Unwinding can hang where a plain SIGTERM would not: a non-daemon thread that never ends (the
 interpreter waits for it before exiting), a ``finally`` clause that blocks, a write to a full
@@ -59,8 +60,7 @@ class Termination:
 
     @classmethod
     def arm(cls, grace: float) -> None:
-        """Register the exit hook and start the watchdog once, before any session registers its
-        ``close`` (atexit runs LIFO, so every session closes before the process re-raises SIGTERM).
+        """Start the watchdog once (the exit hook is registered when this module is imported).
 
         ``grace``: seconds from the first SIGTERM until the watchdog ends a process still alive.
         """
@@ -68,7 +68,6 @@ class Termination:
         if cls.armed:
             return
         cls.armed = True
-        atexit.register(cls.die_if_pending)
         threading.Thread(target=cls._watch, name="drbalance-exit-watchdog", daemon=True).start()
 
     @classmethod
@@ -104,6 +103,13 @@ class Termination:
         report.start()
         report.join(STDERR_WRITE_SECONDS)
         os._exit(EXIT_STATUS)
+
+
+# Registered when drbalance's client is imported, before any of its exit hooks (atexit runs them
+# last first): a session's ``close``, and the release of the emulated GPUs of a backend, which a
+# script builds before its session. Registered when the first session armed it, the hook re-raised
+# SIGTERM before that release ran: a job stopped with SIGTERM left its emulated GPU in /dev/shm.
+atexit.register(Termination.die_if_pending)
 
 
 def _report_hang(grace: float) -> None:

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -334,5 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_status(main: Callable[[], int], program: str) -> int:
+    """``main()``'s exit status; Ctrl-C is one line and 130 (128 + SIGINT), not torch's traceback of
+    the frame it interrupted. The job's session, data and emulated GPUs are released as it unwinds."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{program}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main, "train.py"))

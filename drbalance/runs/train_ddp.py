@@ -42,6 +42,7 @@ from drbalance.runs.train import (
     advance_progress,
     build_dataset,
     check_image_size,
+    exit_status,
     open_progress,
     parse_integers,
     seed,
@@ -232,4 +233,4 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main, PROGRAM))

@@ -58,7 +58,7 @@ class SimConfig:
     round_seconds: float = 60.0
     switch_seconds: float = 5.0
     record: bool = True
-    max_time: float = 1e7
+    max_time: float = 1e6  # seconds (11.6 days): simulating costs CPU and memory per simulated second
     jitter: float = 0.0  # relative spread of every host phase and chunk (a log-normal factor of mean 1); 0: none
     seed: int = 0  # of the jitter's random numbers (the same seed: the same run)
 
