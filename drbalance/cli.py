@@ -66,6 +66,11 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdout is None:  # started with its standard output closed ('>&-'): print() would drop every line
+        if sys.stderr is not None:
+            print("drbalance: error: standard output is closed; what the command prints would be lost",
+                  file=sys.stderr)
+        return 2
     argv, passthrough = split_command_line(argv)
     parser, sub, module = build_parser(argv)
     args = parser.parse_args(argv)

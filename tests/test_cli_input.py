@@ -272,6 +272,16 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly_with_141():
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
 
 
+@pytest.mark.timeout(120)
+def test_a_command_started_with_its_output_closed_says_so_instead_of_losing_it():
+    """'drbalance simulate ... --json >&-' exited 0: Python's print() drops what goes to a closed
+    standard output."""
+    process = python_process("drbalance", "simulate", "e2e-a", "--policy", "observe", "--json",
+                             stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1))
+    _out, err = process.communicate(timeout=100)
+    assert process.returncode == 2 and "standard output is closed" in err, err
+
+
 @pytest.mark.parametrize("module", ["drbalance", "drbalance.manager.cli"])
 def test_help_names_every_environment_variable_and_the_documented_defaults(module):
     from drbalance.helptext import environment_variables
