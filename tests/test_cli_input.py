@@ -711,3 +711,12 @@ def test_ctrl_c_ends_a_command_with_one_line_and_130(monkeypatch, capsys):
     monkeypatch.setattr(drbalance.sim.command, "run", interrupted)
     assert cli.main(["simulate", "e2e-a"]) == 130
     assert capsys.readouterr().err.strip() == "drbalance simulate: interrupted"
+
+
+def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    """It was "[Errno 20] Not a directory: '<file>/apps'"."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine\n")
+    assert cli.main(["launch", "e2e-a", "--run-dir", str(taken)]) == 1
+    assert f"run directory {taken} exists and is not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "mine\n"

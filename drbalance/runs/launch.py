@@ -349,6 +349,8 @@ def launch(options: LaunchOptions) -> Path:
     would refuse its model or ``image_size`` (``check_launchable``)."""
     scenario, run_dir = options.scenario, options.run_dir
     check_launchable(scenario, options.devices, options.image_size, options.real_batch)
+    if os.path.lexists(run_dir) and not run_dir.is_dir():  # was "[Errno 20] Not a directory: 'R/apps'"
+        raise ValueError(f"run directory {run_dir} exists and is not a folder; give a folder (made if missing)")
     found = earlier_run(run_dir)
     if found is not None:
         raise RunDirectoryInUse(f"run directory {run_dir} already holds an earlier run ({found} exists); this run's "
