@@ -315,7 +315,7 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
     victims, done = [], []
     try:
         wait(lambda: "witness" in names.listed_apps())
-        inbox = objects.open_queue(names.inbox(discovery.read_manager(names).token))
+        inbox = objects.open_queue(names.inbox(discovery.read_manager(names).inbox))
         for index in range(records):
             if index % 5 == 0:
                 victims.append(idle_job(f"v{index}"))
@@ -377,10 +377,11 @@ def campaign_neighbour(scratch: Path) -> dict:
                      "--sleep", "0.02")
         first = json.loads(job.stdout.readline())
         outcomes["job with a squatted record name attaches"] = first["attached"]
-        token = discovery.read_manager(names).token
+        info = discovery.read_manager(names)
+        token = info.token
         late = as_neighbour([["shm", names.prefix + "app.x", 0o666], ["shm", names.manager_record(token), 0o666],
-                             ["open_shm", names.manager_record(token)], ["send_mq", names.inbox(token)],
-                             ["open_sem", names.app_signal("victim", discovery.read_claim(names, "victim").token)]])
+                             ["open_shm", names.manager_record(token)], ["send_mq", names.inbox(info.inbox)],
+                             ["open_sem", names.app_signal("victim", discovery.read_claim(names, "victim").signal)]])
         time.sleep(2.5)
         outcomes["manager alive after app.x planted while running (used to exit in 0.2 s)"] = manager.alive()
         outcomes["neighbour creates a name we hold"] = late[1]
