@@ -488,6 +488,10 @@ def test_emulated_devices_take_a_memory_size_as_the_environment_variable_does(mo
         assert (kind, spec.count, spec.memory_bytes) == ("emulated", 2, 8 * 2**30)
     with pytest.raises(SystemExit, match="emulated GPU count must be an integer"):
         choose_devices("emulated:x")
+    if not torch.cuda.is_available():  # a bad variable is named, not blamed on '--devices emulated:abc'
+        monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "abc")
+        with pytest.raises(SystemExit, match=r"--devices auto \(no CUDA\): DRBALANCE_EMULATED_GPUS='abc': emulated"):
+            choose_devices("auto")
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -153,11 +153,13 @@ def choose_devices(spec: str, program: str = "train.py",
     """('cuda'|'emulated'|'cpu', the emulated GPUs' count and memory) from ``--devices``. Bad values
     exit with a message that starts with ``program``; ``without_cuda`` is the ``--devices`` it
     suggests when CUDA is asked for but not available."""
+    given = f"--devices {spec!r}"  # what a bad value is blamed on
     if spec == "auto":
         if torch.cuda.is_available():
             return "cuda", None
         emulated = env.emulated_gpus()
         spec = f"emulated:{emulated}" if emulated else "cpu"
+        given = f"--devices auto (no CUDA): DRBALANCE_EMULATED_GPUS={emulated!r}"
     kind, colon, count = spec.partition(":")
     if kind in ("cuda", "cpu") and colon:  # 'cuda:1' used to mean every CUDA GPU, without a word
         raise SystemExit(f"{program}: --devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with "
@@ -170,7 +172,7 @@ def choose_devices(spec: str, program: str = "train.py",
         try:
             return "emulated", emulated_spec(count or None)
         except ValueError as error:
-            raise SystemExit(f"{program}: --devices {spec!r}: {error}") from None
+            raise SystemExit(f"{program}: {given}: {error}") from None
     if kind == "cpu":
         return "cpu", None
     raise SystemExit(f"{program}: unknown --devices {spec!r}; use cuda, emulated:N[:MEMORY], cpu or auto")
