@@ -137,9 +137,19 @@ def _stop_on_sigterm() -> signal.Handlers | None:
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         _Sigterm.received = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated()
+        if not _inside_logging(frame):
+            raise Terminated()
 
     return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _inside_logging(frame: FrameType | None) -> bool:
+    """Whether the signal interrupted the ``logging`` module itself: ``Terminated`` is then left to
+    the next :func:`raise_if_terminated`. Raised there, it came out of logging's lock release run
+    as an at-fork hook while ``subprocess`` started a child (a launch stopped under load printed
+    "Exception ignored in: <function _releaseLock>" and a traceback), where it is dropped, and a
+    release cut short leaves the lock held: every later log line would wait for it."""
+    return frame is not None and frame.f_globals.get("__name__") == "logging"
 
 
 if __name__ == "__main__":
