@@ -210,6 +210,9 @@ def test_an_os_error_of_a_command_is_one_line_not_a_traceback(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--out", str(afile / "report")]) == 1
     assert "drbalance report: error:" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--out", str(afile)]) == 1  # named, before any table
+    assert capsys.readouterr() == ("", f"drbalance report: error: --out {afile} exists and is not a folder; give a "
+                                       f"folder for the plots and report.md (made if missing)\n")
     assert cli.main(["report", str(tmp_path / "runs" / "observe"), "--no-plots", "--step", "1e-9"]) == 1
     assert "use a larger --step" in capsys.readouterr().err
 

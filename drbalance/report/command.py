@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -68,6 +69,9 @@ def summarise_runs(paths: list[Path], step: float = 1.0) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None and not args.no_plots and os.path.lexists(args.out) and not args.out.is_dir():
+        raise NotADirectoryError(f"--out {args.out} exists and is not a folder; give a folder for the plots "
+                                 f"and report.md (made if missing)")  # was a temporary file's name, after the table
     paths = [path for path in args.runs if not _is_report(path)]
     if not paths:
         raise FileNotFoundError(f"no run directories among {', '.join(map(str, args.runs))} (only reports)")
