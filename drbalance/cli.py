@@ -40,7 +40,7 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Arg
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    chosen = chosen_command(argv)
     for name, module, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter,
                                   epilog=environment_epilog())
@@ -52,13 +52,17 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Arg
     return parser, None, None
 
 
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named on the command line: its first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     """``profile``'s own arguments and the program's command line after its ``--``. For every other
     subcommand ``--`` keeps argparse's meaning (the options end there), so what follows it is
     parsed, or refused as an unrecognised argument, never dropped without a word: cut off for all,
     ``launch s.json -- --policy observe`` ran the default policy and exited 0."""
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    if chosen == "profile" and "--" in argv:
+    if chosen_command(argv) == "profile" and "--" in argv:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1:]
     return argv, []
