@@ -95,3 +95,45 @@ def test_set_changes_fairs_knob_and_a_value_fairconfig_refuses_is_a_usage_error(
             main(["--set", "judge_iterations=-1", *others])
         assert exited.value.code == 2
         assert "judge_iterations must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_jitter_reaches_the_run_and_the_same_noise_seed_gives_the_same_run():
+    quiet = run((2, "calibrated", "observe"))
+    noisy = run((2, "calibrated", "observe"), jitter=0.05, noise=1)
+    assert noisy == run((2, "calibrated", "observe"), jitter=0.05, noise=1) and noisy.noise == 1
+    assert (noisy.max_sd, noisy.mean_sd) != (quiet.max_sd, quiet.mean_sd)
+    assert run((2, "calibrated", "observe"), jitter=0.05, noise=2) != noisy
+
+
+def test_max_gpus_keeps_the_small_servers_only():
+    small = random_mixes.small_servers(range(40), 3)
+    assert small and all(random_mix(seed).gpus <= 3 for seed in small)
+    assert [seed for seed in range(40) if seed not in small and random_mix(seed).gpus <= 3] == []
+    assert random_mixes.small_servers(range(5), None) == list(range(5))
+
+
+def test_always_worse_names_the_scenarios_worse_under_every_noise_seed():
+    def results(fair_max: dict[tuple[int, str], float]) -> dict[tuple[int, str, str], Run]:
+        found = {}
+        for (seed, interference), value in fair_max.items():
+            found[(seed, interference, "observe")] = Run(seed, interference, "observe", 0.1, 1.30, 1.20)
+            found[(seed, interference, "fair")] = Run(seed, interference, "fair", 0.1, value, 1.20)
+        return found
+    by_noise = {0: results({(1, "calibrated"): 1.40, (1, "gavel"): 1.40, (2, "calibrated"): 1.30, (2, "gavel"): 1.2}),
+                1: results({(1, "calibrated"): 1.40, (1, "gavel"): 1.30, (2, "calibrated"): 1.50, (2, "gavel"): 1.2})}
+    text = random_mixes.always_worse(by_noise, [1, 2], ["fair"])
+    assert text == ("fair: worse than doing nothing in 4 of 8 runs; 3 scenarios worse at least once, "
+                    "1 under every noise seed: 1 calibrated")
+
+
+def test_noise_seeds_are_distinct_integers_and_need_jitter(capsys):
+    assert random_mixes._noise_seeds("0,1,5") == [0, 1, 5]
+    for bad in ("", "a", "1,1", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            random_mixes._noise_seeds(bad)
+    for argv in (["--noise-seeds", "0,1"], ["--jitter", "-0.1"], ["--max-gpus", "0"],
+                 ["--seeds", "4:5", "--max-gpus", "1"]):
+        with pytest.raises(SystemExit) as stopped:
+            random_mixes.main(argv)
+        assert stopped.value.code == 2, argv
+    assert "--noise-seeds needs --jitter" in capsys.readouterr().err
