@@ -330,6 +330,27 @@ def test_an_app_at_its_move_cap_makes_no_move_of_its_own_until_its_next_epoch():
     assert policy.decide("a", "boundary", later).branch == "swap"  # in its next epoch it may
 
 
+def test_a_move_the_app_never_ran_does_not_count_towards_its_move_cap():
+    # a swaps with c; the daemon refuses c's push (or it is lost), so at c's next decision its
+    # record still shows its DR of before: nothing to judge, nothing to protect, and no move of c's
+    policy = FairPolicy()
+    swap = policy.decide("a", "boundary", _swap_scene())
+    assert swap.branch == "swap" and dict(swap.others) == {"c": DataRatio([10, 0])}
+    assert policy.tracks["c"].moves == {0: 1}
+    later = snapshot(app("a", [0, 10], [0, 0.2], 0.25, iteration=540), app("b", [10, 0], [0.2, 0], 0.25, iteration=540),
+                     app("c", [0, 10], [0, 0.1], 0.15, iteration=540))
+    decision = policy.decide("c", "boundary", later)
+    own = 1 if decision.branch in ("move", "swap", "plan") else 0  # c's own move now, if it made one
+    assert policy.tracks["c"].moves.get(0, 0) == own, (decision.branch, policy.tracks["c"].moves)
+    # c one move short of its cap, plus the push it never ran: it is not at its cap
+    cap = FairConfig().max_moves_per_epoch
+    capped = FairPolicy()
+    capped.tracks["c"] = _Track(moves={0: cap - 1})
+    capped.tracks["c"].record(_Move(DataRatio([0, 10]), DataRatio([10, 0]), 500, 0.1), 0)
+    assert capped.capped(later.app("c"))
+    assert capped.decide("c", "boundary", later).branch != "move-cap"
+
+
 def test_a_dr_banned_for_an_app_is_not_pushed_to_it():
     policy = FairPolicy()
     policy.tracks["c"] = _Track(banned={(10, 0): 600})  # c undid a move off [10, 0]: banned until iteration 600
@@ -503,6 +524,14 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     assert dict(found.others) == {"a": DataRatio([10, 0, 0])} and found.details["yielded_by"] == "a"
     assert policy.protected("a")  # the push is a move of a's: it stays put for its protected period
     assert policy.tracks["a"].moves[split.epoch] == 1  # and counts towards its moves this epoch
+    # the push refused (or lost): at a's next decision its record still shows the split, so the
+    # move is dropped, neither protected nor counted (it used to hold a protected period and a move)
+    refused = replace(split, iteration=540)
+    placed = replace(newcomer, ratio=DataRatio([0, 10, 0]), iteration=5)
+    after = policy.decide("a", "boundary", snapshot(refused, c, placed, gpus=3, util=[60.0, 60.0, 80.0]))
+    assert after.branch != "protected"
+    own = 1 if after.branch in ("move", "swap", "plan") else 0
+    assert policy.tracks["a"].moves.get(split.epoch, 0) == own, (after.branch, policy.tracks["a"].moves)
     assert not violations(newcomer, found.ratio, PolicyConfig(3)) and not violations(split, found.others["a"],
                                                                                     PolicyConfig(3))
     # a newcomer on c's GPU (c alone, not split) goes onto the GPU a spread onto

@@ -113,6 +113,7 @@ class _Move:
     measured_seconds: float = 0.0  # seconds of the app's iterations measured since the move (its windows' means)
     measured_iterations: int = 0  # ...over this many iterations
     seen: int = -1  # the app's iteration at the last decision that added to them (-1: ``iteration``)
+    epoch: int | None = None  # the app's epoch it was counted in (``_Track.record``)
 
     def measure(self, view: AppView) -> float | None:
         """Add the window the app's record describes (its mean iteration time over the iterations
@@ -144,7 +145,15 @@ class _Track:
         """A move made to the app in its ``epoch`` (its own, a revert or a push): judged and protected
         as its last move, and counted towards its moves that epoch."""
         self.last_move = move
+        move.epoch = epoch
         self.moves[epoch] = self.moves.get(epoch, 0) + 1
+
+    def drop_unmade_move(self) -> None:
+        """The last move never ran (the job kept its DR of before): nothing to judge or protect,
+        and not counted towards the moves of its epoch."""
+        move, self.last_move = self.last_move, None
+        if move is not None and self.moves.get(move.epoch, 0) > 0:
+            self.moves[move.epoch] -= 1
 
 
 class FairPolicy:
@@ -505,11 +514,13 @@ class FairPolicy:
         back pays by the policy's judgement, or lowers the SDs of the apps it affects by
         ``min_gain`` in sum (a move meant to be fair that turned out to cost everyone)."""
         move = track.last_move
-        if move is None or move.checked or me.iteration <= move.iteration:
+        if move is None or me.iteration <= move.iteration:
             return None
         if ratio != move.after:
             if ratio == move.before:  # the job never ran it (an out-of-memory revert, a refused or lost command):
-                track.last_move = None  # nothing to judge, and no GPU to hold or period to protect for it
+                track.drop_unmade_move()  # nothing to judge, no GPU to hold or period to protect, no move counted
+            return None
+        if move.checked:  # judged, or a revert or a GPU yielded to a newcomer: not judged again
             return None
         measured = move.measure(me)
         if me.iteration - move.iteration < self.config.judge_iterations:
