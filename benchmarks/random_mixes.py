@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds:
         parser.error(f"no seed of {args.seeds.start}..{args.seeds.stop - 1} has a mix of at most {args.max_gpus} GPUs")
     by_noise = {noise: sweep(seeds, policies, args.workers, knobs, args.jitter, noise) for noise in args.noise_seeds}
-    for noise, results in by_noise.items():
+    for number, (noise, results) in enumerate(by_noise.items()):
         if args.jitter:
-            print(f"noise seed {noise} (jitter {args.jitter:g}):")
+            print(("\n" if number else "") + f"noise seed {noise} (jitter {args.jitter:g}):")
         print(report(results, seeds, policies))
     if args.jitter:
         print()
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 for result in runs if result.policy != "observe"]
         bases = [vars(result) for result in runs if result.policy == "observe"]
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"command": "python -m benchmarks.random_mixes " + " ".join(argv),
+            json.dump({"command": "python -m benchmarks.random_mixes " + " ".join(argv), "jitter": args.jitter,
                        "observe": bases, "runs": rows}, out, indent=1)
     return 0
 

@@ -336,19 +336,39 @@ def test_a_move_the_app_never_ran_does_not_count_towards_its_move_cap():
     policy = FairPolicy()
     swap = policy.decide("a", "boundary", _swap_scene())
     assert swap.branch == "swap" and dict(swap.others) == {"c": DataRatio([10, 0])}
-    assert policy.tracks["c"].moves == {0: 1}
+    assert policy.tracks["c"].moves == {0: 1} and policy.tracks["c"].last_move.pushed
     later = snapshot(app("a", [0, 10], [0, 0.2], 0.25, iteration=540), app("b", [10, 0], [0.2, 0], 0.25, iteration=540),
                      app("c", [0, 10], [0, 0.1], 0.15, iteration=540))
-    decision = policy.decide("c", "boundary", later)
-    own = 1 if decision.branch in ("move", "swap", "plan") else 0  # c's own move now, if it made one
-    assert policy.tracks["c"].moves.get(0, 0) == own, (decision.branch, policy.tracks["c"].moves)
-    # c one move short of its cap, plus the push it never ran: it is not at its cap
+    assert policy.decide("c", "boundary", later).branch == "keep"
+    assert policy.tracks["c"].moves == {0: 0} and policy.tracks["c"].last_move is None
+    # the same with c's DR written in another total than the manager's (100, not 10): the push is
+    # recorded as what c's check reads, so its refusal is seen (it used to keep c protected for good)
+    hundred = FairPolicy()
+    scene = _swap_scene()
+    scene = replace(scene, apps=scene.apps[:2] + (replace(scene.apps[2], ratio=DataRatio([0, 100], 100)),))
+    assert hundred.decide("a", "boundary", scene).branch == "swap"
+    c_later = replace(later.app("c"), ratio=DataRatio([0, 100], 100))
+    decision = hundred.decide("c", "boundary", replace(later, apps=later.apps[:2] + (c_later,)))
+    assert decision.branch == "keep" and hundred.tracks["c"].last_move is None and hundred.tracks["c"].moves == {0: 0}
+    # c one move short of its cap, plus a push it never ran: it is not at its cap
     cap = FairConfig().max_moves_per_epoch
-    capped = FairPolicy()
-    capped.tracks["c"] = _Track(moves={0: cap - 1})
-    capped.tracks["c"].record(_Move(DataRatio([0, 10]), DataRatio([10, 0]), 500, 0.1), 0)
-    assert capped.capped(later.app("c"))
-    assert capped.decide("c", "boundary", later).branch != "move-cap"
+
+    def at_cap(pushed: bool, checked: bool = False) -> FairPolicy:
+        found = FairPolicy()
+        found.tracks["c"] = _Track(moves={0: cap - 1})
+        found.tracks["c"].record(_Move(DataRatio([0, 10]), DataRatio([10, 0]), 500, 0.1, quiet=1, checked=checked,
+                                       pushed=pushed), 0)
+        assert found.capped(later.app("c"))
+        return found
+
+    free = at_cap(pushed=True)
+    assert free.decide("c", "boundary", later).branch == "swap"
+    # a move of c's own that c never ran still counts: the cap bounds how often a DR the job keeps
+    # refusing is tried again; it is neither judged nor protected (a revert, judged already, likewise)
+    for checked in (False, True):
+        own = at_cap(pushed=False, checked=checked)
+        assert own.decide("c", "boundary", later).branch == "move-cap"
+        assert own.tracks["c"].moves == {0: cap} and own.tracks["c"].last_move is None
 
 
 def test_a_dr_banned_for_an_app_is_not_pushed_to_it():
@@ -529,9 +549,7 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     refused = replace(split, iteration=540)
     placed = replace(newcomer, ratio=DataRatio([0, 10, 0]), iteration=5)
     after = policy.decide("a", "boundary", snapshot(refused, c, placed, gpus=3, util=[60.0, 60.0, 80.0]))
-    assert after.branch != "protected"
-    own = 1 if after.branch in ("move", "swap", "plan") else 0
-    assert policy.tracks["a"].moves.get(split.epoch, 0) == own, (after.branch, policy.tracks["a"].moves)
+    assert after.branch == "move" and policy.tracks["a"].moves == {split.epoch: 1}  # its own move now, alone
     assert not violations(newcomer, found.ratio, PolicyConfig(3)) and not violations(split, found.others["a"],
                                                                                     PolicyConfig(3))
     # a newcomer on c's GPU (c alone, not split) goes onto the GPU a spread onto

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -102,7 +103,25 @@ def test_jitter_reaches_the_run_and_the_same_noise_seed_gives_the_same_run():
     noisy = run((2, "calibrated", "observe"), jitter=0.05, noise=1)
     assert noisy == run((2, "calibrated", "observe"), jitter=0.05, noise=1) and noisy.noise == 1
     assert (noisy.max_sd, noisy.mean_sd) != (quiet.max_sd, quiet.mean_sd)
-    assert run((2, "calibrated", "observe"), jitter=0.05, noise=2) != noisy
+    other = run((2, "calibrated", "observe"), jitter=0.05, noise=2)
+    assert (other.max_sd, other.mean_sd) != (noisy.max_sd, noisy.mean_sd)
+
+
+def test_each_noise_seeds_runs_are_judged_against_observe_under_the_same_noise(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    assert random_mixes.main(["--seeds", "2:3", "--jitter", "0.05", "--noise-seeds", "0,1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "noise seed 0 (jitter 0.05):" in printed and "noise seed 1 (jitter 0.05):" in printed
+    assert "under every noise seed" in printed
+    found = json.loads(out.read_text())
+    assert found["jitter"] == 0.05 and len(found["runs"]) == len(found["observe"]) == 4
+    bases = {(row["seed"], row["interference"], row["noise"]): row for row in found["observe"]}
+    assert len({(row["max_sd"], row["mean_sd"]) for row in found["observe"]}) == 4  # the noise reached every run
+    for row in found["runs"]:
+        base = bases[(row["seed"], row["interference"], row["noise"])]
+        assert row["worse"] == worse(Run(**{k: v for k, v in row.items() if k != "worse"}), Run(**base))
+        again = run((row["seed"], row["interference"], "observe"), jitter=0.05, noise=row["noise"])
+        assert (again.max_sd, again.mean_sd) == (base["max_sd"], base["mean_sd"])  # observe under the same noise
 
 
 def test_max_gpus_keeps_the_small_servers_only():

@@ -114,6 +114,7 @@ class _Move:
     measured_iterations: int = 0  # ...over this many iterations
     seen: int = -1  # the app's iteration at the last decision that added to them (-1: ``iteration``)
     epoch: int | None = None  # the app's epoch it was counted in (``_Track.record``)
+    pushed: bool = False  # made by another app's decision (a swap, a plan, a GPU yielded to a newcomer)
 
     def measure(self, view: AppView) -> float | None:
         """Add the window the app's record describes (its mean iteration time over the iterations
@@ -149,10 +150,12 @@ class _Track:
         self.moves[epoch] = self.moves.get(epoch, 0) + 1
 
     def drop_unmade_move(self) -> None:
-        """The last move never ran (the job kept its DR of before): nothing to judge or protect,
-        and not counted towards the moves of its epoch."""
+        """The last move never ran (the job kept its DR of before): nothing to judge or protect.
+        One pushed to the app by another app's decision is not counted towards the moves of its
+        epoch either; the app's own moves and reverts still count, so the move cap still bounds
+        how often a DR the job keeps refusing is tried again."""
         move, self.last_move = self.last_move, None
-        if move is not None and self.moves.get(move.epoch, 0) > 0:
+        if move is not None and move.pushed and self.moves.get(move.epoch, 0) > 0:
             self.moves[move.epoch] -= 1
 
 
@@ -216,8 +219,9 @@ class FairPolicy:
         others = {other: their for other, their in changes.items() if other != app}
         for other, their in others.items():  # pushed to them now: each is a move of theirs too
             view = snapshot.app(other)
-            self._track(view).record(_Move(view.ratio, their, view.iteration, search.predicted_time(other, changes),
-                                           quiet=self.config.protect_windows), view.epoch)
+            before = current_ratio(view, snapshot.config) or view.ratio  # as the app's check will read it
+            self._track(view).record(_Move(before, their, view.iteration, search.predicted_time(other, changes),
+                                           quiet=self.config.protect_windows, pushed=True), view.epoch)
         branch = "move" if not others else "swap" if len(others) == 1 else "plan"
         decision = self._move(me, ratio, changes, branch, search, track, gain, partners=sorted(others))
         return replace(decision, others=MappingProxyType(others))
@@ -291,7 +295,7 @@ class FairPolicy:
             if self.banned(split, consolidated) or locked.intersection(_gained(theirs, consolidated)):
                 continue  # a DR it undid lately, or more load where another app's move is being measured
             self._track(split).record(_Move(theirs, consolidated, split.iteration, 0.0,
-                                            quiet=self.config.protect_windows, checked=True), split.epoch)
+                                            quiet=self.config.protect_windows, checked=True, pushed=True), split.epoch)
             decision = Decision.of(me.name, candidate, "place", gpu=gpu, utilization=snapshot.utilization[gpu],
                                    yielded_by=split.name)
             return replace(decision, others=MappingProxyType({split.name: consolidated}))
