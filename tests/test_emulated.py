@@ -569,46 +569,50 @@ def _interrupt_in_the_device_phase(emu, interrupt) -> None:
         gpu.close()
 
 
-@pytest.mark.timeout(240)
-def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_gpu(emu, tmp_path):
-    """train.py builds its model (and opens its emulated GPU) before its session; the session's
-    exit hook, which re-raises SIGTERM, was registered after the GPU's release and ran first (exit
-    hooks run last first): the job died of SIGTERM with its GPU left in /dev/shm."""
+def _signal_a_training_job(app: str, signum: int, tmp_path, while_training=lambda: None,
+                           **popen) -> tuple[subprocess.Popen, str, str]:
+    """Start train.py on one emulated GPU without a manager; once it trains (its SD log has a
+    report) call ``while_training()`` and send ``signum``; return the ended process, its stderr
+    and its SD log's text."""
     job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "emulated:1", "--solo-time", "auto",
                          "--time-scale", "10", "--epochs", "1", "--iterations", "400", "--image-size", "64",
-                         "--report-every", "1", "--no-progress", "--app", "stopped",
-                         env={"DRBALANCE_NO_MANAGER": "1"})
-    log = tmp_path / "logs" / "stopped.sd.jsonl"
+                         "--report-every", "1", "--no-progress", "--app", app,
+                         env={"DRBALANCE_NO_MANAGER": "1"}, **popen)
+    log = tmp_path / "logs" / f"{app}.sd.jsonl"
     try:
         wait_for(lambda: log.exists() and '"report"' in log.read_text(), timeout=180)  # training
-        assert [entry for entry in os.listdir("/dev/shm") if entry.startswith(emu.emulated_gpu(0).lstrip("/"))]
-        job.send_signal(signal.SIGTERM)
-        job.communicate(timeout=90)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(timeout=30)
-    assert job.returncode == -signal.SIGTERM  # it still dies of SIGTERM, as without drbalance
-    assert '"closed"' in log.read_text()  # its session closed in normal flow first
-    assert not [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]
-
-
-@pytest.mark.timeout(240)
-def test_ctrl_c_on_a_training_job_is_one_line_and_leaves_no_emulated_gpu(emu, tmp_path):
-    """Ctrl-C printed a torch traceback of some twenty lines; now one line and exit status 130."""
-    job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "emulated:1", "--solo-time", "auto",
-                         "--time-scale", "10", "--epochs", "1", "--iterations", "400", "--image-size", "64",
-                         "--report-every", "1", "--no-progress", "--app", "interrupted",
-                         env={"DRBALANCE_NO_MANAGER": "1"}, preexec_fn=_sigint_by_default)
-    log = tmp_path / "logs" / "interrupted.sd.jsonl"
-    try:
-        wait_for(lambda: log.exists() and '"report"' in log.read_text(), timeout=180)
-        job.send_signal(signal.SIGINT)
+        while_training()
+        job.send_signal(signum)
         _out, err = job.communicate(timeout=90)
     finally:
         if job.poll() is None:
             job.kill()
             job.wait(timeout=30)
+    return job, err, log.read_text()
+
+
+def _emulated_gpus_left(emu) -> list[str]:
+    return [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]
+
+
+@pytest.mark.timeout(240)
+def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_gpu(emu, tmp_path):
+    """train.py builds its model (and opens its emulated GPU) before its session; the session's
+    exit hook, which re-raises SIGTERM, was registered after the GPU's release and ran first (exit
+    hooks run last first): the job died of SIGTERM with its GPU left in /dev/shm."""
+    def gpu_is_open() -> None:
+        assert [entry for entry in os.listdir("/dev/shm") if entry.startswith(emu.emulated_gpu(0).lstrip("/"))]
+
+    job, _err, log = _signal_a_training_job("stopped", signal.SIGTERM, tmp_path, while_training=gpu_is_open)
+    assert job.returncode == -signal.SIGTERM  # it still dies of SIGTERM, as without drbalance
+    assert '"closed"' in log  # its session closed in normal flow first
+    assert not _emulated_gpus_left(emu)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_on_a_training_job_is_one_line_and_leaves_no_emulated_gpu(emu, tmp_path):
+    """Ctrl-C printed a torch traceback of some twenty lines; now one line and exit status 130."""
+    job, err, _log = _signal_a_training_job("interrupted", signal.SIGINT, tmp_path, preexec_fn=_sigint_by_default)
     assert job.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "train.py: interrupted (Ctrl-C)", err
-    assert not [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]
+    assert not _emulated_gpus_left(emu)
