@@ -16,7 +16,7 @@ import sys
 import threading
 from types import FrameType
 
-from drbalance import __version__
+from drbalance import __version__, stdout
 from drbalance.helptext import HelpFormatter, environment_epilog
 
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -69,6 +69,19 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``drbalance`` command; its exit status (1 as well when what it printed could not be
+    written to standard output: a full disk, ``/dev/full``)."""
+    with stdout.watched() as watch:
+        try:
+            status = _main(argv, watch)
+        except SystemExit:  # argparse: after --help or --version (0), or a usage error (2)
+            if watch is not None and watch.report("drbalance"):
+                raise SystemExit(1) from None
+            raise
+        return 1 if watch is not None and watch.report("drbalance") else status
+
+
+def _main(argv: list[str] | None, watch: stdout.Watched | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if sys.stdout is None:  # started with its standard output closed ('>&-'): print() would drop every line
         if sys.stderr is not None:
@@ -103,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         return 128 + signal.SIGTERM
     except (ValueError, OSError, KeyError, RuntimeError) as error:  # OSError: a missing file, a full disk, ...
-        print(f"drbalance {args.command}: error: {error}", file=sys.stderr)
+        if watch is not None and watch.caused(error):
+            watch.report(f"drbalance {args.command}")
+        else:
+            print(f"drbalance {args.command}: error: {error}", file=sys.stderr)
         return 1
     finally:
         if previous is not None:

@@ -276,6 +276,24 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly_with_141():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("buffered", [True, False])
+@pytest.mark.parametrize("command", [("drbalance", "simulate", "e2e-a", "--policy", "observe", "--json"),
+                                     ("drbalance", "simulate", "--help"), ("drbalance", "--version"),
+                                     ("drbalance.manager.cli", "--help")])
+def test_output_lost_to_a_full_disk_is_an_error_that_names_standard_output(command, buffered):
+    """'drbalance simulate ... --json > /dev/full' said only "[Errno 28] No space left on device",
+    and '--help > /dev/full' exited 0 (argparse drops the error); buffered, the write fails only
+    at a flush."""
+    with open("/dev/full", "w") as full:  # every write to it fails with ENOSPC, as on a full disk
+        process = python_process(*command, stdout=full, env={"PYTHONUNBUFFERED": "" if buffered else "1"})
+        _out, err = process.communicate(timeout=100)
+    assert process.returncode == 1, err
+    assert "cannot write standard output: No space left on device" in err, err
+    assert err.count("cannot write standard output") == 1, err  # said once
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.timeout(120)
 def test_a_command_started_with_its_output_closed_says_so_instead_of_losing_it():
     """'drbalance simulate ... --json >&-' exited 0: Python's print() drops what goes to a closed
     standard output."""

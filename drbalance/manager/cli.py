@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 
-from drbalance import __version__, env
+from drbalance import __version__, env, stdout
 from drbalance.argtypes import (
     non_empty_path,
     non_negative_float,
@@ -135,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     restored to the ones it found on every return, so a caller in the same process (a test, a
     program embedding the manager) gets its own handlers back.
     """
-    args = build_parser().parse_args(argv)
+    with stdout.watched() as watch:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help or --version (0), a usage error (2)
+            if watch is not None and watch.report("drbalance-manager"):
+                raise SystemExit(1) from None  # what --help printed was lost: a full disk, /dev/full
+            raise
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         datefmt="%Y-%m-%dT%H:%M:%S")
     handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
