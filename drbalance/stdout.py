@@ -67,12 +67,8 @@ class Watched:
         except ValueError:  # closed already: what it held was written or reported then
             return self.error
         if failed or self.error is not None:
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            except (OSError, ValueError, AttributeError):  # no descriptor (a stream in memory)
-                pass
+            _point_at_devnull(self.stream)
         return self.error
-
 
     def report(self, program: str) -> bool:
         """Flush; whether what the command printed was lost, which is then said on stderr (once)."""
@@ -81,6 +77,19 @@ class Watched:
             print(f"{program}: error: {message(error)}", file=sys.stderr)
         self.reported = self.reported or error is not None
         return error is not None
+
+
+def _point_at_devnull(stream: TextIO) -> None:
+    """``stream``'s descriptor made a copy of ``/dev/null``'s (if it has one: not a stream in memory)."""
+    try:
+        descriptor = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, descriptor)
+    finally:
+        os.close(devnull)
 
 
 def message(error: OSError) -> str:
