@@ -5,6 +5,7 @@
     python -m benchmarks.random_mixes --json benchmarks/results/random_mixes.json
     python -m benchmarks.random_mixes --set swap_partners=1   # fair with a knob of FairConfig changed
     python -m benchmarks.random_mixes --max-gpus 3 --jitter 0.05 --noise-seeds 0,1   # small servers, under noise
+    python -m benchmarks.random_mixes --draw wide --seeds 1000:1100   # the wide draw (wide_mix)
 
 The mixes of ``drbalance.sim.mixes`` and the paper's scenarios were the ones `fair` was tuned
 on. Here each seed draws its own scenario (``random_mix``): 2, 3, 4, 6 or 8 GPUs (4 twice as
@@ -23,6 +24,10 @@ every host phase and chunk a random spread X (the simulator's ``SimConfig.jitter
 seed as the policy it is compared with; the summary then names the scenarios that were worse
 under every noise seed. ``--max-gpus N`` keeps only the seeds whose mix has at most N GPUs
 (where every miss at the default window is: 74 of the 200 seeds have 2 or 3).
+
+``--draw wide`` turns each seed into a scenario of another draw (``wide_mix``): what the default
+draw never tries (fewer apps than GPUs, batches other than 32, epochs other than 10, runs of 2
+minutes), and which no variant of ``fair`` was measured on before 2026-11-29.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 
 from drbalance.argtypes import names_from, positive_int, relative_spread
 from drbalance.policy import POLICIES
@@ -50,7 +56,7 @@ GPU_SPEEDS = (1.0, 0.75, 0.5)
 
 
 def random_mix(seed: int) -> Scenario:
-    """The scenario of ``seed`` (the same for everyone: ``random.Random(seed)``)."""
+    """The scenario of ``seed`` (the same for everyone: ``random.Random(seed)``), of the default draw."""
     rng = random.Random(seed)
     gpus = rng.choice(GPU_COUNTS)
     apps = max(gpus + 1, round(gpus * rng.uniform(1.0, 2.5)))
@@ -63,6 +69,36 @@ def random_mix(seed: int) -> Scenario:
     speeds = tuple(rng.choice(GPU_SPEEDS) for _ in range(gpus)) if rng.random() < 0.25 else None
     return Scenario(f"random-{seed}", gpus, tuple(specs), f"{apps} apps on {gpus} GPUs, drawn from seed {seed}",
                     gpu_speed=speeds)
+
+
+WIDE_BATCHES = (16, 32, 64, 128)
+WIDE_ALEXNET_BATCHES = (64, 128, 256)
+WIDE_EPOCHS = (2, 5, 10, 20)
+WIDE_SOLO_SECONDS = (120.0, 3600.0)
+WIDE_ARRIVAL_SPREAD = 1200.0
+
+
+def wide_mix(seed: int) -> Scenario:
+    """The scenario of ``seed`` in the wide draw: what a user might try beside the default draw
+    (which every variant of ``fair`` was measured on). Fewer apps than GPUs are possible (0.75
+    to 2.5 apps per GPU, at least 2 apps), batches of 16 to 128 samples (AlexNet 64 to 256),
+    2, 5, 10 or 20 epochs, 2 to 60 minutes alone, arrivals over 20 minutes for half the seeds;
+    GPUs of one speed."""
+    rng = random.Random(seed)
+    gpus = rng.choice(GPU_COUNTS)
+    apps = max(2, round(gpus * rng.uniform(0.75, 2.5)))
+    together = rng.random() < 0.5
+    specs = []
+    for index in range(apps):
+        model = rng.choice(MODELS)
+        batch = rng.choice(WIDE_ALEXNET_BATCHES if model == "alexnet" else WIDE_BATCHES)
+        specs.append(sized_app(f"r{index}", model, batch, rng.uniform(*WIDE_SOLO_SECONDS), rng.choice(WIDE_EPOCHS),
+                               arrival=0.0 if together else rng.uniform(0.0, WIDE_ARRIVAL_SPREAD)))
+    return Scenario(f"wide-{seed}", gpus, tuple(specs), f"{apps} apps on {gpus} GPUs, wide draw, seed {seed}")
+
+
+DRAWS: Mapping[str, Callable[[int], Scenario]] = MappingProxyType({"default": random_mix, "wide": wide_mix})
+"""How a seed becomes a scenario (``--draw``)."""
 
 
 @dataclass(frozen=True)
@@ -112,29 +148,31 @@ def parsed_knobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> K
     return tuple(args.set)
 
 
-def run(job: tuple[int, str, str], knobs: Knobs = (), jitter: float = 0.0, noise: int = 0) -> Run:
-    """Simulate ``random_mix(seed)`` under one policy and interference model (``simulate_mix``)."""
+def run(job: tuple[int, str, str], knobs: Knobs = (), jitter: float = 0.0, noise: int = 0,
+        draw: str = "default") -> Run:
+    """Simulate the seed's scenario of ``draw`` (``DRAWS``) under one policy and interference
+    model (``simulate_mix``)."""
     seed, interference, policy = job
-    result = simulate_mix(random_mix(seed), interference, policy, knobs, jitter, noise)
+    result = simulate_mix(DRAWS[draw](seed), interference, policy, knobs, jitter, noise)
     return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd, noise)
 
 
-def _run_with(task: tuple[tuple[int, str, str], Knobs, float, int]) -> Run:
+def _run_with(task: tuple[tuple[int, str, str], Knobs, float, int, str]) -> Run:
     return run(*task)
 
 
 def sweep(seeds: Sequence[int], policies: list[str], workers: int = 2, knobs: Knobs = (), jitter: float = 0.0,
-          noise: int = 0) -> dict[tuple[int, str, str], Run]:
+          noise: int = 0, draw: str = "default") -> dict[tuple[int, str, str], Run]:
     """Every seed under both interference models, ``observe`` and each policy (under one noise seed)."""
     jobs = [(seed, interference, policy) for seed in seeds for interference in INTERFERENCE_MODELS
             for policy in ["observe", *policies]]
     with ProcessPoolExecutor(max(1, workers)) as pool:
-        return dict(zip(jobs, pool.map(_run_with, [(job, knobs, jitter, noise) for job in jobs])))
+        return dict(zip(jobs, pool.map(_run_with, [(job, knobs, jitter, noise, draw) for job in jobs])))
 
 
-def small_servers(seeds: Sequence[int], max_gpus: int | None) -> list[int]:
+def small_servers(seeds: Sequence[int], max_gpus: int | None, draw: str = "default") -> list[int]:
     """The seeds whose mix has at most ``max_gpus`` GPUs (all of them for None)."""
-    return [seed for seed in seeds if max_gpus is None or random_mix(seed).gpus <= max_gpus]
+    return [seed for seed in seeds if max_gpus is None or DRAWS[draw](seed).gpus <= max_gpus]
 
 
 def knob(text: str) -> tuple[str, object]:
@@ -157,13 +195,14 @@ def worse(got: Run, base: Run) -> bool:
     return not not_worse(got.max_sd, got.mean_sd, base.max_sd, base.mean_sd)
 
 
-def report(results: dict[tuple[int, str, str], Run], seeds: Sequence[int], policies: list[str]) -> str:
+def report(results: dict[tuple[int, str, str], Run], seeds: Sequence[int], policies: list[str],
+           draw: str = "default") -> str:
     """One line per seed and model (observe's max / mean SD, each policy's spread / max / mean and
     whether it is worse), then per policy and model the count of worse runs."""
     lines = []
     counts = {(policy, interference): 0 for policy in policies for interference in INTERFERENCE_MODELS}
     for seed in seeds:
-        scenario = random_mix(seed)
+        scenario = DRAWS[draw](seed)
         shape = f"{scenario.gpus}x{len(scenario.apps)}{' speeds' if scenario.gpu_speed else ''}"
         for interference in INTERFERENCE_MODELS:
             base = results[(seed, interference, "observe")]
@@ -231,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the seeds whose mix has at most N GPUs (default: every seed)")
     parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],
                         help="comma-separated policies besides observe")
+    parser.add_argument("--draw", choices=sorted(DRAWS), default="default",
+                        help="how a seed becomes a scenario: the default draw, or the wide one (wide_mix: fewer "
+                        "apps than GPUs, other batches, epochs and run lengths)")
     parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel")
     parser.add_argument("--jitter", type=relative_spread, default=0.0, metavar="X",
                         help="relative spread of every host phase and chunk (SimConfig.jitter; default 0: none)")
@@ -243,14 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.jitter == 0.0 and args.noise_seeds != [0]:
         parser.error("--noise-seeds needs --jitter: without noise every seed gives the same runs")
     policies, knobs = args.policies, parsed_knobs(parser, args)
-    seeds = small_servers(args.seeds, args.max_gpus)
+    seeds = small_servers(args.seeds, args.max_gpus, args.draw)
     if not seeds:
         parser.error(f"no seed of {args.seeds.start}..{args.seeds.stop - 1} has a mix of at most {args.max_gpus} GPUs")
-    by_noise = {noise: sweep(seeds, policies, args.workers, knobs, args.jitter, noise) for noise in args.noise_seeds}
+    by_noise = {noise: sweep(seeds, policies, args.workers, knobs, args.jitter, noise, args.draw)
+                for noise in args.noise_seeds}
     for number, (noise, results) in enumerate(by_noise.items()):
         if args.jitter:
             print(("\n" if number else "") + f"noise seed {noise} (jitter {args.jitter:g}):")
-        print(report(results, seeds, policies))
+        print(report(results, seeds, policies, args.draw))
     if args.jitter:
         print()
         print(always_worse(by_noise, seeds, policies))
@@ -261,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 for result in runs if result.policy != "observe"]
         bases = [vars(result) for result in runs if result.policy == "observe"]
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"command": "python -m benchmarks.random_mixes " + " ".join(argv), "jitter": args.jitter,
+            json.dump({"command": "python -m benchmarks.random_mixes " + " ".join(argv), "draw": args.draw,
+                       "jitter": args.jitter,
                        "observe": bases, "runs": rows}, out, indent=1)
     return 0
 

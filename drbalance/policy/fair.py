@@ -115,6 +115,8 @@ class _Move:
     seen: int = -1  # the app's iteration at the last decision that added to them (-1: ``iteration``)
     epoch: int | None = None  # the app's epoch it was counted in (``_Track.record``)
     pushed: bool = False  # made by another app's decision (a swap, a plan, a GPU yielded to a newcomer)
+    alone_before: float | None = None  # seconds per iteration measured under ``before`` on GPUs no other
+    # app used (the move's own, of the app alone there; ``_alone_measurement``): judged by measurements
 
     def measure(self, view: AppView) -> float | None:
         """Add the window the app's record describes (its mean iteration time over the iterations
@@ -137,6 +139,7 @@ class _Track:
 
     first_iteration: int = 0  # the app's iteration at its first decision this policy made (or push)
     last_decision: int | None = None
+    window_start: int | None = None  # the app's iteration at the decision before its last (its record's window)
     window: int = 0  # iterations between the app's decisions
     last_move: _Move | None = None
     moves: dict[int, int] = field(default_factory=dict)  # epoch -> moves made in it
@@ -448,7 +451,7 @@ class FairPolicy:
     def _note_window(track: _Track, me: AppView) -> None:
         if track.last_decision is not None and me.iteration > track.last_decision:
             track.window = me.iteration - track.last_decision
-        track.last_decision = me.iteration
+        track.window_start, track.last_decision = track.last_decision, me.iteration
 
     def capped(self, view: AppView) -> bool:
         """Whether the app has made ``max_moves_per_epoch`` moves in its current epoch (its own,
@@ -478,9 +481,43 @@ class FairPolicy:
         mover is predicted with its partner gone from the GPU it joins."""
         new = changes[me.name]
         predicted = search.predicted_time(me.name, changes)
+        alone = self._alone_measurement(me, ratio, changes, search, track)
         track.record(_Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
-                           novel=search.puts_strangers_together(changes)), me.epoch)
+                           novel=search.puts_strangers_together(changes), alone_before=alone), me.epoch)
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
+
+    @staticmethod
+    def _alone_measurement(me: AppView, ratio: DataRatio, changes: Mapping[str, DataRatio], search: _Search,
+                           track: _Track) -> float | None:
+        """The app's measured seconds per iteration under ``ratio``, if ``changes`` moves it alone and
+        only between GPUs no other app uses (``before`` or ``after``), and its record's window ran
+        under ``ratio`` throughout (no move of it since the window began); else None.
+
+        Such a move changes nobody's time but the app's own, so it is judged by measurements alone
+        (``_measured_loss``): the predictor that chose it may share its error (a split over an idle
+        GPU predicted faster that ran slower also taught the predictor that one GPU is slower)."""
+        last = track.last_move
+        if len(changes) != 1 or me.iteration_time is None or track.window_start is None:
+            return None
+        if last is not None and last.iteration > track.window_start:
+            return None  # the window mixed two DRs
+        if search.others_on(set(ratio.used) | set(changes[me.name].used)):
+            return None
+        return me.iteration_time
+
+    def _measured_loss(self, me: AppView, move: _Move, measured: float | None, search: _Search) -> Verdict | None:
+        """A move of the app alone on GPUs nobody else uses (``_alone_measurement``) that measured
+        slower than before it by at least ``min_gain`` of SD at finish (the iterations left at the
+        difference, over the solo-run time): the gain of undoing it; None if not such a move, if
+        another app uses those GPUs now, or if it did not cost that much."""
+        terms = _eq2_terms(me)
+        if move.alone_before is None or not measured or terms is None:
+            return None
+        if search.others_on(set(move.before.used) | set(move.after.used)):
+            return None
+        _, left, solo = terms
+        loss = left * (measured - move.alone_before) / solo
+        return Verdict(loss, (loss,)) if loss >= self.config.min_gain else None
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
         """What a move measured for a whole window teaches (``measured`` and ``move.predicted``:
@@ -535,7 +572,9 @@ class FairPolicy:
             self._learn_from_move(me, move, measured, search.predictor)
         if violations(me, move.before, search.config):
             return None
-        found = search.gain({me.name: move.before})
+        found = self._measured_loss(me, move, measured, search)
+        if found is None:
+            found = search.gain({me.name: move.before})
         if found is None:
             found = search.mean_gain({me.name: move.before})
         if found is None:
@@ -660,6 +699,11 @@ class _Search:
                     if other != name and theirs[gpu] > 0 and other in self.ratios and not known(name, other):
                         return True
         return False
+
+    def others_on(self, gpus: set[int]) -> bool:
+        """Whether an app but the deciding one has a share of one of ``gpus`` (DRs pushed included)."""
+        occupants = self._gpu_occupants()
+        return any(name != self.me.name for gpu in gpus for name in occupants[gpu])
 
     def _gpu_occupants(self) -> list[list[str]]:
         """Per GPU, the apps whose current DR gives it a share (built once per search)."""
