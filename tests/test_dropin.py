@@ -4,6 +4,8 @@ per-model cost for any model, and the one-line swap in an ImageNet-style script.
 import os
 import subprocess
 import sys
+import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -123,3 +125,85 @@ def test_item8_without_the_swap_the_script_never_wraps_on_a_cpu_machine(emu, tmp
     result = run_script(str(path), tmp_path, "--epochs", "1")
     assert result.returncode == 0, result.stderr
     assert "using CPU" in result.stdout and "model ResNet keys conv1.weight" in result.stdout
+
+
+class _PhysicsInformed(nn.Module):
+    """``torch.autograd.grad`` inside the forward, on an input that arrives without gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return u, du
+
+
+class _Jacobian(nn.Module):
+    """A ``torch.func`` transform in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return torch.func.vmap(torch.func.jacrev(self.net))(x)
+
+
+class _SparseInput(nn.Module):
+    """A sparse tensor saved for the backward (it has no storage of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        return torch.sparse.mm(x.to_sparse(), self.weight)
+
+
+@pytest.mark.parametrize("make, inputs, guessed", [(_PhysicsInformed, (8, 2), True), (_Jacobian, (8, 2), True),
+                                                   (_SparseInput, (8, 4), False)])
+def test_a_forward_the_cost_counting_cannot_run_still_runs_on_emulated_gpus(emu, monkeypatch, make, inputs, guessed):
+    """On emulated GPUs the first chunk's forward was run under the cost counting, whose error
+    stopped these models' first step (replica 0 on emu:0) where the bare module runs. Their
+    outputs and gradients now equal the bare module's; where the counting cannot run, the costs
+    are guessed and a warning says so."""
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
+    torch.manual_seed(0)
+    bare = make()
+    wrapped = BalancedDataParallel(make())
+    wrapped.module.load_state_dict(bare.state_dict())
+    batch = torch.randn(*inputs)
+    with pytest.warns(RuntimeWarning, match="could not measure") if guessed else _no_warning():
+        got = wrapped(batch.clone())
+    expected = bare(batch.clone())
+    got, expected = (torch.cat([t.flatten() for t in value]) if isinstance(value, tuple) else value
+                     for value in (got, expected))
+    assert torch.allclose(got, expected, atol=1e-6)
+    got.sum().backward()
+    expected.sum().backward()
+    for mine, theirs in zip(wrapped.module.parameters(), bare.parameters()):
+        assert (mine.grad is None) == (theirs.grad is None)  # a Jacobian's last bias has none
+        assert mine.grad is None or torch.allclose(mine.grad, theirs.grad, atol=1e-5)
+    costs = wrapped.backend.costs  # sparse.mm's FLOPs are not counted: per sample it may cost 0
+    assert costs is not None and costs.per_sample >= 0 and costs.fixed > 0
+    wrapped.backend.close()
+
+
+def test_a_forward_that_fails_by_itself_raises_its_own_error_on_emulated_gpus(emu, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "2")
+    model = BalancedDataParallel(nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as raised:
+        model(torch.randn(6, 3))  # the wrong width: the model's own error, not the counting's
+    assert "replica 0 on device emu:0" in str(raised.value)
+    model.backend.close()
+
+
+@contextmanager
+def _no_warning():
+    """A RuntimeWarning inside is an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield

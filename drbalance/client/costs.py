@@ -45,33 +45,78 @@ def measure_features(module: nn.Module, args: Sequence[Any], kwargs: dict[str, A
 
     The forward is the caller's real forward (its output is returned for use), so measuring
     costs no extra computation beyond the counting itself. ``samples`` is the batch size of
-    ``args``. Gradients must be enabled for saved activations to be counted.
+    ``args``. Gradients must be enabled for saved activations to be counted. A tensor saved for
+    the backward that has no storage of its own (a sparse tensor) is not counted.
+
+    The counting runs the forward under a saved-tensor hook, ``FlopCounterMode`` and a dispatch
+    mode, which some forwards do not support (``torch.func`` transforms, ``torch.autograd.grad``
+    inside the forward): their errors come out of here as they are; see :func:`rough_features`.
     """
     if samples < 1:
         raise ValueError(f"need a batch of at least one sample to measure; got {samples}")
-    own = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+    own = {key[0] for key in map(_storage, list(module.parameters()) + list(module.buffers())) if key is not None}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in own:
-            saved[pointer] = storage.nbytes()
+        key = _storage(tensor)
+        if key is not None and key[0] not in own:
+            saved[key[0]] = key[1]
         return tensor
 
     counter = _OperatorCount()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with FlopCounterMode(display=False) as flops, counter:
             output = module(*args, **(kwargs or {}))
-    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     features = ModelFeatures(
         flops_per_sample=flops.get_total_flops() / samples,
         saved_bytes_per_sample=sum(saved.values()) / samples,
         operators=counter.calls,
-        parameter_bytes=parameter_bytes,
+        parameter_bytes=_parameter_bytes(module),
         modules=sum(1 for _ in module.modules()),
     )
     return features, output
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of the tensor's storage; None for one without storage (sparse)."""
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def rough_features(module: nn.Module, args: Sequence[Any], output: Any, samples: int) -> ModelFeatures:
+    """Features guessed without counting, for a forward :func:`measure_features` cannot run:
+    two FLOPs per parameter and sample (a dense layer's multiply-add), the chunk's input and
+    output bytes per sample as the activations kept for the backward (the least a first and a
+    last layer keep), two operators per module. Rough: an emulated GPU's timing for such a
+    model is an order of magnitude, not a calibration."""
+    parameters = sum(p.numel() for p in module.parameters())
+    tensors = [t for t in _tensors(args) + _tensors(output) if _storage(t) is not None]
+    modules = sum(1 for _ in module.modules())
+    return ModelFeatures(
+        flops_per_sample=2.0 * parameters,
+        saved_bytes_per_sample=sum(t.numel() * t.element_size() for t in tensors) / max(1, samples),
+        operators=2 * modules,
+        parameter_bytes=_parameter_bytes(module),
+        modules=modules,
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple, list or dict."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []
 
 
 def measure_torchvision(name: str, image: int = 224, batch: int = 2, classes: int = 1000) -> ModelFeatures:

@@ -29,6 +29,7 @@ import atexit
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -229,9 +230,18 @@ class EmulatedBackend(CpuBackend):
         wanted = self.costs is None or (self.costs_provisional and with_grad)
         if not wanted or plan.sizes[position] < 1:
             return module(*args, **kwargs)
-        from drbalance.client.costs import measure_features
+        from drbalance.client.costs import measure_features, rough_features
 
-        features, output = measure_features(module, args, kwargs, plan.sizes[position])
+        samples = plan.sizes[position]
+        try:
+            features, output = measure_features(module, args, kwargs, samples)
+        except Exception as error:  # the counting's, or the forward's own (run again below)
+            # The counting does not support every forward (torch.func transforms, autograd.grad inside
+            # it, ...): the forward alone decides. Its own error is raised as it is, without the
+            # counting's frames; if it runs, the model's costs are guessed (``rough_features``).
+            output = module(*args, **kwargs)
+            features = rough_features(module, args, output, samples)
+            _warn_unmeasured(type(module).__name__, error)
         self.costs = estimate_costs(type(module).__name__, features)
         self.costs_provisional = not with_grad
         return output
@@ -371,6 +381,15 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | No
     time at which it was done."""
     gpu.occupy(seconds, cancel=cancel)
     return time.monotonic()
+
+
+def _warn_unmeasured(name: str, error: BaseException) -> None:
+    """Say that a model's emulated costs are a guess, and why (once: Python's warning filter
+    shows a message once per place)."""
+    warnings.warn(f"drbalance: the emulated GPUs could not measure {name}'s cost from its forward "
+                  f"({type(error).__name__}: {error}); its timing and memory there are a rough guess from its "
+                  f"parameter count (pass a cost table: EmulatedBackend(costs=...), docs/emulation.md)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _tensor_requiring_grad(obj: Any) -> torch.Tensor | None:
