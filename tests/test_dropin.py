@@ -207,3 +207,19 @@ def _no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         yield
+
+
+def test_cuda_device_ids_of_a_gpu_script_name_the_emulated_gpus_of_their_index(emu, monkeypatch):
+    """A script written for GPUs passes torch.device("cuda:1") or "cuda:1", as nn.DataParallel takes
+    them; on emulated GPUs they were refused with "CUDA is not available here"."""
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
+    for ids, expected in (([torch.device("cuda:1"), torch.device("cuda:2")], [1, 2]), (["cuda:0", "cuda:3"], [0, 3]),
+                          ([2, "cuda:1"], [2, 1])):
+        model = BalancedDataParallel(nn.Linear(2, 2), device_ids=ids)
+        assert model.device_ids == expected
+        assert model(torch.randn(4, 2)).shape == (4, 2) and model.last_chunk_sizes == (2, 2)
+        model.backend.close()
+    with pytest.raises(ValueError, match=r"device_ids\[0\] is cuda without an index"):
+        BalancedDataParallel(nn.Linear(2, 2), device_ids=["cuda"])
+    with pytest.raises(ValueError, match=r"device_ids \[7\] are not among the 4 emulated GPUs"):
+        BalancedDataParallel(nn.Linear(2, 2), device_ids=["cuda:7"])

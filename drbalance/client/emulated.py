@@ -195,6 +195,10 @@ class EmulatedBackend(CpuBackend):
         return self._gpus
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
+        """The emulated GPUs' indices; a CUDA device (``torch.device("cuda:1")``, ``"cuda:1"``, as a
+        script written for GPUs passes them) stands for the emulated GPU of its index."""
+        if device_ids is not None:
+            device_ids = [_emulated_index(device, position) for position, device in enumerate(device_ids)]
         ids = super().resolve_device_ids(device_ids if device_ids is not None else range(self.gpu_count), None)
         bad = [d for d in ids if not 0 <= d < self.gpu_count]
         if bad:
@@ -381,6 +385,22 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | No
     time at which it was done."""
     gpu.occupy(seconds, cancel=cancel)
     return time.monotonic()
+
+
+def _emulated_index(device: Any, position: int) -> Any:
+    """A CUDA device (a ``torch.device`` or its name, with an index) as the index of the emulated
+    GPU it stands for; anything else as it is (checked by ``CpuBackend.resolve_device_ids``)."""
+    if isinstance(device, str) and device.startswith("cuda"):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            return device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"device_ids[{position}] is {device} without an index; on emulated GPUs give "
+                             f"cuda:N or the integer N of an emulated GPU")
+        return device.index
+    return device
 
 
 def _warn_unmeasured(name: str, error: BaseException) -> None:
