@@ -49,9 +49,13 @@ class Watched:
         return getattr(self.stream, name)
 
     def caused(self, error: BaseException) -> bool:
-        """Whether ``error`` is a failed write to standard output."""
-        return error is self.error or (isinstance(error, OSError) and error.filename is None
-                                       and self.lost() is not None)
+        """Whether ``error`` is a failed write to standard output (one that names no file, while
+        standard output had not failed before, and it now fails to flush)."""
+        if error is self.error:
+            return True
+        if self.error is not None:
+            return False  # standard output failed before: this one is another error
+        return isinstance(error, OSError) and error.filename is None and self.lost() is not None
 
     def lost(self) -> OSError | None:
         """Flush; the first error of writing standard output, or None if all of it was written (or

@@ -1079,8 +1079,8 @@ def test_without_the_measurement_before_it_the_predictor_alone_keeps_that_split(
     assert policy.decide("r3", "boundary", measured).ratio == DataRatio([5, 0, 0, 5])
 
 
-def test_a_move_onto_a_gpu_another_app_uses_is_not_judged_on_the_movers_measurements_alone():
-    """Another app on the GPU it leaves or joins: its time changes too, so the predictor judges."""
+def test_a_move_off_a_gpu_another_app_uses_is_not_judged_on_the_movers_measurements_alone():
+    """Another app on the GPU it leaves (or joins): its time changes too, so the predictor judges."""
     beside = AppView("r4", DataRatio([0, 0, 0, 10]), None, iteration=5, iterations_total=20000, solo_time=5000.0,
                      batch=32)  # registered on GPU 3, not measured yet
     policy, moved, _ = _split_onto_idle_gpu(beside)

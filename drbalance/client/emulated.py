@@ -237,12 +237,15 @@ class EmulatedBackend(CpuBackend):
         from drbalance.client.costs import measure_features, rough_features
 
         samples = plan.sizes[position]
+        pristine = _cloned((args, kwargs))  # what the forward gets, should it run a second time
         try:
             features, output = measure_features(module, args, kwargs, samples)
         except Exception as error:  # the counting's, or the forward's own (run again below)
             # The counting does not support every forward (torch.func transforms, autograd.grad inside
-            # it, ...): the forward alone decides. Its own error is raised as it is, without the
+            # it, ...): the forward alone decides, on its inputs as they were before the first try
+            # (which may have changed them in place). Its own error is raised as it is, without the
             # counting's frames; if it runs, the model's costs are guessed (``rough_features``).
+            args, kwargs = pristine
             output = module(*args, **kwargs)
             features = rough_features(module, args, output, samples)
             _warn_unmeasured(type(module).__name__, error)
@@ -385,6 +388,20 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | No
     time at which it was done."""
     gpu.occupy(seconds, cancel=cancel)
     return time.monotonic()
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor in its (nested) tuples, lists and dicts cloned (a clone keeps the
+    autograd graph: gradients still reach the original)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cloned(item) for item in value)
+    if isinstance(value, tuple):  # a namedtuple
+        return type(value)(*(_cloned(item) for item in value))
+    return value
 
 
 def _emulated_index(device: Any, position: int) -> Any:
