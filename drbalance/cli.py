@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import signal
 import sys
 import threading
@@ -111,7 +110,7 @@ def _main(argv: list[str] | None, watch: stdout.Watched | None) -> int:
         print(f"drbalance {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. 'drbalance report ... --json | head': the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        stdout.point_at_devnull(sys.stdout)  # no second error at exit
         return 141
     except Terminated:
         return 128 + signal.SIGTERM

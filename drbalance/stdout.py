@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -28,17 +28,15 @@ class Watched:
         self.reported = False  # the error was told to the user already
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as error:
-            self.error = self.error or error
-            raise
+        return self._recorded(self.stream.write, text)
 
     def flush(self) -> None:
+        self._recorded(self.stream.flush)
+
+    def _recorded(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, its ``OSError`` (but a broken pipe) remembered before it goes on."""
         try:
-            self.stream.flush()
+            return call(*args)
         except BrokenPipeError:
             raise
         except OSError as error:
@@ -71,7 +69,7 @@ class Watched:
         except ValueError:  # closed already: what it held was written or reported then
             return self.error
         if failed or self.error is not None:
-            _point_at_devnull(self.stream)
+            point_at_devnull(self.stream)
         return self.error
 
     def report(self, program: str) -> bool:
@@ -83,7 +81,7 @@ class Watched:
         return error is not None
 
 
-def _point_at_devnull(stream: TextIO) -> None:
+def point_at_devnull(stream: TextIO) -> None:
     """``stream``'s descriptor made a copy of ``/dev/null``'s (if it has one: not a stream in memory)."""
     try:
         descriptor = stream.fileno()

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from drbalance.client.scatter_gather import tensors_in
 from drbalance.workload.models import ModelFeatures
 
 
@@ -97,7 +98,7 @@ def rough_features(module: nn.Module, args: Sequence[Any], output: Any, samples:
     last layer keep), two operators per module. Rough: an emulated GPU's timing for such a
     model is an order of magnitude, not a calibration."""
     parameters = sum(p.numel() for p in module.parameters())
-    tensors = [t for t in _tensors(args) + _tensors(output) if _storage(t) is not None]
+    tensors = [t for t in tensors_in((args, output)) if _storage(t) is not None]
     modules = sum(1 for _ in module.modules())
     return ModelFeatures(
         flops_per_sample=2.0 * parameters,
@@ -106,17 +107,6 @@ def rough_features(module: nn.Module, args: Sequence[Any], output: Any, samples:
         parameter_bytes=_parameter_bytes(module),
         modules=modules,
     )
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
 
 
 def measure_torchvision(name: str, image: int = 224, batch: int = 2, classes: int = 1000) -> ModelFeatures:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from drbalance.client.scatter_gather import tensors_in
 from drbalance.client.timing import ReplicaTiming
 
 BACKWARD_EVERY = 8
@@ -44,15 +45,7 @@ BACKWARD_EVERY = 8
 def tensors_needing_grad(output: Any) -> Iterator[torch.Tensor]:
     """The tensors in a module's output (nested in tuples, lists, dicts) that a backward reaches
     through a ``grad_fn`` (a leaf, such as a parameter returned as it is, is left out)."""
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad and output.grad_fn is not None:
-            yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from tensors_needing_grad(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from tensors_needing_grad(item)
+    return (tensor for tensor in tensors_in(output) if tensor.requires_grad and tensor.grad_fn is not None)
 
 
 class BackwardShares:

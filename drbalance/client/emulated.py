@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from drbalance.client.backends import ChunkPlan, CpuBackend
+from drbalance.client.cuda_timing import tensors_needing_grad
+from drbalance.client.scatter_gather import map_tensors
 from drbalance.emu.gpus import (
     DEFAULT_MEMORY_BYTES,
     EmulatedGpu,
@@ -237,7 +239,8 @@ class EmulatedBackend(CpuBackend):
         from drbalance.client.costs import measure_features, rough_features
 
         samples = plan.sizes[position]
-        pristine = _cloned((args, kwargs))  # what the forward gets, should it run a second time
+        # what the forward gets, should it run a second time (a clone keeps the autograd graph)
+        pristine = map_tensors(torch.Tensor.clone, (args, kwargs))
         try:
             features, output = measure_features(module, args, kwargs, samples)
         except Exception as error:  # the counting's, or the forward's own (run again below)
@@ -390,20 +393,6 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | No
     return time.monotonic()
 
 
-def _cloned(value: Any) -> Any:
-    """``value`` with every tensor in its (nested) tuples, lists and dicts cloned (a clone keeps the
-    autograd graph: gradients still reach the original)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {key: _cloned(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cloned(item) for item in value)
-    if isinstance(value, tuple):  # a namedtuple
-        return type(value)(*(_cloned(item) for item in value))
-    return value
-
-
 def _emulated_index(device: Any, position: int) -> Any:
     """A CUDA device (a ``torch.device`` or its name, with an index) as the index of the emulated
     GPU it stands for; anything else as it is (checked by ``CpuBackend.resolve_device_ids``)."""
@@ -433,11 +422,4 @@ def _tensor_requiring_grad(obj: Any) -> torch.Tensor | None:
     """The first tensor in ``obj`` that this forward computed and that requires grad (0-dim
     included), depth first. A leaf (a parameter or an input the module returns as it is) is
     skipped: it outlives the forward, so a hook on it would run at every later backward."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad and obj.grad_fn is not None else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
-        found = _tensor_requiring_grad(item)
-        if found is not None:
-            return found
-    return None
+    return next(tensors_needing_grad(obj), None)

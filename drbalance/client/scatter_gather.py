@@ -11,7 +11,7 @@ it, and for every DR alike, so that a change of DR cannot turn a working script 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,22 +24,35 @@ def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, depth first through tuples, lists and dict values."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` rebuilt (tuples, namedtuples, lists, dicts) with ``function`` applied to every tensor."""
+    if isinstance(obj, torch.Tensor):
+        return function(obj)
+    if is_namedtuple(obj):
+        return type(obj)(*(map_tensors(function, item) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(function, item) for item in obj)
+    if isinstance(obj, dict):
+        return {key: map_tensors(function, item) for key, item in obj.items()}
+    return obj
+
+
 def first_tensor(obj: Any) -> torch.Tensor | None:
     """The first tensor with at least one dimension in ``obj`` (depth first through tuples,
     lists and dict values); 0-dim tensors are not batches and are skipped."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.dim() > 0 else None
-    if isinstance(obj, (list, tuple)):
-        items: Any = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    else:
-        return None
-    for item in items:
-        found = first_tensor(item)
-        if found is not None:
-            return found
-    return None
+    return next((tensor for tensor in tensors_in(obj) if tensor.dim() > 0), None)
 
 
 def batch_size_of(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int | None:
