@@ -683,6 +683,24 @@ def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
     assert predicted_slowdown(lookup["c"], 0.3) > lookup["c"].slowdown
 
 
+def test_an_app_that_moved_onto_the_gpu_since_its_last_window_counts_there_not_as_a_slower_gpu():
+    # b's record shows its last window on GPU 1 (chunk 0.1 s there), but its DR now puts it on
+    # GPU 0, beside a: it moved since, and a's window on GPU 0 was shared with it (a's chunk takes
+    # 0.14 s for 0.1 s of work). Until 2026-12-01 b counted only where its last window had chunks,
+    # so a looked alone on GPU 0 and taught it a speed of 0.71 that every app's predictions then
+    # divided by (random mix 173 of benchmarks.random_mixes).
+    predictor = Predictor(2)
+    moved = replace(app("b", [0, 10], [0, 0.1], 0.15), ratio=DataRatio([10, 0]))
+    predictor.observe([app("a", [10, 0], [0.14, 0], 0.19), moved])
+    assert predictor.speed == [1.0, 1.0]
+    assert predictor.measured_together("a", "b")  # the stretch is b's, learned for the pair
+    assert predictor.pair_kappa("a", "b") > 0.0
+    # the same window with b still on GPU 1 teaches GPU 0's speed: a was alone there
+    alone = Predictor(2)
+    alone.observe([app("a", [10, 0], [0.14, 0], 0.19), app("b", [0, 10], [0, 0.1], 0.15)])
+    assert alone.speed[0] == pytest.approx(0.1 / 0.14) and not alone.measured_together("a", "b")
+
+
 def test_a_starved_host_teaches_nothing_about_gpu_speeds():
     # "a" runs alone on GPU 0 at the speed of the reference GPU (chunk 0.10 s, its solo work), but a
     # starved CPU stretches its host time from 0.05 s to 0.30 s (as on emulated GPUs on a loaded
