@@ -305,20 +305,13 @@ class Predictor:
                     seconds = chunk_seconds[gpu]
                     if seconds is not None:
                         there[name] = min(1.0, seconds / iteration_time)
-                    elif gpu < len(shares) and shares[gpu] > 0 and gpu in self._gpus_with_samples(other):
+                    elif gpu < len(shares) and shares[gpu] > 0 and gpu in self.gpus_of(name, other.ratio):
                         there[name] = prior  # moved here since its window: counted as unmeasured
             else:
                 for gpu, there in places:
                     if gpu < len(shares) and shares[gpu] > 0:
                         there[name] = prior
         return found
-
-    def _gpus_with_samples(self, view: AppView) -> tuple[int, ...]:
-        """The GPUs that get samples of the app's batch under the DR its record shows now (a small
-        share of a small batch can get none: no replica there)."""
-        model = self.apps.get(view.name)
-        batch = model.batch if model is not None else max(1, view.batch or 1)
-        return _used(view.ratio.shares, view.ratio.total, batch)
 
     def _measured_configuration_time(self, view: AppView, model: AppModel, placement: Sequence[int],
                                      others: Mapping[int, Mapping[str, float]]) -> float:
