@@ -35,14 +35,13 @@ from drbalance.workload.scenarios import Scenario
 
 @dataclass(frozen=True)
 class Drift:
-    """One run's drift: the largest seen (a share: 0.1 is 10%), the one after the last decision,
-    and at how many decisions some GPU was off by more than the tolerance, of how many. Before a
-    GPU's speed is measured it is taken to be 1: a slower GPU is off by that much until then."""
+    """One run's drift: the largest seen (a share: 0.1 is 10%) and at how many decisions some GPU
+    was off by more than the tolerance, of how many. Before a GPU's speed is measured it is taken
+    to be 1: a slower GPU is off by that much until then."""
 
     seed: int
     description: str
     largest: float
-    final: float
     off: int
     decisions: int
 
@@ -57,13 +56,13 @@ class DriftWatch(FairPolicy):
     def __init__(self, true: tuple[float, ...], tolerance: float) -> None:
         super().__init__()
         self.true, self.tolerance = true, tolerance
-        self.largest, self.final, self.off, self.decisions = 0.0, 0.0, 0, 0
+        self.largest, self.off, self.decisions = 0.0, 0, 0
 
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
         decision = super().decide(app, trigger, snapshot)
         learned = self.predictor.speed if self.predictor is not None else [1.0] * len(self.true)
         drift = max(abs(speed / true - 1.0) for speed, true in zip(learned, self.true))
-        self.largest, self.final = max(self.largest, drift), drift
+        self.largest = max(self.largest, drift)
         self.off += drift > self.tolerance
         self.decisions += 1
         return decision
@@ -76,7 +75,7 @@ def drift_of(scenario: Scenario, interference: str, tolerance: float, seed: int 
     config = SimConfig(policy="fair", placement="round-robin", record=False,
                        contention=make_interference(interference))
     Simulation(scenario, config, policy=policy).run()
-    return Drift(seed, scenario.description, policy.largest, policy.final, policy.off, policy.decisions)
+    return Drift(seed, scenario.description, policy.largest, policy.off, policy.decisions)
 
 
 def run(job: tuple[int, str, str, float]) -> Drift:
