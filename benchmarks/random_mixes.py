@@ -245,7 +245,7 @@ def always_worse(by_noise: Mapping[int, Mapping[tuple[int, str, str], Run]], see
     return "\n".join(lines)
 
 
-def _seeds(text: str) -> range:
+def seed_range(text: str) -> range:
     """``A:B`` (seeds A to B-1) or ``N`` (seeds 0 to N-1)."""
     try:
         first, _, last = text.partition(":")
@@ -270,7 +270,7 @@ def _noise_seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=_seeds, default=range(200), help="N (0..N-1) or A:B (A..B-1); default 200")
+    parser.add_argument("--seeds", type=seed_range, default=range(200), help="N (0..N-1) or A:B (A..B-1); default 200")
     parser.add_argument("--max-gpus", type=positive_int, metavar="N",
                         help="only the seeds whose mix has at most N GPUs (default: every seed)")
     parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],

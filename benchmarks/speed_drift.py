@@ -24,7 +24,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from benchmarks.random_mixes import DRAWS, _seeds
+from benchmarks.random_mixes import DRAWS, seed_range
 from drbalance.argtypes import positive_float_up_to, positive_int
 from drbalance.policy.base import Decision, Snapshot
 from drbalance.policy.fair import FairPolicy
@@ -86,7 +86,7 @@ def run(job: tuple[int, str, str, float]) -> Drift:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=_seeds, default=range(170, 190), help="N (0..N-1) or A:B (A..B-1); "
+    parser.add_argument("--seeds", type=seed_range, default=range(170, 190), help="N (0..N-1) or A:B (A..B-1); "
                         "default 170:190")
     parser.add_argument("--draw", choices=sorted(DRAWS), default="default", help="as benchmarks.random_mixes")
     parser.add_argument("--interference", choices=sorted(INTERFERENCE_MODELS), default="calibrated")

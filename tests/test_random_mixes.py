@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import random_mixes
-from benchmarks.random_mixes import Run, _seeds, random_mix, report, run, worse
+from benchmarks.random_mixes import Run, random_mix, report, run, seed_range, worse
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,10 +47,10 @@ def test_report_counts_the_runs_that_end_worse_than_observe_of_the_same_seed():
 
 
 def test_seeds_argument_takes_a_count_or_a_range_and_refuses_the_rest():
-    assert _seeds("5") == range(5) and _seeds("3:7") == range(3, 7)
+    assert seed_range("5") == range(5) and seed_range("3:7") == range(3, 7)
     for bad in ("x", "7:3", "0"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _seeds(bad)
+            seed_range(bad)
 
 
 def test_set_takes_a_number_knob_of_fair_and_refuses_the_rest():

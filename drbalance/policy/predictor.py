@@ -299,15 +299,15 @@ class Predictor:
             if name == me:
                 continue
             chunk_seconds, iteration_time = other.chunk_seconds, other.iteration_time
-            shares = other.ratio.shares
             if chunk_seconds is not None and iteration_time:  # measured
                 for gpu, there in places:
                     seconds = chunk_seconds[gpu]
                     if seconds is not None:
                         there[name] = min(1.0, seconds / iteration_time)
-                    elif gpu < len(shares) and shares[gpu] > 0 and gpu in self.gpus_of(name, other.ratio):
+                    elif gpu in self.gpus_of(name, other.ratio):
                         there[name] = prior  # moved here since its window: counted as unmeasured
             else:
+                shares = other.ratio.shares
                 for gpu, there in places:
                     if gpu < len(shares) and shares[gpu] > 0:
                         there[name] = prior
