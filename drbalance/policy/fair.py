@@ -117,6 +117,7 @@ class _Move:
     pushed: bool = False  # made by another app's decision (a swap, a plan, a GPU yielded to a newcomer)
     alone_before: float | None = None  # seconds per iteration measured under ``before`` on GPUs no other
     # app used (the move's own, of the app alone there; ``_alone_measurement``): judged by measurements
+    undo_loss: float | None = None  # SD at finish such a move must measure lost to be undone (None: ``min_gain``)
 
     def measure(self, view: AppView) -> float | None:
         """Add the window the app's record describes (its mean iteration time over the iterations
@@ -482,8 +483,11 @@ class FairPolicy:
         new = changes[me.name]
         predicted = search.predicted_time(me.name, changes)
         alone = self._alone_measurement(me, ratio, changes, search, track)
+        # a move made on no gain (the idle-GPU rule) is undone on a smaller measured loss than one made for its gain
+        undo = min(self.config.min_gain, max(self.config.idle_tolerance, gain))
         track.record(_Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
-                           novel=search.puts_strangers_together(changes), alone_before=alone), me.epoch)
+                           novel=search.puts_strangers_together(changes), alone_before=alone, undo_loss=undo),
+                     me.epoch)
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
     @staticmethod
@@ -507,9 +511,10 @@ class FairPolicy:
 
     def _measured_loss(self, me: AppView, move: _Move, measured: float | None, search: _Search) -> Verdict | None:
         """A move of the app alone on GPUs nobody else uses (``_alone_measurement``) that measured
-        slower than before it by at least ``min_gain`` of SD at finish (the iterations left at the
-        difference, over the solo-run time): the gain of undoing it; None if not such a move, if
-        another app uses those GPUs now, or if it did not cost that much."""
+        slower than before it by at least its ``undo_loss`` of SD at finish (the iterations left at
+        the difference, over the solo-run time; the gain it was made on, within ``idle_tolerance``
+        .. ``min_gain``): the gain of undoing it; None if not such a move, if another app uses
+        those GPUs now, or if it did not cost that much."""
         terms = _eq2_terms(me)
         if move.alone_before is None or not measured or terms is None:
             return None
@@ -517,7 +522,8 @@ class FairPolicy:
             return None
         _, left, solo = terms
         loss = left * (measured - move.alone_before) / solo
-        return Verdict(loss, (loss,)) if loss >= self.config.min_gain else None
+        threshold = self.config.min_gain if move.undo_loss is None else move.undo_loss
+        return Verdict(loss, (loss,)) if loss >= threshold else None
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
         """What a move measured for a whole window teaches (``measured`` and ``move.predicted``:
