@@ -15,7 +15,8 @@ measured a window. At app i's decision:
    iteration time missed the predicted one (``Predictor.learn_move``); the corrected predictor
    compares i's current DR with the one before the move; a move that made things worse by at
    least ``min_gain`` is undone (branch ``revert``) and that DR is not tried again for
-   ``ban_windows`` windows.
+   ``ban_windows`` windows; a move of i alone between GPUs nobody else uses is undone on its own
+   measurements once they show a loss of ``idle_tolerance``.
 3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
    used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
    (half or all of it) moved between two GPUs (which also takes a replica away), i's DR swapped
@@ -52,7 +53,8 @@ class FairConfig:
     error_smoothing: float = 0.2  # weight of each measured move in that error
     error_floor: float = 0.2  # a measured relative error up to this needs no extra gain (a precise predictor)
     mean_slack: float = 0.0  # a fairer configuration may raise the mean SD by this share of its gain
-    idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU
+    idle_tolerance: float = 0.005  # predicted SD rise any app may take for a move onto an idle GPU; also the
+    # measured loss of SD at finish that undoes a move of an app alone (``_measured_loss``)
     protect_windows: int = 1
     judge_iterations: int = 4  # a move is judged once measured for at least this many of the app's iterations
     max_moves_per_epoch: int = 4
@@ -117,7 +119,6 @@ class _Move:
     pushed: bool = False  # made by another app's decision (a swap, a plan, a GPU yielded to a newcomer)
     alone_before: float | None = None  # seconds per iteration measured under ``before`` on GPUs no other
     # app used (the move's own, of the app alone there; ``_alone_measurement``): judged by measurements
-    undo_loss: float | None = None  # SD at finish such a move must measure lost to be undone (None: ``min_gain``)
 
     def measure(self, view: AppView) -> float | None:
         """Add the window the app's record describes (its mean iteration time over the iterations
@@ -483,10 +484,8 @@ class FairPolicy:
         new = changes[me.name]
         predicted = search.predicted_time(me.name, changes)
         alone = self._alone_measurement(me, ratio, changes, search, track)
-        # a move made on no gain (the idle-GPU rule) is undone on a smaller measured loss than one made for its gain
-        undo = min(self.config.min_gain, max(self.config.idle_tolerance, gain))
         track.record(_Move(ratio, new, me.iteration, predicted, quiet=self.config.protect_windows,
-                           novel=search.puts_strangers_together(changes), alone_before=alone, undo_loss=undo),
+                           novel=search.puts_strangers_together(changes), alone_before=alone),
                      me.epoch)
         return Decision.of(me.name, new, branch, gain=gain, predicted_iteration=predicted, **details)
 
@@ -511,10 +510,10 @@ class FairPolicy:
 
     def _measured_loss(self, me: AppView, move: _Move, measured: float | None, search: _Search) -> Verdict | None:
         """A move of the app alone on GPUs nobody else uses (``_alone_measurement``) that measured
-        slower than before it by at least its ``undo_loss`` of SD at finish (the iterations left at
-        the difference, over the solo-run time; the gain it was made on, within ``idle_tolerance``
-        .. ``min_gain``): the gain of undoing it; None if not such a move, if another app uses
-        those GPUs now, or if it did not cost that much."""
+        slower than before it by at least ``idle_tolerance`` of SD at finish (the iterations left at
+        the difference, over the solo-run time), whatever gain it was predicted to make: the gain of
+        undoing it; None if not such a move, if another app uses those GPUs now, or if it did not
+        cost that much."""
         terms = _eq2_terms(me)
         if move.alone_before is None or not measured or terms is None:
             return None
@@ -522,7 +521,7 @@ class FairPolicy:
             return None
         _, left, solo = terms
         loss = left * (measured - move.alone_before) / solo
-        threshold = self.config.min_gain if move.undo_loss is None else move.undo_loss
+        threshold = self.config.idle_tolerance
         return Verdict(loss, (loss,)) if loss >= threshold else None
 
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
