@@ -2,6 +2,12 @@
 
     python -m drbalance.sim.mixes                    # every mix, fair vs observe, both interference models
     python -m drbalance.sim.mixes --only 64x16 --policies fair,paper
+    python -m drbalance.sim.mixes --only 64x16,128x32 --placement spread   # the policies start spread
+
+``observe`` (doing nothing) always runs from round-robin: issue 9's baseline. ``--placement``
+picks where the other policies start (``spread``: every app as evenly over the GPUs as its DR
+allows, plain DataParallel's layout), so ``ok`` means "not worse than doing nothing from
+round-robin" from either start.
 
 Every mix is built from a fixed seed, so anyone gets the same apps:
 
@@ -26,7 +32,7 @@ from drbalance.argtypes import names_from, positive_int
 from drbalance.policy import POLICIES
 from drbalance.sim.engine import SimConfig, simulate
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
-from drbalance.workload.scenarios import SCENARIOS, Scenario, load_scenario, sized_app
+from drbalance.workload.scenarios import PLACEMENTS, SCENARIOS, Scenario, load_scenario, sized_app
 
 MODELS = ("densenet121", "resnet50", "alexnet", "resnext50_32x4d", "shufflenet_v2_x1_0", "mnasnet1_0")
 
@@ -100,20 +106,25 @@ def not_worse(max_sd: float, mean_sd: float, baseline_max_sd: float, baseline_me
     return max_sd <= baseline_max_sd + NOT_WORSE_MARGIN and mean_sd <= baseline_mean_sd + NOT_WORSE_MARGIN
 
 
-def final(job: tuple[str, str, str]) -> tuple[float, float, float]:
-    """(spread, max SD, mean SD) at the end of one run; observe runs from round-robin."""
-    mix, policy, interference = job
-    result = simulate(MIXES[mix](), SimConfig(policy=policy, placement="round-robin", record=False,
+def final(job: tuple[str, str, str, str]) -> tuple[float, float, float]:
+    """(spread, max SD, mean SD) at the end of one run of (mix, policy, interference, placement)."""
+    mix, policy, interference, placement = job
+    result = simulate(MIXES[mix](), SimConfig(policy=policy, placement=placement, record=False,
                                               contention=make_interference(interference)))
     return result.sd_spread, result.max_sd, result.mean_sd
 
 
-def table(mixes: list[str], policies: list[str], workers: int = 2) -> str:
-    jobs = [(mix, policy, interference) for interference in INTERFERENCE_MODELS for mix in mixes
-            for policy in ["observe", *policies]]
+def table(mixes: list[str], policies: list[str], workers: int = 2, placement: str = "round-robin") -> str:
+    """The markdown table: per interference model and mix, ``observe`` from round-robin and each
+    policy from ``placement`` (final spread / max SD / mean SD, and ok or WORSE)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}")
+    jobs = [(mix, policy, interference, "round-robin" if policy == "observe" else placement)
+            for interference in INTERFERENCE_MODELS for mix in mixes for policy in ["observe", *policies]]
     with ProcessPoolExecutor(max(1, workers)) as pool:
-        results = dict(zip(jobs, pool.map(final, jobs)))
-    lines = ["| interference | mix | observe | " + " | ".join(policies) + " |",
+        results = {job[:3]: found for job, found in zip(jobs, pool.map(final, jobs))}
+    start = "" if placement == "round-robin" else f" (from {placement})"
+    lines = ["| interference | mix | observe | " + " | ".join(policy + start for policy in policies) + " |",
              "|---|---|---|" + "---|" * len(policies)]
     for interference in INTERFERENCE_MODELS:
         for mix in mixes:
@@ -136,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=names_from(MIXES, "mixes"), default=list(MIXES), help="comma-separated mixes")
     parser.add_argument("--policies", type=names_from(POLICIES, "policies"), default=["fair"],
                         help="comma-separated policies besides observe")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="round-robin",
+                        help="where the policies start (observe always starts round-robin)")
     parser.add_argument("--workers", type=positive_int, default=2, help="simulations in parallel")
     args = parser.parse_args(argv)
-    print(table(args.only, args.policies, args.workers))
+    print(table(args.only, args.policies, args.workers, args.placement))
     return 0
 
 
