@@ -1146,3 +1146,60 @@ def test_a_move_off_a_gpu_another_app_uses_is_not_judged_on_the_movers_measureme
     policy, moved, _ = _split_onto_idle_gpu(beside)
     assert moved.branch == "move" and moved.ratio == DataRatio([10, 0, 0, 0])  # it leaves r4 the GPU
     assert policy.tracks["r3"].last_move.alone_before is None
+
+
+# Two apps split over the same two GPUs of six, nobody else there (wide mixes 1199, 1218: the
+# idle-GPU rule and swaps leave such pairs): each 0.3 s of chunk per 16 samples beside the other,
+# 0.4 s per iteration, against 0.3 s alone on one GPU. No consolidation plan is proposed (two of
+# six apps spread), and neither app gains by moving alone while the other stays on both GPUs.
+UNTANGLE_GPUS = 6
+
+
+def _tangled_view(name, shares, iteration, measured=True):
+    ratio = DataRatio(shares)
+    split = len(ratio.used) == 2
+    if not measured:
+        return AppView(name, ratio, None, iteration=iteration, iterations_total=20000, solo_time=6000.0, batch=32)
+    return AppView(name, ratio, 1.3 if split else 1.0, iteration=iteration, iterations_total=20000,
+                   iteration_time=0.4 if split else 0.3, solo_time=6000.0,
+                   chunk_seconds=tuple(((0.3 if split else 0.2) if share else None) for share in shares),
+                   chunk_samples=tuple(32.0 * share / 10 for share in shares), batch=32)
+
+
+def _tangled(iteration, measured, third_on_gpu1=False):
+    split = [5, 5, 0, 0, 0, 0]
+    alone = []
+    for gpu in range(2, UNTANGLE_GPUS):
+        shares = [0] * UNTANGLE_GPUS
+        shares[1 if third_on_gpu1 and gpu == 2 else gpu] = 10
+        alone.append(_tangled_view(f"r{gpu + 1}", shares, iteration, measured))
+    views = (_tangled_view("r1", split, iteration, measured), _tangled_view("r2", split, iteration, measured), *alone)
+    return Snapshot(views, (90.0,) * UNTANGLE_GPUS, PolicyConfig(UNTANGLE_GPUS))
+
+
+def _decide_tangled(config, third_on_gpu1=False):
+    policy = FairPolicy(config)
+    for name in ("r1", "r2"):
+        assert policy.decide(name, "boundary", _tangled(100, False, third_on_gpu1)).branch == "no-measurement"
+    return policy.decide("r1", "boundary", _tangled(3000, True, third_on_gpu1))
+
+
+def test_two_apps_split_over_the_same_two_gpus_take_one_each():
+    decision = _decide_tangled(FairConfig())
+    assert decision.branch == "swap"
+    assert {decision.ratio.used, decision.others["r2"].used} == {(0,), (1,)}
+    assert decision.details["gain"] >= FairConfig().min_gain
+
+
+def test_without_the_untangle_candidate_the_pair_stays_tangled():
+    """What the candidate adds: no other candidate reaches it in one decision."""
+    decision = _decide_tangled(FairConfig(untangle_pairs=0))
+    assert decision.branch == "keep" and decision.ratio == DataRatio([5, 5, 0, 0, 0, 0])
+
+
+def test_a_third_app_on_one_of_the_two_gpus_is_no_tangled_pair():
+    """r3 on GPU 1 beside the pair: untangling would leave one of them beside it, so the change is
+    not the two-app trade and the candidate is not offered (r1 keeps both GPUs or moves alone)."""
+    decision = _decide_tangled(FairConfig(), third_on_gpu1=True)
+    assert not (decision.branch == "swap" and set(decision.others) == {"r2"}
+                and len(decision.ratio.used) == 1 and len(decision.others["r2"].used) == 1)

@@ -20,7 +20,8 @@ measured a window. At app i's decision:
 3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
    used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
    (half or all of it) moved between two GPUs (which also takes a replica away), i's DR swapped
-   with another app's (the other app's half is pushed to it at once). The best candidate by
+   with another app's (the other app's half is pushed to it at once), i and an app split over
+   the same two GPUs as i each put on one of them (``untangle_pairs``). The best candidate by
    (predicted max SD, predicted mean SD) is taken if it lowers the max by ``min_gain``, or keeps
    the max and lowers the SDs' sum by ``min_gain`` (branch ``move`` / ``swap``); else ``keep``. In
    i's last ``closing_windows`` decision windows only moves of i alone are made: a fall of the
@@ -64,6 +65,7 @@ class FairConfig:
     # this many least loaded ones (and the destinations) only, or goes whole onto one of the least loaded;
     # 0: shares from and to every GPU it uses
     swap_partners: int = 6  # apps tried as swap partners
+    untangle_pairs: int = 1  # two apps split over the same two GPUs (nobody else there) may take one GPU each; 0: off
     window_fraction: float = 0.01  # decision window: this share of the app's solo-run time...
     window_iterations: int = 20  # ...but at least this many of its iterations
     closing_windows: float = 2.0  # an app with fewer of its decision windows left puts efficiency first (judge)
@@ -87,7 +89,7 @@ class FairConfig:
         if not self.closing_windows >= 0:  # also refuses NaN
             raise ValueError(f"closing_windows must be a number >= 0; got {self.closing_windows!r}")
         for name in ("protect_windows", "judge_iterations", "max_moves_per_epoch", "ban_windows", "destinations",
-                     "swap_partners", "spread_gpus"):
+                     "swap_partners", "spread_gpus", "untangle_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
@@ -785,16 +787,46 @@ class _Search:
             if not self._touches_lock(ratio, candidate) and not violations(me, candidate, config):
                 yield {me.name: candidate}
         for partner in self._partners():
-            other = self.views[partner]
             mine = self.ratios[partner].rescale(config.dr_total)
             theirs = ratio
-            if mine.shares == ratio.shares or self.policy.banned(me, mine) or self.policy.banned(other, theirs):
-                continue
-            if self._touches_lock(ratio, mine) or self._touches_lock(self.ratios[partner], theirs):
-                continue
-            if violations(me, mine, config) or violations(other, theirs, config):
+            if mine.shares == ratio.shares or not self._exchange_allowed(ratio, mine, partner, theirs):
                 continue
             yield {me.name: mine, partner: theirs}
+        if self.policy.config.untangle_pairs:
+            yield from self._untangled(ratio)
+
+    def _untangled(self, ratio: DataRatio) -> Iterator[dict[str, DataRatio]]:
+        """If the deciding app and one other are both split over the same two GPUs and nobody else
+        uses them: each on one of them, both ways (two replicas each and a shared GPU each become
+        one GPU each, with no replica overhead)."""
+        used = ratio.used
+        if len(used) != 2:
+            return
+        occupants = self._gpu_occupants()
+        there = set(occupants[used[0]]) | set(occupants[used[1]])
+        others = there - {self.me.name}
+        if len(others) != 1:
+            return
+        (partner,) = others
+        view = self.views[partner]
+        if view.slowdown is None or self.policy.protected(partner) or self.ratios[partner].used != used:
+            return
+        gpus, total = self.config.gpu_count, self.config.dr_total
+        for mine_gpu, their_gpu in ((used[0], used[1]), (used[1], used[0])):
+            mine, theirs = DataRatio.single(gpus, mine_gpu, total), DataRatio.single(gpus, their_gpu, total)
+            if self._exchange_allowed(ratio, mine, partner, theirs):
+                yield {self.me.name: mine, partner: theirs}
+
+    def _exchange_allowed(self, ratio: DataRatio, mine: DataRatio, partner: str, theirs: DataRatio) -> bool:
+        """Whether the deciding app may go from ``ratio`` to ``mine`` while ``partner`` takes
+        ``theirs``: neither DR banned for its app, no locked GPU given load, both within their
+        apps' limits (``violations``)."""
+        me, other, config = self.me, self.views[partner], self.config
+        if self.policy.banned(me, mine) or self.policy.banned(other, theirs):
+            return False
+        if self._touches_lock(ratio, mine) or self._touches_lock(self.ratios[partner], theirs):
+            return False
+        return not violations(me, mine, config) and not violations(other, theirs, config)
 
     def _consolidation_plans(self) -> list[dict[str, DataRatio]]:
         """Every app that may move put on one GPU, greedily, in three orders: the most slowed first,
