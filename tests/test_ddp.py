@@ -323,7 +323,9 @@ def test_a_slow_rank_does_not_stretch_the_exchange_interval_past_about_a_second_
     measured = [plan for plan in ranks[0]["plans"] if plan[4] > 0]
     assert measured, ranks[0]["plans"]
     for _step, interval, step_seconds, cost_seconds, wall_seconds in measured:
-        assert wall_seconds >= 0.02  # rank 0's steps last as long as the late rank makes them
+        # rank 0's steps last about as long as the late rank makes them (~21 ms against ~1 ms of its own
+        # compute); not >= 0.02: a window that opens while rank 1 is mid-sleep measured 19.98 ms in CI
+        assert wall_seconds >= 0.015
         assert interval == exchange_interval(step_seconds, cost_seconds, wall_seconds)
         assert interval <= max(1, MAX_EXCHANGE_DELAY / wall_seconds)  # K steps of rank 0 last at most ~1 s
         assert interval <= 50
