@@ -31,9 +31,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from drbalance.sim.mixes import not_worse
+from benchmarks.random_mixes import Run, worse
 
-RunKey = tuple[int, str, str, int]  # seed, interference, policy, noise seed
+RunKey = tuple[int, str, str, int]  # seed, interference, policy, noise seed (``run_key``)
 SIGNIFICANCE = 0.05
 
 
@@ -64,6 +64,14 @@ class Tally:
     mean_change: float = 0.0
     fixed_runs: list[str] = field(default_factory=list)
     broken_runs: list[str] = field(default_factory=list)
+
+    def merge(self, other: Tally) -> None:
+        """Add another tally's counts and sums to this one."""
+        counts = ("runs", "worse_before", "worse_after", "fixed", "broken", "unchanged", "max_change", "mean_change")
+        for name in counts:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.fixed_runs.extend(other.fixed_runs)
+        self.broken_runs.extend(other.broken_runs)
 
     def add(self, key: RunKey, before: Ends, after: Ends) -> None:
         self.runs += 1
@@ -126,31 +134,36 @@ def load_runs(path: str) -> dict[RunKey, Ends]:
     if not (isinstance(data, dict) and isinstance(data.get("runs"), list) and isinstance(data.get("observe"), list)):
         raise MixFileError(f"{path}: expected an object with lists 'runs' and 'observe' "
                            "(what `python -m benchmarks.random_mixes --json` writes)")
-    observe = {(seed, interference, noise): ends for (seed, interference, _, noise), ends
-               in _entries(path, data["observe"], "observe")}
-    runs = {}
-    for key, ends in _entries(path, data["runs"], "runs"):
-        seed, interference, _, noise = key
-        base = observe.get((seed, interference, noise))
+    observe = {(run.seed, run.interference, run.noise): run for run in _runs(path, data["observe"], "observe")}
+    judged = {}
+    for run in _runs(path, data["runs"], "runs"):
+        base = observe.get((run.seed, run.interference, run.noise))
+        key = run_key(run)
         if base is None:
             raise MixFileError(f"{path}: run {run_label(key)} has no observe run of the same seed, model and noise")
-        runs[key] = Ends(ends.max_sd, ends.mean_sd, not not_worse(ends.max_sd, ends.mean_sd, base.max_sd, base.mean_sd))
-    return runs
+        judged[key] = Ends(run.max_sd, run.mean_sd, worse(run, base))
+    return judged
 
 
-def _entries(path: str, items: list, where: str) -> list[tuple[RunKey, Ends]]:
-    entries = []
+def run_key(run: Run) -> RunKey:
+    return run.seed, run.interference, run.policy, run.noise
+
+
+def _runs(path: str, items: list, where: str) -> list[Run]:
+    """The entries of one list of the file as ``random_mixes.Run`` (as ``random_mixes`` wrote them)."""
+    runs = []
     for position, item in enumerate(items):
         try:
-            key = (int(item["seed"]), str(item["interference"]), str(item["policy"]), int(item.get("noise", 0)))
-            max_sd, mean_sd = float(item["max_sd"]), float(item["mean_sd"])
+            run = Run(int(item["seed"]), str(item["interference"]), str(item["policy"]),
+                      float(item.get("spread", 0.0)), float(item["max_sd"]), float(item["mean_sd"]),
+                      int(item.get("noise", 0)))
         except (TypeError, KeyError, ValueError) as error:
             raise MixFileError(f"{path}: {where}[{position}] is not a run with seed, interference, policy, "
                                f"max_sd and mean_sd ({error!r})") from None
-        if not (math.isfinite(max_sd) and math.isfinite(mean_sd)):
+        if not (math.isfinite(run.max_sd) and math.isfinite(run.mean_sd)):
             raise MixFileError(f"{path}: {where}[{position}] has a max or mean SD that is not a finite number")
-        entries.append((key, Ends(max_sd, mean_sd, False)))
-    return entries
+        runs.append(run)
+    return runs
 
 
 def compare(before: Mapping[RunKey, Ends], after: Mapping[RunKey, Ends]) -> dict[str, Tally]:
@@ -167,13 +180,7 @@ def pool(tallies: Sequence[Mapping[str, Tally]]) -> dict[str, Tally]:
     pooled: dict[str, Tally] = {}
     for per_model in tallies:
         for name, tally in per_model.items():
-            into = pooled.setdefault(name, Tally())
-            for attribute in ("runs", "worse_before", "worse_after", "fixed", "broken", "unchanged"):
-                setattr(into, attribute, getattr(into, attribute) + getattr(tally, attribute))
-            into.max_change += tally.max_change
-            into.mean_change += tally.mean_change
-            into.fixed_runs.extend(tally.fixed_runs)
-            into.broken_runs.extend(tally.broken_runs)
+            pooled.setdefault(name, Tally()).merge(tally)
     return pooled
 
 
