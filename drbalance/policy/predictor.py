@@ -300,12 +300,15 @@ class Predictor:
                 continue
             chunk_seconds, iteration_time = other.chunk_seconds, other.iteration_time
             if chunk_seconds is not None and iteration_time:  # measured
+                shares = other.ratio.shares
                 for gpu, there in places:
                     seconds = chunk_seconds[gpu]
                     if seconds is not None:
                         there[name] = min(1.0, seconds / iteration_time)
-                    elif gpu in self.gpus_of(name, other.ratio):
-                        there[name] = prior  # moved here since its window: counted as unmeasured
+                    elif gpu < len(shares) and shares[gpu] > 0 and gpu in self.gpus_of(name, other.ratio):
+                        # moved here since its window: counted as unmeasured (a GPU without a share
+                        # never gets samples, so ``gpus_of`` is asked only about one with a share)
+                        there[name] = prior
             else:
                 shares = other.ratio.shares
                 for gpu, there in places:
