@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -43,11 +44,47 @@ class AppNameInUse(RuntimeError):
     """A live process already runs an app of this name in this namespace."""
 
 
-def _int(data: dict[str, Any], key: str, where: Path, minimum: int) -> int:
+MAX_PID = 2**31 - 1
+"""The largest pid a discovery or claim file may name (``pid_t``: a larger one made ``os.kill``
+raise ``OverflowError`` in the reader)."""
+MAX_TICKS = 2**63 - 1
+"""The largest process start time (clock ticks) a discovery or claim file may hold."""
+
+
+def _int(data: dict[str, Any], key: str, where: Path, minimum: int, maximum: int) -> int:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise DiscoveryError(f"{where}: {key!r} must be an integer >= {minimum}; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise DiscoveryError(f"{where}: {key!r} must be an integer from {minimum} to {maximum}; got {_shown(value)}")
     return value
+
+
+def _process(data: dict[str, Any], where: Path) -> tuple[int, int]:
+    """The pid and start time (clock ticks) a file names its process by."""
+    return _int(data, "pid", where, 1, MAX_PID), _int(data, "start_ticks", where, 0, MAX_TICKS)
+
+
+def _seconds(data: dict[str, Any], key: str, where: Path) -> float:
+    """``data[key]``: a wall-clock time in seconds, a finite number (a 400-digit integer overflowed
+    ``float`` and crashed the reader)."""
+    value = data.get(key)
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError
+        seconds = float(value)
+    except (OverflowError, ValueError):
+        raise DiscoveryError(f"{where}: {key!r} must be a finite number of seconds; got {_shown(value)}") from None
+    if not math.isfinite(seconds):
+        raise DiscoveryError(f"{where}: {key!r} must be a finite number of seconds; got {_shown(value)}")
+    return seconds
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, at most 60 characters (a file may hold anything)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long for ``repr``
+        return "a number too long to show"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _optional_token(data: dict[str, Any], key: str, where: Path) -> str:
@@ -64,8 +101,8 @@ def _optional_token(data: dict[str, Any], key: str, where: Path) -> str:
 def _decode(raw: bytes, where: Path) -> dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DiscoveryError(f"{where}: not JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deep, a number too long
+        raise DiscoveryError(f"{where}: not JSON ({type(error).__name__}: {str(error)[:200]})") from None
     if not isinstance(data, dict) or data.get("version") != INFO_VERSION:
         raise DiscoveryError(f"{where}: not a version {INFO_VERSION} drbalance file")
     return data
@@ -105,12 +142,10 @@ class ManagerInfo:
             check_token(token)
         except ValueError as error:
             raise DiscoveryError(f"{where}: {error}") from None
-        started = data.get("started")
-        if not isinstance(started, (int, float)):
-            raise DiscoveryError(f"{where}: 'started' must be a number; got {started!r}")
+        started = _seconds(data, "started", where)
         inbox_token = _optional_token(data, "inbox_token", where)
-        return cls(_int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(started),
-                   inbox_token)
+        pid, ticks = _process(data, where)
+        return cls(pid, ticks, token, started, inbox_token)
 
 
 def this_process(token: str, inbox_token: str = "") -> ManagerInfo:
@@ -187,12 +222,10 @@ class ClaimInfo:
             app, token = check_app_name(data.get("app")), check_token(data.get("token"))
         except ValueError as error:
             raise DiscoveryError(f"{where}: {error}") from None
-        claimed = data.get("claimed")
-        if not isinstance(claimed, (int, float)):
-            raise DiscoveryError(f"{where}: 'claimed' must be a number; got {claimed!r}")
+        claimed = _seconds(data, "claimed", where)
         signal_token = _optional_token(data, "signal_token", where)
-        return cls(app, _int(data, "pid", where, 1), _int(data, "start_ticks", where, 0), token, float(claimed),
-                   signal_token)
+        pid, ticks = _process(data, where)
+        return cls(app, pid, ticks, token, claimed, signal_token)
 
 
 def remove_app_objects(names: IpcNames, app: str, token: str, signal_token: str | None = None) -> bool:

@@ -390,7 +390,7 @@ def pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: beyond any pid (pid_t)
         return False
     except PermissionError:
         return True
