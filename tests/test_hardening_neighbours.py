@@ -35,7 +35,7 @@ from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import UnsafePath, private_dir
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.manager.daemon import Manager, ManagerSettings
+from drbalance.manager.daemon import MAX_FOREIGN_LISTED, Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import ROOT, python_process, wait_for
 from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
@@ -373,7 +373,8 @@ def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp
                       ScriptedSource(script))
     try:
         manager.start()  # its first rescan finds them
-        assert len(manager.foreign) == len(planted)
+        assert manager.foreign_counts == {second_user()[0]: len(planted)}  # all counted
+        assert len(manager.foreign) == MAX_FOREIGN_LISTED  # the first named (more at each listing)
         manager._write_status(time.monotonic())
         assert drbalance(["status"]) == 0, capsys.readouterr().err
         table = capsys.readouterr().out
@@ -384,10 +385,49 @@ def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp
         assert f"and {len(planted) - listed} more objects of other users" in table
         named = [r for r in caplog.records if "belongs to" in r.getMessage()]
         assert 0 < len(named) <= 100 and "only the manager log" in caplog.text  # not 4000 lines on stderr
-        assert len([line for line in (tmp_path / "m.jsonl").read_text().splitlines()
-                    if '"event":"foreign"' in line]) == len(planted)  # the log names every one
+        events = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert len([e for e in events if e["event"] == "foreign"]) == MAX_FOREIGN_LISTED  # not 4000 lines
+        assert [(e["owner_uid"], e["count"]) for e in events if e["event"] == "foreign_count"] == [
+            (second_user()[0], len(planted))]
     finally:
         manager.stop()
+
+
+@needs_second_user
+@pytest.mark.timeout(300)
+def test_a_flood_of_planted_names_leaves_the_manager_answering_every_notice_in_time(ipc_env, tmp_path):
+    """Empty files cost a neighbour nothing, and /dev/shm takes millions. With 200,000 under our
+    prefix each rescan's listing took the manager's only thread about a second (a ``stat`` and a
+    parse each, every 2 s; 7 s for 300,000 on a loaded machine) and the first one several more
+    (a log line each), so a job's 0.5 s waits for answers ran out and it could lose the manager.
+    The listing now runs in a thread; the manager answers as before, names a few of the objects and
+    counts the rest."""
+    stem = str(objects.SHM_DIR / (ipc_env.prefix.lstrip("/") + "app.x"))
+    planted = 200_000
+    try:
+        assert as_neighbour([["empty_files", stem, planted]], timeout=200) == ["ok"]
+        manager = ManagerProcess(tmp_path, ipc_env)
+        # 30 boundaries, each waiting at most 0.5 s for its answer (the default)
+        app = toy_app("steady", "--epochs", "30", "--iterations", "3", "--sleep", "0.1", "--exchange-timeout", "0.5")
+        out, err = app.communicate(timeout=240)
+        assert app.returncode == 0, err
+        counted = [e for e in manager.events("foreign_count") if e["count"] == planted]
+        named = manager.events("foreign")
+        code, manager_err = manager.stop()
+    finally:
+        for index in range(planted):
+            try:
+                os.unlink(f"{stem}{index}")
+            except FileNotFoundError:
+                pass
+    assert code == 0 and "Traceback" not in manager_err, manager_err
+    sd_log = [json.loads(line) for line in (Path(os.environ["DRBALANCE_LOG_DIR"]) / "steady.sd.jsonl")
+              .read_text().splitlines()]
+    late = [e for e in sd_log if e["event"] in ("no_answer", "detached")]
+    assert not late, late  # every answer within its wait, the manager never lost
+    assert all(json.loads(line)["attached"] for line in out.splitlines()[1:] if "attached" in line)
+    assert counted and counted[0]["owner_uid"] == second_user()[0]
+    assert 0 < len(named) <= MAX_FOREIGN_LISTED * 40  # at most 20 newly named per listing, not 200,000
 
 
 # --- emulated GPUs: the only objects whose names had no token ----------------------------------------
@@ -454,8 +494,9 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
         taken = [ipc_env.app_record("moved", old), ipc_env.app_signal("moved", claim.signal)]
         assert discovery.remove_app_objects(ipc_env, "moved", old, claim.signal)  # as RemoveIPC does
         assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]]) == ["ok", "ok"]
-        new = wait_for(lambda: (discovery.read_claim(ipc_env, "moved").token != old
-                                and discovery.read_claim(ipc_env, "moved").token))
+        # the claim is rewritten in place: a read between its truncation and its write finds it empty (None)
+        new = wait_for(lambda: (claim := discovery.read_claim(ipc_env, "moved")) is not None
+                       and claim.token != old and claim.token)
         assert objects.listed_owner(ipc_env.app_record("moved", new)) == os.geteuid()
         wait_for(lambda: [e for e in manager.events("repaired") if e["what"] == "record of moved"])
         served = decisions_for(manager, "moved")

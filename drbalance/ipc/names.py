@@ -13,6 +13,7 @@ import fcntl
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,24 +110,36 @@ class IpcNames:
     # --- what /dev/shm lists -----------------------------------------------------------------
     def listed(self) -> list[ListedObject]:
         """Every /dev/shm entry under this namespace's prefix (segments and semaphores), any owner."""
+        return sorted((_parse(name, rest, owner) for name, rest, owner in self.entries()),
+                      key=lambda item: item.entry)
+
+    def entries(self) -> Iterator[tuple[str, str, int]]:
+        """Each /dev/shm entry under this namespace's prefix, unparsed and in no order: its file
+        name, the name past the prefix, and its owner's uid (entries gone meanwhile are skipped)."""
         stem = self.prefix[1:]
+        semaphore = "sem." + stem
         try:
-            entries = list(os.scandir(SHM_DIR))
+            scan = os.scandir(SHM_DIR)
         except OSError:
-            return []
-        found = []
-        for entry in entries:
-            name = entry.name
-            rest = name[len(stem):] if name.startswith(stem) else (
-                name[4 + len(stem):] if name.startswith("sem." + stem) else None)
-            if rest is None:
-                continue
-            try:
-                owner = entry.stat(follow_symlinks=False).st_uid
-            except OSError:
-                continue
-            found.append(_parse(name, rest, owner))
-        return sorted(found, key=lambda item: item.entry)
+            return
+        with scan:
+            for entry in _until_error(scan):
+                name = entry.name
+                if name.startswith(stem):
+                    rest = name[len(stem):]
+                elif name.startswith(semaphore):
+                    rest = name[len(semaphore):]
+                else:
+                    continue
+                try:
+                    owner = entry.stat(follow_symlinks=False).st_uid
+                except OSError:
+                    continue
+                yield name, rest, owner
+
+    def parsed(self, name: str, rest: str, owner: int) -> ListedObject:
+        """One of ``entries()`` as a ``ListedObject``."""
+        return _parse(name, rest, owner)
 
     def listed_apps(self) -> list[str]:
         """Names of the apps with a record of this user in /dev/shm now."""
@@ -171,6 +184,16 @@ class IpcNames:
     def emulated_wait_lock(self, index: int) -> Path:
         """The file on which jobs waiting for emulated GPU ``index`` hold a shared lock."""
         return self.runtime_dir() / f"emu.{index}.wait"
+
+
+def _until_error(scan: Iterator[os.DirEntry]) -> Iterator[os.DirEntry]:
+    """The entries of a directory scan until reading the directory fails (as if it ended there)."""
+    while True:
+        try:
+            entry = next(scan)
+        except (StopIteration, OSError):
+            return
+        yield entry
 
 
 def _parse(entry: str, rest: str, owner: int) -> ListedObject:

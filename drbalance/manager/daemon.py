@@ -43,6 +43,7 @@ from drbalance.ipc.names import IpcNames, ListedObject
 from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
+from drbalance.manager.listing import ShmLister, ShmListing
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
 from drbalance.manager.status import printable
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
@@ -69,9 +70,13 @@ cannot be admitted) is forgotten when it has not been seen again for this long (
 the set of reported problems does not grow with every job that ever failed; seen again later, it
 is reported again."""
 MAX_FOREIGN_LISTED = 20
-"""Other users' objects named in the status file and on stderr; the rest are only counted
-(``foreign_total``) and named in the manager log: a neighbour can plant thousands, and a status
-file over ``MAX_PRIVATE_FILE`` could not be read back."""
+"""Other users' objects named in the status file and on stderr, and newly named in the manager log
+per listing of /dev/shm; the rest are only counted (``foreign_total``, and ``foreign_count`` events
+per owner in the log): a neighbour can plant hundreds of thousands, and a status file over
+``MAX_PRIVATE_FILE`` could not be read back."""
+MAX_FOREIGN_NAMED = 1000
+"""Other users' objects the manager remembers by name (the first by name), so each is named in
+the log once while it stays; a flood beyond them is counted, not kept."""
 
 
 class ManagerAlreadyRunning(RuntimeError):
@@ -217,7 +222,10 @@ class Manager:
         self.server = ServerGpus(self.gpu_count, _gpu_uuids(source, self.gpu_count))  # memory: see _sample
         self.stopping: str | None = None
         self.decisions = 0
-        self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others: entry -> uid
+        self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others, named: entry -> uid
+        self.foreign_counts: dict[int, int] = {}  # per owner uid: their entries under our prefix, all counted
+        self._lister = ShmLister(self.names, MAX_FOREIGN_NAMED)
+        self._listing_claims: set[tuple[str, str]] = set()  # (app, token) of the claims at the last rescan
         self._foreign_warned = 0  # foreign objects named on stderr (MAX_FOREIGN_LISTED at most)
         self._uuids_retry_at = -math.inf  # when GPU UUIDs unknown at start-up are read again
         self._memory_read: list[tuple[Any, float]] = [(None, -math.inf)] * self.gpu_count  # per GPU: reading, when
@@ -276,7 +284,8 @@ class Manager:
         tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
         self._next = dict.fromkeys(tasks, now)
         self._run_task("beat", self._heartbeat, now)
-        self._run_task("rescan", self._rescan, now)  # a restarted manager picks up the apps still running
+        # a restarted manager picks up the apps still running; it serves nobody yet, so it lists /dev/shm itself
+        self._run_task("rescan", lambda at: self._rescan(at, background=False), now)
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
                     self.names.namespace, self.policy.name, self.gpu_count, self._log_path)
 
@@ -307,6 +316,7 @@ class Manager:
         Apps train on alone. Every step is attempted whatever the others do.
         """
         reason = self.stopping or "stopped"
+        self._lister.join(timeout=1.0)  # a listing under way only reads /dev/shm: nothing to undo
         for entry in list(self.table.entries.values()):
             self.table.remove(entry.name, unlink=False)
         if self._endpoint is not None:
@@ -383,6 +393,8 @@ class Manager:
             if now >= self._next[key]:
                 self._next[key] = now + period
                 self._run_task(key, task, now)
+        if self._lister.ready():  # the listing of /dev/shm the last rescan began in a thread
+            self._run_task("listing", self._take_listing, now)
 
     def _run_task(self, key: str, task: Any, now: float) -> None:
         """Run one task; an error is logged (once a minute at most per task) and the loop goes on."""
@@ -670,9 +682,10 @@ class Manager:
             self.log("app_active", app=entry.name, pid=entry.status.pid, quiet_for=now - entry.quiet_since)
             entry.quiet_since = None
 
-    def _rescan(self, now: float) -> None:
+    def _rescan(self, now: float, background: bool = True) -> None:
         """Adopt live apps found through their claims; remove dead ones' objects; report objects of
-        other users under this namespace's prefix."""
+        other users under this namespace's prefix. /dev/shm is listed in a thread (``background``;
+        the loop takes the listing when it ends: ``_take_listing``), else here."""
         referenced = {(entry.name, entry.token) for entry in self.table.entries.values()}
         claims: dict[str, str | None] = {}  # app -> the token its claim names (None: unknown this time)
         for app in discovery.claimed_apps(self.names):
@@ -690,8 +703,17 @@ class Manager:
             if token is not None:
                 referenced.add((app, token))
                 claims[app] = token
-        self._scan_listing(now, referenced)
+        self._listing_claims = referenced
+        if background:
+            self._lister.start()
+        else:
+            self._scan_listing(now, self._lister.list_now())
         self._forget_gone(claims)
+
+    def _take_listing(self, now: float) -> None:
+        listing = self._lister.take()
+        if listing is not None:
+            self._scan_listing(now, listing)
 
     def _forget_gone(self, claims: dict[str, str | None]) -> None:
         """Drop what is kept about apps that are gone: a claim left locked whose file is gone or
@@ -771,31 +793,45 @@ class Manager:
             return
         entry.assigned, entry.assigned_mono = command.ratio, self.clock.monotonic()
 
-    def _scan_listing(self, now: float, referenced: set[tuple[str, str]]) -> None:
+    def _scan_listing(self, now: float, listing: ShmListing) -> None:
         """Report foreign objects; deal with this user's app records that no claim names, and with
         signal semaphores of apps that have neither a claim nor a record (their token is not the
         record's, so only the claim names them: left by a dead app whose claim went)."""
-        me = os.geteuid()
-        present = set()
+        referenced = self._listing_claims | {(entry.name, entry.token) for entry in self.table.entries.values()}
         seen = set()
         signals = []
-        listing = self.names.listed()
-        for listed in listing:
+        for listed in listing.own:
             seen.add(listed.entry)
-            if listed.owner != me:
-                present.add(listed.entry)
-                self._report_foreign(listed.entry, listed.owner)
-                continue
             if listed.kind == "app" and (listed.app, listed.token) not in referenced:
                 self._unclaimed(listed.app, listed.token, listed.entry, now)
             elif listed.kind == "sig":
                 signals.append(listed)
         if signals:
-            self._stray_signals(signals, {o.app for o in listing if o.kind == "app" and o.owner == me})
-        for gone in set(self.foreign) - present:
-            del self.foreign[gone]
+            self._stray_signals(signals, {o.app for o in listing.own if o.kind == "app"})
+        self._note_foreign(listing)
         for gone in set(self._stuck_unclaimed) - seen:
             del self._stuck_unclaimed[gone]
+
+    def _note_foreign(self, listing: ShmListing) -> None:
+        """Other users' entries: the first ``MAX_FOREIGN_NAMED`` by name are remembered and each
+        named once in the log (``MAX_FOREIGN_LISTED`` new ones per listing, the rest at the next),
+        and every owner's count is logged when it changes (``foreign_count``)."""
+        present = dict(listing.foreign_first)
+        for gone in [entry for entry in self.foreign if entry not in present]:
+            del self.foreign[gone]
+        named = 0
+        for entry, owner in listing.foreign_first:
+            if named >= MAX_FOREIGN_LISTED:
+                break
+            if self.foreign.get(entry) != owner:
+                self._report_foreign(entry, owner)
+                named += 1
+        counts = dict(listing.foreign_counts)
+        for owner in sorted(set(counts) | set(self.foreign_counts)):
+            if counts.get(owner, 0) != self.foreign_counts.get(owner, 0):
+                self.log("foreign_count", owner_uid=owner, owner=user_name(owner), count=counts.get(owner, 0),
+                         listing_seconds=listing.seconds)
+        self.foreign_counts = counts
 
     def _stray_signals(self, signals: list[ListedObject], with_record: set[str | None]) -> None:
         """Remove this user's signal semaphores of apps with no claim, no record (``with_record``:
@@ -845,6 +881,7 @@ class Manager:
             self.log("app_removed", app=app, pid=status.pid, reason="leftovers of a dead process (no claim)")
 
     def _report_foreign(self, entry: str, owner: int | None) -> None:
+        """Name another user's object in the log (and, for the first ``MAX_FOREIGN_LISTED``, on stderr)."""
         entry = entry.lstrip("/")
         if self.foreign.get(entry) == owner:
             return
@@ -969,7 +1006,7 @@ class Manager:
                        for m in (self.server.memory or (None,) * self.gpu_count)],
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
                         for entry, uid in sorted(self.foreign.items())[:MAX_FOREIGN_LISTED]],
-            "foreign_total": len(self.foreign),
+            "foreign_total": max(len(self.foreign), sum(self.foreign_counts.values())),
             "faults": dict(self.faults),
             "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
             "metrics": self.metrics.url() if self.metrics is not None else None,

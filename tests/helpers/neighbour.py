@@ -107,6 +107,10 @@ def _run(action: list) -> str:
             queue = posix_ipc.MessageQueue(name, posix_ipc.O_CREX, mode=mode, max_messages=10, max_message_size=128)
             os.fchmod(queue.mqd, mode)
             queue.close()
+        elif kind == "empty_files":  # count empty files named stem0, stem1, ... (cheap: no shm segment)
+            stem, count = args
+            for index in range(count):
+                os.close(os.open(f"{stem}{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         elif kind == "open_shm":
             posix_ipc.SharedMemory(args[0]).close_fd()
         elif kind == "open_sem":
