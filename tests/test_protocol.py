@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 from tests.conftest import leftovers, python_process
 from tests.helpers.processes import drain
@@ -74,6 +75,40 @@ def test_a_stuck_manager_costs_at_most_the_exchange_timeout_per_boundary(ipc_env
     # notices fail within the send timeout instead). Generous slack for a busy machine; a job that
     # waited for the stuck manager would take its 20 s.
     assert app_lines[-1]["elapsed"] < 13 * 0.1 + 10, app_lines[-1]
+    assert leftovers(ipc_env) == []
+
+
+def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_once_it_is_in_time(ipc_env):
+    """A manager that is alive but slow (its heartbeat fresh, every answer 0.6 s late) cost the job
+    its whole wait at every boundary (0.5 s each: 20 boundaries of a 0.5 s job took 10 s). Now,
+    after three late answers in a row, the job waits a tenth of it, until an answer comes in time."""
+    from drbalance.client.session import LATE_ANSWERS_BEFORE_SHORT_WAITS, SHORT_WAIT_SHARE
+
+    # the first 4 answers 0.6 s late; a boundary every 0.2 s, so the toy manager's inbox never fills
+    # (a full inbox would detach the job: a new attachment starts with full waits anyway)
+    manager = start_manager("--delay", "0.6", "--slow-notices", "4", "--seconds", "120")
+    try:
+        app = python_process("tests.helpers.toy_app", "--app", "slowed", "--epochs", "1", "--iterations", "60",
+                             "--sleep", "0.1", "--decide-every", "2", "--exchange-timeout", "0.5")
+        app_lines, err = lines(app, timeout=120)
+    finally:
+        stop(manager)
+    assert app.returncode == 0, err
+    sd_log = [json.loads(line) for line in (Path(os.environ["DRBALANCE_LOG_DIR"]) / "slowed.sd.jsonl")
+              .read_text().splitlines()]
+    marks = [e for e in sd_log if e["event"] in ("no_answer", "slow_manager", "manager_in_time")]
+    events = [e["event"] for e in marks]
+    late = LATE_ANSWERS_BEFORE_SHORT_WAITS
+    assert events[:late + 1] == ["no_answer"] * late + ["slow_manager"], events
+    assert "manager_in_time" in events, events  # the manager caught up: full waits again
+    recovered = events.index("manager_in_time")
+    assert [e["waited"] for e in marks[:late]] == [0.5] * late
+    short = [e["waited"] for e in marks[late + 1:recovered]]
+    assert short and set(short) == {0.5 * SHORT_WAIT_SHARE}, marks
+    assert all(e["waited"] == 0.5 for e in marks[recovered + 1:] if e["event"] == "no_answer")
+    assert not [e for e in sd_log if e["event"] == "detached"]
+    assert "answered none of the last 3 notices of 'slowed'" in err and err.count("answered none of") == 1, err
+    assert app_lines[-1]["done"]
     assert leftovers(ipc_env) == []
 
 

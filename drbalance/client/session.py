@@ -79,6 +79,17 @@ it (an ``rm``, logrotate's rename): it then writes to a new file at the log's pa
 nobody can read or a rotated one."""
 
 
+LATE_ANSWERS_BEFORE_SHORT_WAITS = 3
+"""After this many notices in a row that the manager did not answer within ``exchange_timeout``
+(it is alive, its heartbeat fresh, but slow: overloaded, or stopped with SIGSTOP for up to 5 s),
+a session waits only ``SHORT_WAIT_SHARE`` of it at each boundary, until an answer comes within
+that again. A late answer is applied when it arrives either way: only the time the job spends
+waiting changes (0.5 s per boundary before, from a slow manager that answered every notice)."""
+
+SHORT_WAIT_SHARE = 0.1
+"""The share of ``exchange_timeout`` a session waits while its manager is slow (see above)."""
+
+
 class RatioTarget(Protocol):
     """What a session steers: ``BalancedDataParallel`` (or anything with a DR to set)."""
 
@@ -219,6 +230,7 @@ class Session:
         self.notice_seq = 0
         self.applied_generation = 0
         self._awaiting: int | None = None
+        self._late_answers = 0  # notices in a row not answered within the wait (LATE_ANSWERS_BEFORE_SHORT_WAITS)
         self._attached_pid = 0
         self._warned_absent = False
         self._warned_closed = False
@@ -557,17 +569,42 @@ class Session:
             self._lost_manager(now, reason="its inbox did not accept a notice in time")
             return
         if self._attached_pid != beat.pid:
-            self._attached_pid, self._warned_absent = beat.pid, False
+            self._attached_pid, self._warned_absent, self._late_answers = beat.pid, False, 0
             logger.info("drbalance: %r attached to the manager (pid %d)", self.app, beat.pid)
             self._write_log("attached", now, manager_pid=beat.pid)
         if kind == NoticeKind.FINISH:
             return
         self._awaiting = self.notice_seq  # this notice's answer replaces any older one awaited
-        command = self.link.await_command(self.notice_seq, self.exchange_timeout)
+        wait = self._answer_wait()
+        command = self.link.await_command(self.notice_seq, wait)
         if command is None:  # a late answer is applied when it arrives
-            self._write_log("no_answer", now, generation=self.notice_seq)
+            self._write_log("no_answer", now, generation=self.notice_seq, waited=wait)
+            self._answer_late(now)
             return
+        self._answer_in_time(now)
         self._accept(command, self.clock.monotonic())
+
+    def _answer_wait(self) -> float:
+        """Seconds to wait for the manager's answer: ``exchange_timeout``, or a share of it while
+        the manager is slow (``LATE_ANSWERS_BEFORE_SHORT_WAITS``)."""
+        if self._late_answers >= LATE_ANSWERS_BEFORE_SHORT_WAITS:
+            return self.exchange_timeout * SHORT_WAIT_SHARE
+        return self.exchange_timeout
+
+    def _answer_late(self, now: float) -> None:
+        self._late_answers += 1
+        if self._late_answers == LATE_ANSWERS_BEFORE_SHORT_WAITS:
+            wait = self._answer_wait()
+            logger.warning("drbalance: the manager answered none of the last %d notices of %r within %.2f s; it "
+                           "waits at most %.3f s at a boundary until an answer comes in time again (late answers "
+                           "are applied when they arrive)", self._late_answers, self.app, self.exchange_timeout, wait)
+            self._write_log("slow_manager", now, late=self._late_answers, wait=wait)
+
+    def _answer_in_time(self, now: float) -> None:
+        if self._late_answers >= LATE_ANSWERS_BEFORE_SHORT_WAITS:
+            logger.info("drbalance: the manager answers %r in time again", self.app)
+            self._write_log("manager_in_time", now, late=self._late_answers)
+        self._late_answers = 0
 
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self.applied_generation = command.generation
