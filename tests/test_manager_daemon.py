@@ -350,3 +350,37 @@ def test_the_manager_command_restores_the_signal_handlers_it_found_on_every_retu
             signal.signal(signum, handler)
         if other is not None:
             other.stop()
+
+
+def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(ipc_env, tmp_path, caplog,
+                                                                                 monkeypatch):
+    """A process of the same user sent 188,000 notices for ever-new app names in 30 s: the manager
+    wrote a warning for each and kept them all for a minute (85 MB). Now it keeps ``MAX_REPORTED``
+    problems, names those, counts the rest in one line, and the log still records every notice."""
+    import logging
+
+    from drbalance.manager import daemon
+    from drbalance.manager.utilization import ScriptedSource
+
+    monkeypatch.setattr(daemon, "MAX_REPORTED", 50)
+    monkeypatch.setattr(daemon, "UNREPORTED_SAID_SECONDS", 0.0)
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    manager = daemon.Manager(daemon.ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                             ScriptedSource(script))
+    caplog.set_level(logging.WARNING, logger="drbalance.manager")
+    manager.start()
+    try:
+        inbox = posix_ipc.MessageQueue(ipc_env.inbox(discovery.read_manager(ipc_env).inbox))
+        for index in range(300):
+            inbox.send(Notice(NoticeKind.REGISTER, os.getpid(), 1, f"ghost-{index}", time.time()).encode())
+            manager.turn()  # the real inbox, read and handled as the loop does
+        inbox.close()
+        manager._forget_gone({})  # the rescan's bookkeeping: says how many were not named
+    finally:
+        manager.stop()
+    named = [r for r in caplog.records if "cannot admit" in r.getMessage()]
+    assert len(named) == 50 and len(manager._reported) <= 50
+    assert "250 more problem(s)" in caplog.text
+    invalid = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"invalid"' in line]
+    assert len(invalid) == 300  # the log records every one

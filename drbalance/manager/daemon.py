@@ -69,6 +69,13 @@ REPORT_FORGET_SECONDS = 60.0
 cannot be admitted) is forgotten when it has not been seen again for this long (its app gone), so
 the set of reported problems does not grow with every job that ever failed; seen again later, it
 is reported again."""
+MAX_REPORTED = 10_000
+"""Distinct problems (kind, app, reason) the manager keeps so as to name each once on stderr; past
+that a new one is only counted, and the count said in one line a minute (the manager log still
+records every one). Notices for 188,000 made-up app names in 30 s (a process of the same user)
+used to write as many warnings and hold 85 MB of them for a minute."""
+UNREPORTED_SAID_SECONDS = 60.0
+"""How often (seconds, at most) the count of problems not named on stderr is said."""
 MAX_FOREIGN_LISTED = 20
 """Other users' objects named in the status file and on stderr, and newly named in the manager log
 per listing of /dev/shm; the rest are only counted (``foreign_total``, and ``foreign_count`` events
@@ -234,6 +241,8 @@ class Manager:
         self.fault_counts: dict[str, int] = {}  # task -> times it failed in a row (cleared on recovery)
         self._fault_logged: dict[str, float] = {}
         self._reported: dict[tuple[str, ...], float] = {}  # (kind, app, ...) reported once -> when last seen
+        self._unreported = 0  # new problems not kept nor named on stderr since the count was last said
+        self._unreported_said = -math.inf  # when that count was last said (monotonic seconds)
         self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
@@ -721,9 +730,14 @@ class Manager:
         ``REPORT_FORGET_SECONDS``."""
         self._claims_left = {(app, token) for app, token in self._claims_left
                              if app in claims and claims[app] in (token, None)}
-        horizon = self.clock.monotonic() - REPORT_FORGET_SECONDS
+        now = self.clock.monotonic()
+        horizon = now - REPORT_FORGET_SECONDS
         for key in [key for key, seen in self._reported.items() if seen < horizon]:
             del self._reported[key]
+        if self._unreported and now - self._unreported_said >= UNREPORTED_SAID_SECONDS:
+            logger.warning("drbalance-manager: %d more problem(s) (other apps or reasons) were not named on stderr; "
+                           "the manager log records them", self._unreported)
+            self._unreported, self._unreported_said = 0, now
 
     def _consider_claim(self, app: str, now: float) -> str | None:
         """Adopt ``app`` if its claim's process runs, collect it if dead; the token it names."""
@@ -897,16 +911,28 @@ class Manager:
                            "(event 'foreign') names them")
 
     def _first_report(self, key: tuple[str, ...]) -> bool:
-        """Whether ``key`` (a problem: kind, app, ...) is new; it is marked as seen now either way."""
-        new = key not in self._reported
-        self._reported[key] = self.clock.monotonic()
-        return new
+        """Whether ``key`` (a problem: kind, app, ...) is new and to be named on stderr; a known one
+        is marked as seen now. Past ``MAX_REPORTED`` known problems a new one is counted, not kept."""
+        now = self.clock.monotonic()
+        if key in self._reported:
+            self._reported[key] = now
+            return False
+        if len(self._reported) >= MAX_REPORTED:
+            self._unreported += 1
+            return False
+        self._reported[key] = now
+        return True
 
     def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
-        if not self._first_report(key):
+        """Log a problem (and name it on stderr) once while it stays; one past ``MAX_REPORTED`` is
+        logged every time it is seen, as there is no room to remember it."""
+        if key in self._reported:
+            self._reported[key] = self.clock.monotonic()
             return
+        named = self._first_report(key)
         self.log(event, **fields)
-        logger.warning("drbalance-manager: %s", fields.get("error", fields))
+        if named:
+            logger.warning("drbalance-manager: %s", fields.get("error", fields))
 
     def _check_runtime_files(self, now: float) -> None:
         """Put the lock file and ``manager.json`` back if the runtime directory lost them, and
