@@ -255,6 +255,7 @@ def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_wa
     from drbalance.ipc import records
     from drbalance.ipc.names import new_token
     from drbalance.manager.daemon import Manager, ManagerSettings
+    from drbalance.manager.listing import ShmLister
     from drbalance.manager.utilization import ScriptedSource
 
     for index in range(30):  # writers killed mid-write, their claims gone (e.g. with the runtime directory)
@@ -268,10 +269,15 @@ def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_wa
                       ScriptedSource(script))
     sleeps = []
     monkeypatch.setattr(records.time, "sleep", lambda seconds: sleeps.append(seconds))
+    monkeypatch.setattr(ShmLister, "PACE", 0.0)  # each rescan below may begin its listing at once
     try:
         manager.start()  # its first rescan
-        for _ in range(3):
-            manager._rescan(time.monotonic())  # later rescans
+        for _ in range(3):  # later rescans: each lists /dev/shm in a thread, taken by the loop
+            manager._rescan(time.monotonic())
+            assert manager._lister._thread is not None
+            manager._lister.join(60)
+            assert manager._lister.ready()
+            manager._take_listing(time.monotonic())
     finally:
         manager.stop()
     assert sleeps == []  # 200-attempt reads used to wait about 20 ms for each, at every rescan

@@ -112,6 +112,46 @@ def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_
     assert leftovers(ipc_env) == []
 
 
+def sd_events(app: str, *kinds: str) -> list[dict]:
+    path = Path(os.environ["DRBALANCE_LOG_DIR"]) / f"{app}.sd.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] in kinds]
+
+
+def test_a_job_leaves_short_waits_when_a_late_answer_came_within_its_full_wait(ipc_env):
+    """After the slow start, every answer comes 0.1 s after its notice: past the short wait (0.05 s)
+    but within the full one (0.5 s). A review found the job then kept its short waits to the end,
+    taking every answer late; the late answer's time now tells it the manager keeps up again."""
+    manager = start_manager("--delay", "0.6", "--slow-notices", "4", "--later-delay", "0.1", "--seconds", "120")
+    try:
+        app = python_process("tests.helpers.toy_app", "--app", "recovered", "--epochs", "1", "--iterations", "60",
+                             "--sleep", "0.1", "--decide-every", "2", "--exchange-timeout", "0.5")
+        _, err = lines(app, timeout=120)
+    finally:
+        stop(manager)
+    assert app.returncode == 0, err
+    marks = sd_events("recovered", "slow_manager", "manager_in_time", "no_answer")
+    events = [e["event"] for e in marks]
+    assert "slow_manager" in events and "manager_in_time" in events, events
+    after = [e for e in marks[events.index("manager_in_time") + 1:] if e["event"] == "no_answer"]
+    assert all(e["waited"] == 0.5 for e in after), after  # full waits again: answers in time
+    assert len(after) <= 2, after  # (at most the answers still queued behind the slow ones)
+    assert leftovers(ipc_env) == []
+
+
+def test_a_job_that_never_waits_for_answers_is_never_told_its_manager_is_slow(ipc_env):
+    manager = start_manager("--seconds", "60")
+    try:
+        app = python_process("tests.helpers.toy_app", "--app", "eager", "--epochs", "1", "--iterations", "20",
+                             "--decide-every", "2", "--exchange-timeout", "0")
+        _, err = lines(app, timeout=60)
+    finally:
+        stop(manager)
+    assert app.returncode == 0, err
+    assert len(sd_events("eager", "no_answer")) >= 3  # exchange_timeout 0: no answer is ever waited for
+    assert not sd_events("eager", "slow_manager") and "answered none of" not in err, err
+    assert leftovers(ipc_env) == []
+
+
 def test_a_dead_manager_leaves_no_app_stuck_and_a_new_one_is_found(ipc_env):
     dead = start_manager()
     os.kill(dead.pid, signal.SIGKILL)

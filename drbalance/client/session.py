@@ -230,6 +230,7 @@ class Session:
         self.notice_seq = 0
         self.applied_generation = 0
         self._awaiting: int | None = None
+        self._awaiting_sent = 0.0  # wall-clock time the awaited notice was sent
         self._late_answers = 0  # notices in a row not answered within the wait (LATE_ANSWERS_BEFORE_SHORT_WAITS)
         self._attached_pid = 0
         self._warned_absent = False
@@ -494,6 +495,8 @@ class Session:
             return
         command = self.link.poll_command(self.notice_seq if self._awaiting is None else self._awaiting)
         if command is not None and (command.pushed or self._awaiting is not None):
+            if not command.pushed and command.written_wall - self._awaiting_sent <= self.exchange_timeout:
+                self._answer_in_time(now)  # only a short wait missed it: the manager keeps up again
             self._accept(command, now, late=True)
 
     def _take_push(self, now: float) -> None:
@@ -575,6 +578,7 @@ class Session:
         if kind == NoticeKind.FINISH:
             return
         self._awaiting = self.notice_seq  # this notice's answer replaces any older one awaited
+        self._awaiting_sent = notice.sent_wall
         wait = self._answer_wait()
         command = self.link.await_command(self.notice_seq, wait)
         if command is None:  # a late answer is applied when it arrives
@@ -592,6 +596,8 @@ class Session:
         return self.exchange_timeout
 
     def _answer_late(self, now: float) -> None:
+        if not self.exchange_timeout:
+            return  # a job that never waits has nothing to shorten
         self._late_answers += 1
         if self._late_answers == LATE_ANSWERS_BEFORE_SHORT_WAITS:
             wait = self._answer_wait()

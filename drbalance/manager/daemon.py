@@ -279,6 +279,9 @@ class Manager:
                     f"another manager (pid {other.pid}) runs in namespace {self.names.namespace!r} with its lock "
                     f"in another runtime directory (not {self.names.runtime_dir()}); stop it, or give both the same "
                     "DRBALANCE_RUNTIME_DIR")
+            # /dev/shm listed before the inbox and heartbeat exist: no job waits on this manager while
+            # it lists (a neighbour's flood of names can make that take seconds)
+            first_listing = self._lister.list_now()
             self._endpoint = ManagerEndpoint(self.names, self.settings.inbox_messages)
         except BaseException as error:
             self._abort_start()
@@ -293,8 +296,8 @@ class Manager:
         tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
         self._next = dict.fromkeys(tasks, now)
         self._run_task("beat", self._heartbeat, now)
-        # a restarted manager picks up the apps still running; it serves nobody yet, so it lists /dev/shm itself
-        self._run_task("rescan", lambda at: self._rescan(at, background=False), now)
+        # a restarted manager picks up the apps still running, with the listing made before it could be reached
+        self._run_task("rescan", lambda at: self._rescan(at, first_listing), now)
         logger.info("drbalance-manager: namespace %r, policy %r, %d GPU(s), log %s",
                     self.names.namespace, self.policy.name, self.gpu_count, self._log_path)
 
@@ -691,10 +694,10 @@ class Manager:
             self.log("app_active", app=entry.name, pid=entry.status.pid, quiet_for=now - entry.quiet_since)
             entry.quiet_since = None
 
-    def _rescan(self, now: float, background: bool = True) -> None:
+    def _rescan(self, now: float, listing: ShmListing | None = None) -> None:
         """Adopt live apps found through their claims; remove dead ones' objects; report objects of
-        other users under this namespace's prefix. /dev/shm is listed in a thread (``background``;
-        the loop takes the listing when it ends: ``_take_listing``), else here."""
+        other users under this namespace's prefix: from ``listing`` if given, else from a listing
+        of /dev/shm begun in a thread here (the loop takes it when it ends: ``_take_listing``)."""
         referenced = {(entry.name, entry.token) for entry in self.table.entries.values()}
         claims: dict[str, str | None] = {}  # app -> the token its claim names (None: unknown this time)
         for app in discovery.claimed_apps(self.names):
@@ -713,10 +716,10 @@ class Manager:
                 referenced.add((app, token))
                 claims[app] = token
         self._listing_claims = referenced
-        if background:
+        if listing is None:
             self._lister.start()
         else:
-            self._scan_listing(now, self._lister.list_now())
+            self._scan_listing(now, listing)
         self._forget_gone(claims)
 
     def _take_listing(self, now: float) -> None:

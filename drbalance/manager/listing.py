@@ -77,6 +77,7 @@ class ShmLister:
         self._clock = clock
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._running = False  # a listing is under way (set by ``start``, cleared as it hands over its result)
         self._result: ShmListing | None = None
         self._error: BaseException | None = None
         self._not_before = -float("inf")
@@ -89,11 +90,12 @@ class ShmLister:
         """Begin a listing in the background; False if one is running, one has ended and not been
         taken, or the last ended too recently (``PACE``)."""
         with self._lock:
-            busy = self._thread is not None and self._thread.is_alive()
-            if busy or self._result is not None or self._error is not None or self._clock() < self._not_before:
+            if self._running or self._result is not None or self._error is not None or self._clock() < self._not_before:
                 return False
+            self._running = True
             self._thread = threading.Thread(target=self._run, name="drbalance-shm-listing", daemon=True)
-        self._thread.start()
+            thread = self._thread
+        thread.start()
         return True
 
     def ready(self) -> bool:
@@ -126,5 +128,5 @@ class ShmLister:
             error = caught
         ended = self._clock()
         with self._lock:
-            self._result, self._error = result, error
+            self._result, self._error, self._running = result, error, False
             self._not_before = ended + self.PACE * (ended - started)

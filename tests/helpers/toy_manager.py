@@ -1,7 +1,7 @@
 """A minimal manager for the protocol tests, on the real manager-side IPC primitives.
 
 Answers every REGISTER/BOUNDARY notice with the DR given by --answer (after --delay seconds; with
---slow-notices N, only the first N) and
+--slow-notices N, only the first N, and --later-delay seconds after them) and
 prints one JSON line per notice received. Exits after --notices notices or --seconds seconds.
 """
 
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--answer", default="0,0,0,10")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--slow-notices", type=int, default=None, help="delay only the first N answers")
+    parser.add_argument("--later-delay", type=float, default=0.0, help="seconds before each answer after those N")
     parser.add_argument("--notices", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--silent", action="store_true", help="heartbeat, but never read the inbox")
@@ -65,6 +66,8 @@ def main() -> None:
                 continue
             if args.slow_notices is None or received <= args.slow_notices:
                 time.sleep(args.delay)
+            else:
+                time.sleep(args.later_delay)
             channel.answer(AppCommand(os.getpid(), notice.seq, answer, "toy", time.time()))
     finally:
         endpoint.close()
