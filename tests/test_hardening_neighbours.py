@@ -7,6 +7,7 @@ uid "nobody"); those tests need root and are skipped, with the reason, otherwise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -167,6 +168,44 @@ def test_a_foreign_record_where_a_claim_points_is_reported_not_adopted(ipc_env, 
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@needs_second_user
+@pytest.mark.timeout(120)
+def test_a_foreign_record_a_claim_points_at_is_named_once_even_past_the_first_thousand_foreign_names(
+        ipc_env, tmp_path):
+    """The manager remembers the first 1,000 of other users' names by name; one it met through a
+    claim, beyond those, was forgotten at every listing and named again at every rescan."""
+    token = new_token()
+    stem = str(objects.SHM_DIR / (ipc_env.prefix.lstrip("/") + "app.a"))  # sorts before app.forged
+    planted = 1_100
+    assert as_neighbour([["empty_files", stem, planted], ["shm", ipc_env.app_record("forged", token), 0o666]],
+                        timeout=60) == ["ok", "ok"]
+    sleeper = toy_app("holder", "--hang-after", "0")  # a live process to name in the claim
+    first_line(sleeper)
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
+    try:
+        ipc_env.private_runtime_dir()
+        info = discovery.ClaimInfo("forged", sleeper.pid, objects.process_start_ticks(sleeper.pid), token, time.time())
+        (ipc_env.claims_dir() / "forged.claim").write_bytes(info.encode())
+        manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl",
+                                          rescan_period=0.1), ScriptedSource(script))
+        manager.start()
+        try:
+            manager.run(duration=3.0)  # about 30 rescans, each adopting from the claim in vain
+        finally:
+            manager.stop()
+        events = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        forged = [e for e in events if e["event"] == "foreign" and "forged" in e["object"]]
+        assert len(forged) == 1, len(forged)
+        assert [e["count"] for e in events if e["event"] == "foreign_count"] == [planted + 1]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for index in range(planted):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{stem}{index}")
 
 
 # --- the runtime directory (item 2) ----------------------------------------------------------------

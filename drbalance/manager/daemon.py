@@ -86,6 +86,17 @@ MAX_FOREIGN_NAMED = 1000
 the log once while it stays; a flood beyond them is counted, not kept."""
 
 
+def _shm_entry_exists(entry: str) -> bool:
+    """Whether /dev/shm holds ``entry`` (a segment's name, or a semaphore's with or without ``sem.``)."""
+    for name in (entry, "sem." + entry):
+        try:
+            os.lstat(objects.SHM_DIR / name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
 class ManagerAlreadyRunning(RuntimeError):
     """Another manager holds this namespace's lock."""
 
@@ -834,8 +845,11 @@ class Manager:
         named once in the log (``MAX_FOREIGN_LISTED`` new ones per listing, the rest at the next),
         and every owner's count is logged when it changes (``foreign_count``)."""
         present = dict(listing.foreign_first)
-        for gone in [entry for entry in self.foreign if entry not in present]:
-            del self.foreign[gone]
+        for entry in [entry for entry in self.foreign if entry not in present]:
+            # past the first by name, or named through an object a claim or notice led to: kept while
+            # it exists, as long as the manager remembers no more than MAX_FOREIGN_NAMED
+            if len(self.foreign) > MAX_FOREIGN_NAMED or not _shm_entry_exists(entry):
+                del self.foreign[entry]
         named = 0
         for entry, owner in listing.foreign_first:
             if named >= MAX_FOREIGN_LISTED:
