@@ -78,6 +78,25 @@ def test_a_stuck_manager_costs_at_most_the_exchange_timeout_per_boundary(ipc_env
     assert leftovers(ipc_env) == []
 
 
+def against_toy_manager(app: str, manager_args: list[str], *app_args: str) -> tuple[list[dict], str]:
+    """Run the toy app ``app`` (``app_args``) to its end beside a toy manager (``manager_args``);
+    the app's lines and stderr (it must exit 0)."""
+    manager = start_manager(*manager_args, "--seconds", "120")
+    try:
+        process = python_process("tests.helpers.toy_app", "--app", app, "--epochs", "1", "--decide-every", "2",
+                                 *app_args)
+        app_lines, err = lines(process, timeout=120)
+    finally:
+        stop(manager)
+    assert process.returncode == 0, err
+    return app_lines, err
+
+
+def sd_events(app: str, *kinds: str) -> list[dict]:
+    path = Path(os.environ["DRBALANCE_LOG_DIR"]) / f"{app}.sd.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] in kinds]
+
+
 def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_once_it_is_in_time(ipc_env):
     """A manager that is alive but slow (its heartbeat fresh, every answer 0.6 s late) cost the job
     its whole wait at every boundary (0.5 s each: 20 boundaries of a 0.5 s job took 10 s). Now,
@@ -86,17 +105,9 @@ def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_
 
     # the first 4 answers 0.6 s late; a boundary every 0.2 s, so the toy manager's inbox never fills
     # (a full inbox would detach the job: a new attachment starts with full waits anyway)
-    manager = start_manager("--delay", "0.6", "--slow-notices", "4", "--seconds", "120")
-    try:
-        app = python_process("tests.helpers.toy_app", "--app", "slowed", "--epochs", "1", "--iterations", "60",
-                             "--sleep", "0.1", "--decide-every", "2", "--exchange-timeout", "0.5")
-        app_lines, err = lines(app, timeout=120)
-    finally:
-        stop(manager)
-    assert app.returncode == 0, err
-    sd_log = [json.loads(line) for line in (Path(os.environ["DRBALANCE_LOG_DIR"]) / "slowed.sd.jsonl")
-              .read_text().splitlines()]
-    marks = [e for e in sd_log if e["event"] in ("no_answer", "slow_manager", "manager_in_time")]
+    app_lines, err = against_toy_manager("slowed", ["--delay", "0.6", "--slow-notices", "4"], "--iterations", "60",
+                                         "--sleep", "0.1", "--exchange-timeout", "0.5")
+    marks = sd_events("slowed", "no_answer", "slow_manager", "manager_in_time")
     events = [e["event"] for e in marks]
     late = LATE_ANSWERS_BEFORE_SHORT_WAITS
     assert events[:late + 1] == ["no_answer"] * late + ["slow_manager"], events
@@ -106,29 +117,18 @@ def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_
     short = [e["waited"] for e in marks[late + 1:recovered]]
     assert short and set(short) == {0.5 * SHORT_WAIT_SHARE}, marks
     assert all(e["waited"] == 0.5 for e in marks[recovered + 1:] if e["event"] == "no_answer")
-    assert not [e for e in sd_log if e["event"] == "detached"]
+    assert not sd_events("slowed", "detached")
     assert "answered none of the last 3 notices of 'slowed'" in err and err.count("answered none of") == 1, err
     assert app_lines[-1]["done"]
     assert leftovers(ipc_env) == []
-
-
-def sd_events(app: str, *kinds: str) -> list[dict]:
-    path = Path(os.environ["DRBALANCE_LOG_DIR"]) / f"{app}.sd.jsonl"
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] in kinds]
 
 
 def test_a_job_leaves_short_waits_when_a_late_answer_came_within_its_full_wait(ipc_env):
     """After the slow start, every answer comes 0.1 s after its notice: past the short wait (0.05 s)
     but within the full one (0.5 s). A review found the job then kept its short waits to the end,
     taking every answer late; the late answer's time now tells it the manager keeps up again."""
-    manager = start_manager("--delay", "0.6", "--slow-notices", "4", "--later-delay", "0.1", "--seconds", "120")
-    try:
-        app = python_process("tests.helpers.toy_app", "--app", "recovered", "--epochs", "1", "--iterations", "60",
-                             "--sleep", "0.1", "--decide-every", "2", "--exchange-timeout", "0.5")
-        _, err = lines(app, timeout=120)
-    finally:
-        stop(manager)
-    assert app.returncode == 0, err
+    against_toy_manager("recovered", ["--delay", "0.6", "--slow-notices", "4", "--later-delay", "0.1"],
+                        "--iterations", "60", "--sleep", "0.1", "--exchange-timeout", "0.5")
     marks = sd_events("recovered", "slow_manager", "manager_in_time", "no_answer")
     events = [e["event"] for e in marks]
     assert "slow_manager" in events and "manager_in_time" in events, events
@@ -139,14 +139,7 @@ def test_a_job_leaves_short_waits_when_a_late_answer_came_within_its_full_wait(i
 
 
 def test_a_job_that_never_waits_for_answers_is_never_told_its_manager_is_slow(ipc_env):
-    manager = start_manager("--seconds", "60")
-    try:
-        app = python_process("tests.helpers.toy_app", "--app", "eager", "--epochs", "1", "--iterations", "20",
-                             "--decide-every", "2", "--exchange-timeout", "0")
-        _, err = lines(app, timeout=60)
-    finally:
-        stop(manager)
-    assert app.returncode == 0, err
+    _, err = against_toy_manager("eager", [], "--iterations", "20", "--exchange-timeout", "0")
     assert len(sd_events("eager", "no_answer")) >= 3  # exchange_timeout 0: no answer is ever waited for
     assert not sd_events("eager", "slow_manager") and "answered none of" not in err, err
     assert leftovers(ipc_env) == []
