@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -531,8 +532,14 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
         claim = discovery.read_claim(ipc_env, "moved")
         old = claim.token
         taken = [ipc_env.app_record("moved", old), ipc_env.app_signal("moved", claim.signal)]
-        assert discovery.remove_app_objects(ipc_env, "moved", old, claim.signal)  # as RemoveIPC does
-        assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]]) == ["ok", "ok"]
+        # the job is stopped meanwhile, so the neighbour is first to the names (a running job that
+        # notices the removal first makes its record again under the same name: another case)
+        os.kill(app.pid, signal.SIGSTOP)
+        try:
+            assert discovery.remove_app_objects(ipc_env, "moved", old, claim.signal)  # as RemoveIPC does
+            assert as_neighbour([["shm", taken[0], 0o666], ["sem", taken[1], 0o666]]) == ["ok", "ok"]
+        finally:
+            os.kill(app.pid, signal.SIGCONT)
         # the claim is rewritten in place: a read between its truncation and its write finds it empty (None)
         new = wait_for(lambda: (claim := discovery.read_claim(ipc_env, "moved")) is not None
                        and claim.token != old and claim.token)

@@ -312,6 +312,7 @@ def test_a_model_deleted_without_close_gives_its_memory_and_files_back(emu):
     # without close() kept its reservation (and its GPUs' files and mapping) until the process
     # ended: the second model of a sweep or a notebook ran out of memory on an idle GPU.
     gpu = EmulatedGpu(emu, 0, memory_bytes=MEMORY)
+    gc.collect()  # earlier tests' garbage in this worker closes its files now, not while counting below
     files = len(os.listdir("/proc/self/fd"))
 
     def train_a_new_model() -> None:
