@@ -68,14 +68,11 @@ def _seconds(data: dict[str, Any], key: str, where: Path) -> float:
     ``float`` and crashed the reader)."""
     value = data.get(key)
     try:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
             raise ValueError
-        seconds = float(value)
     except (OverflowError, ValueError):
         raise DiscoveryError(f"{where}: {key!r} must be a finite number of seconds; got {_shown(value)}") from None
-    if not math.isfinite(seconds):
-        raise DiscoveryError(f"{where}: {key!r} must be a finite number of seconds; got {_shown(value)}")
-    return seconds
+    return float(value)
 
 
 def _shown(value: Any) -> str:

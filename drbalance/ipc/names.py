@@ -110,7 +110,7 @@ class IpcNames:
     # --- what /dev/shm lists -----------------------------------------------------------------
     def listed(self) -> list[ListedObject]:
         """Every /dev/shm entry under this namespace's prefix (segments and semaphores), any owner."""
-        return sorted((_parse(name, rest, owner) for name, rest, owner in self.entries()),
+        return sorted((listed_object(name, rest, owner) for name, rest, owner in self.entries()),
                       key=lambda item: item.entry)
 
     def entries(self) -> Iterator[tuple[str, str, int]]:
@@ -136,10 +136,6 @@ class IpcNames:
                 except OSError:
                     continue
                 yield name, rest, owner
-
-    def parsed(self, name: str, rest: str, owner: int) -> ListedObject:
-        """One of ``entries()`` as a ``ListedObject``."""
-        return _parse(name, rest, owner)
 
     def listed_apps(self) -> list[str]:
         """Names of the apps with a record of this user in /dev/shm now."""
@@ -196,7 +192,8 @@ def _until_error(scan: Iterator[os.DirEntry]) -> Iterator[os.DirEntry]:
         yield entry
 
 
-def _parse(entry: str, rest: str, owner: int) -> ListedObject:
+def listed_object(entry: str, rest: str, owner: int) -> ListedObject:
+    """One of ``IpcNames.entries()`` (file name, the name past the prefix, owner) as a ``ListedObject``."""
     kind, _, tail = rest.partition(".")
     if kind in ("app", "sig"):
         app, _, token = tail.rpartition(".")

@@ -86,17 +86,6 @@ MAX_FOREIGN_NAMED = 1000
 the log once while it stays; a flood beyond them is counted, not kept."""
 
 
-def _shm_entry_exists(entry: str) -> bool:
-    """Whether /dev/shm holds ``entry`` (a segment's name, or a semaphore's with or without ``sem.``)."""
-    for name in (entry, "sem." + entry):
-        try:
-            os.lstat(objects.SHM_DIR / name)
-        except OSError:
-            continue
-        return True
-    return False
-
-
 class ManagerAlreadyRunning(RuntimeError):
     """Another manager holds this namespace's lock."""
 
@@ -848,7 +837,8 @@ class Manager:
         for entry in [entry for entry in self.foreign if entry not in present]:
             # past the first by name, or named through an object a claim or notice led to: kept while
             # it exists, as long as the manager remembers no more than MAX_FOREIGN_NAMED
-            if len(self.foreign) > MAX_FOREIGN_NAMED or not _shm_entry_exists(entry):
+            gone = objects.listed_owner(entry) is None and objects.listed_owner(entry, "semaphore") is None
+            if len(self.foreign) > MAX_FOREIGN_NAMED or gone:
                 del self.foreign[entry]
         named = 0
         for entry, owner in listing.foreign_first:
@@ -943,10 +933,10 @@ class Manager:
     def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
         """Log a problem (and name it on stderr) once while it stays; one past ``MAX_REPORTED`` is
         logged every time it is seen, as there is no room to remember it."""
-        if key in self._reported:
-            self._reported[key] = self.clock.monotonic()
+        known = key in self._reported
+        named = self._first_report(key)  # marks a known one as seen now
+        if known:
             return
-        named = self._first_report(key)
         self.log(event, **fields)
         if named:
             logger.warning("drbalance-manager: %s", fields.get("error", fields))

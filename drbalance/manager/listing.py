@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from drbalance.ipc.names import IpcNames, ListedObject
+from drbalance.ipc.names import IpcNames, ListedObject, listed_object
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def list_namespace(names: IpcNames, keep: int, me: int | None = None) -> ShmList
     counts: dict[int, int] = {}
     for name, rest, owner in names.entries():
         if owner == me:
-            own.append(names.parsed(name, rest, owner))
+            own.append(listed_object(name, rest, owner))
         else:
             counts[owner] = counts.get(owner, 0) + 1
             foreign.append((name, owner))
