@@ -117,6 +117,13 @@ class Run:
     max_sd: float
     mean_sd: float
     noise: int = 0  # the seed of the jitter's noise (0 without jitter)
+    churn: tuple[float, ...] = ()  # per app, its DR changes per hour of its run (simulated seconds)
+
+
+def churn(result: SimResult) -> tuple[float, ...]:
+    """Per app of a run, its DR changes per hour of its run."""
+    return tuple(3600.0 * result.changes[name] / seconds for name, seconds in result.run_seconds.items()
+                 if seconds > 0)
 
 
 Knobs = tuple[tuple[str, object], ...]  # FairConfig fields and the values that replace their defaults
@@ -159,7 +166,7 @@ def run(job: tuple[int, str, str], knobs: Knobs = (), jitter: float = 0.0, noise
     model (``simulate_mix``)."""
     seed, interference, policy = job
     result = simulate_mix(DRAWS[draw](seed), interference, policy, knobs, jitter, noise)
-    return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd, noise)
+    return Run(seed, interference, policy, result.sd_spread, result.max_sd, result.mean_sd, noise, churn(result))
 
 
 def _run_with(task: tuple[tuple[int, str, str], Knobs, float, int, str]) -> Run:

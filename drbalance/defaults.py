@@ -13,6 +13,12 @@ SD_THRESHOLD = 0.1
 UTIL_THRESHOLD = 20.0
 """Util_th, percentage points: above it the paper policy's utilisation branch runs, else its SD branch."""
 
+# --- what a DR change costs a job (the simulator charges it; fair's plans count it) -----------------
+CHANGE_COST_ITERATIONS = 0.15
+"""Iterations' worth of time a job loses at a DR change: its first step under a new DR is this
+much of a step longer (new chunk shapes; a replica's first use of a device). Measured by
+``python -m benchmarks.change_cost`` on the CPU and emulated-GPU paths (docs/policy.md)."""
+
 # --- the simulator's noise (its config and the commands that set it) --------------------------------
 MAX_JITTER = 2.0
 """The largest relative spread the simulator's jitter takes (2: a log-normal factor of mean 1 and sd 2)."""

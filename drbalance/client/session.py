@@ -635,6 +635,8 @@ class Session:
             self._write_log("update", now, generation=command.generation, branch=command.branch,
                             old_dr=current.to_list(), new_dr=command.ratio.to_list(), late=late,
                             pushed=command.pushed)
+            self.tracker.new_window()  # the iteration and chunk times measured from now on are the new DR's
+            self.slot_window.new_window()
 
     def _refuse(self, command: AppCommand, now: float, **extra: Any) -> None:
         """Log a DR the job did not take and publish at once: the manager counts the DR it sent as

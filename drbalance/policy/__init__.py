@@ -13,6 +13,7 @@ from drbalance.policy.base import AppView, Decision, ObservePolicy, Policy, Poli
 from drbalance.policy.fair import FairPolicy
 from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.paper import PaperPolicy
+from drbalance.policy.plan import PlanPolicy
 
 DEFAULT_POLICY = "fair"
 """The policy the manager and the simulator use unless told otherwise."""
@@ -22,6 +23,7 @@ POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
     "f-sched": FSchedPolicy,
     "paper": PaperPolicy,
     "observe": ObservePolicy,
+    "plan": PlanPolicy,
 })
 
 

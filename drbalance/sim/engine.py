@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 from drbalance import defaults
 from drbalance.manager.utilization import UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot, violations
+from drbalance.policy.base import Planner
 from drbalance.ratio import DataRatio
 from drbalance.sim.model import ContentionModel, Interference, Workload
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 from drbalance.workload.models import ModelCosts, model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
-ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(7)
+ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME, PLAN = range(8)
 
 
 class ChunkTiming(NamedTuple):
@@ -61,10 +62,13 @@ class SimConfig:
     max_time: float = 1e6  # seconds (11.6 days): simulating costs CPU and memory per simulated second
     jitter: float = 0.0  # relative spread of every host phase and chunk (a log-normal factor of mean 1); 0: none
     seed: int = 0  # of the jitter's random numbers (the same seed: the same run)
+    change_cost: float = defaults.CHANGE_COST_ITERATIONS  # iterations' worth an app loses at each DR change
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.jitter <= defaults.MAX_JITTER:  # also refuses NaN
             raise ValueError(f"jitter must be a relative spread within 0..{defaults.MAX_JITTER:g}; got {self.jitter!r}")
+        if not 0.0 <= self.change_cost < math.inf:
+            raise ValueError(f"change_cost must be a number of iterations >= 0; got {self.change_cost!r}")
 
 
 class _Chunk:
@@ -107,7 +111,8 @@ class _Gpu:
 class _App:
     __slots__ = ("spec", "costs", "name", "index", "tracker", "ratio", "sizes", "chunks_left", "reported_sd",
                  "alive", "arrived", "running", "suspend", "records", "gpu", "workload", "host_end", "timings",
-                 "slot_window", "published", "cadence", "boundary_due", "pushed", "constraints")
+                 "slot_window", "published", "cadence", "boundary_due", "pushed", "constraints", "changed",
+                 "changes")
 
     def __init__(self, spec: AppSpec, index: int, ratio: DataRatio) -> None:
         self.spec = spec
@@ -135,6 +140,8 @@ class _App:
         self.boundary_due: float | None = None
         self.pushed: DataRatio | None = None  # a DR pushed by the manager, applied after its current iteration
         self.constraints = ddp_constraints(spec, ratio)  # what a DDP job's record tells the manager
+        self.changed = False  # its DR changed since its last iteration started: the next one pays the change
+        self.changes = 0  # DR changes after its first iteration (churn)
 
 
 def ddp_constraints(spec: AppSpec, ratio: DataRatio) -> dict[str, Any]:
@@ -161,6 +168,8 @@ class SimResult:
     events: int
     app_records: dict[str, list[dict[str, Any]]]
     manager_records: list[dict[str, Any]]
+    changes: dict[str, int] = field(default_factory=dict)  # per app, its DR changes after its first iteration
+    run_seconds: dict[str, float] = field(default_factory=dict)  # per app, from its arrival to its finish
 
     @property
     def max_sd(self) -> float:
@@ -240,12 +249,14 @@ class Simulation:
         self.push(0.0, SAMPLE)
         if self.config.scheduler == "themis":
             self.push(0.0, TICK)
+        elif isinstance(self.policy, Planner):
+            self.push(self.policy.plan_period, PLAN)
 
     def advance(self, until: float = math.inf) -> None:
         """Process events up to simulated time ``until`` (seconds), or until every app has
         finished. A look-ahead experiment copies a running simulation and advances the copy."""
         handlers = {ARRIVAL: self._arrive, REGISTER: self._register, HOST_END: self._host_end, SAMPLE: self._sample,
-                    TICK: self._tick, RESUME: self._resume}
+                    TICK: self._tick, RESUME: self._resume, PLAN: self._plan}
         events = self.events
         while events and self.remaining and events[0][0] <= until:
             time, _, kind, a, b = heapq.heappop(events)
@@ -319,6 +330,8 @@ class Simulation:
 
     def _register(self, app: _App) -> None:
         self._decide(app, "register")
+        if isinstance(self.policy, Planner):
+            self._replan("arrival")
         self._start_iteration(app)
 
     def _start_iteration(self, app: _App) -> None:
@@ -328,6 +341,10 @@ class Simulation:
         app.chunks_left = replicas
         app.running = True
         host = app.costs.host_seconds(batch) + app.costs.overhead_seconds(replicas)
+        if app.changed:  # the first step under a new DR: new chunk shapes, maybe a GPU used for the first time
+            app.changed = False
+            alone = max(app.costs.device_seconds(size) / self.gpus[g].speed for g, size in enumerate(app.sizes) if size)
+            host += self.config.change_cost * (host + alone)
         self.push(self.now + host * self._jitter(), HOST_END, app)
 
     def _host_end(self, app: _App) -> None:
@@ -358,13 +375,15 @@ class Simulation:
             self._record(app, "finish")
             if self.config.scheduler is not None:
                 self.push(self.now, TICK)
+            elif isinstance(self.policy, Planner) and self.remaining:
+                self._replan("departure")
             return
         decide_every = self.config.decide_every
         if (done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0)
                 or (app.boundary_due is not None and self.now >= app.boundary_due)):
             app.boundary_due = None if app.cadence is None else self.now + app.cadence
-            self._apply_push(app)
             app.slot_window.add(app.timings)
+            self._apply_push(app)
             self._publish(app)
             self._record(app, "boundary")
             if self.config.scheduler is None:
@@ -372,8 +391,8 @@ class Simulation:
             tracker.new_window()
             app.slot_window.new_window()
         elif done % self.config.report_every == 0:
-            self._apply_push(app)
             app.slot_window.add(app.timings)
+            self._apply_push(app)
             self._publish(app)
             self._record(app, "report")
         if app.suspend:
@@ -400,9 +419,19 @@ class Simulation:
     def _apply_push(self, app: _App) -> None:
         """The client applies a pushed DR after its current iteration (at a report: before publishing)."""
         if app.pushed is not None:
-            old, app.ratio, app.pushed = app.ratio, app.pushed, None
-            if old != app.ratio:
-                self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch="push")
+            ratio, app.pushed = app.pushed, None
+            self._change(app, ratio, "push")
+
+    def _change(self, app: _App, ratio: DataRatio, branch: str) -> None:
+        """The app takes ``ratio`` (if new: logged, its next iteration pays the change, and its
+        measurement windows start anew, as the client's do)."""
+        if ratio != app.ratio:
+            old, app.ratio = app.ratio, ratio
+            app.changed = app.tracker.done > app.tracker.first  # before its first step a job pays nothing
+            app.changes += app.changed
+            app.tracker.new_window()
+            app.slot_window.new_window()
+            self._record(app, "update", old_dr=old.to_list(), new_dr=ratio.to_list(), branch=branch)
 
     def _snapshot(self) -> Snapshot:
         """Every live app as its record last showed it, with the DR the manager last gave it."""
@@ -434,9 +463,7 @@ class Simulation:
         # the answer replaces a DR pushed to the app before (Manager.decide writes it into the same
         # command record), even when it is the DR the app runs now
         app.pushed = None
-        if ratio != app.ratio:
-            old, app.ratio = app.ratio, ratio
-            self._record(app, "update", old_dr=old.to_list(), new_dr=app.ratio.to_list(), branch=branch)
+        self._change(app, ratio, branch)
         if refused is not None:
             return
         by_name = {other.name: other for other in self.apps if other.alive}
@@ -452,6 +479,33 @@ class Simulation:
                                                  "refused": why})
                 continue
             other.pushed = pushed
+
+    def _plan(self, _: Any) -> None:
+        """The planner's period: plan, and come back after another period."""
+        self._replan("period")
+        if self.remaining:
+            self.push(self.now + self.policy.plan_period, PLAN)
+
+    def _replan(self, trigger: str) -> None:
+        """Ask the planner for new DRs and push them, as the daemon does (each checked first)."""
+        snapshot = self._snapshot()
+        plan = self.policy.plan(trigger, snapshot)
+        self.decisions += 1
+        if self.config.record:
+            self.manager_records.append({"t": self.now, "event": "plan", "trigger": trigger, "branch": plan.branch,
+                                         "changes": {name: ratio.to_list() for name, ratio in plan.changes.items()},
+                                         "sd": {view.name: view.slowdown for view in snapshot.apps},
+                                         "details": dict(plan.details)})
+        by_name = {other.name: other for other in self.apps if other.alive}
+        for name, ratio in plan.changes.items():
+            app = by_name.get(name)
+            why = f"app {name!r} is not live" if app is None else self._refusal(snapshot.app(name), ratio)
+            if why is not None:
+                if self.config.record:
+                    self.manager_records.append({"t": self.now, "event": "push", "app": name, "branch": plan.branch,
+                                                 "refused": why})
+                continue
+            app.pushed = ratio
 
     def _refusal(self, view: AppView, ratio: object) -> str | None:
         """Why the daemon would not send ``ratio`` to the app of ``view`` (None: it would), as
@@ -541,6 +595,8 @@ class Simulation:
             makespan=max(finish.values()), gpu_busy=[g.busy for g in self.gpus],
             gpu_served=[g.served for g in self.gpus], decisions=self.decisions, events=self.processed,
             app_records={a.name: a.records for a in self.apps}, manager_records=self.manager_records,
+            changes={a.name: a.changes for a in self.apps},
+            run_seconds={a.name: finish[a.name] - a.spec.arrival for a in self.apps},
         )
 
 
