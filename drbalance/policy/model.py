@@ -20,7 +20,7 @@ all, each mean ``kappa_prior`` where nothing is measured). The duties make T a f
 iteration. SD at finish follows from T by Eq. 2.
 
 Each is fitted by least squares over the last ``history`` windows of the app's records, its
-prior counting as one window:
+prior counting as ``prior_weight`` windows:
 
 - ``h``: T - max_g c_g over windows on one GPU (prior ``host_prior`` x u); ``o``: over windows
   on k > 1 GPUs, (T - max_g c_g - h) / (k - 1) (prior 0);
@@ -62,6 +62,7 @@ class ModelConfig:
     fixed_prior: float = 0.3  # share of a whole batch's GPU time that does not shrink with the chunk (Pollux)
     kappa_prior: float = 1.0  # kappa of a pair never measured together: time slicing
     history: int = 8  # windows per app kept for the fits (older ones describe an older layout)
+    prior_weight: float = 0.1  # windows' worth of each prior: one measurement outweighs it, it holds without any
 
     def __post_init__(self) -> None:
         for name in ("host_prior", "fixed_prior"):
@@ -69,6 +70,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a share within 0..1; got {getattr(self, name)!r}")
         if not 0.0 <= self.kappa_prior < math.inf:
             raise ValueError(f"kappa_prior must be a finite number >= 0; got {self.kappa_prior!r}")
+        if not 0.0 < self.prior_weight < math.inf:
+            raise ValueError(f"prior_weight must be a positive number of windows; got {self.prior_weight!r}")
         if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 1:
             raise ValueError(f"history must be a positive number of windows; got {self.history!r}")
 
@@ -174,12 +177,13 @@ class Model:
         """h from windows on one GPU, o from split windows, f from chunks smaller than the batch;
         each prior counts as one window."""
         config, solo = self.config, fit.solo
+        prior = config.prior_weight
         alone = [w.seconds - max(c[2] for c in w.chunks) for w in fit.windows if len(w.chunks) == 1]
-        fit.host = min(0.95 * solo, max(0.0, (config.host_prior * solo + sum(alone)) / (1 + len(alone))))
+        fit.host = min(0.95 * solo, max(0.0, (prior * config.host_prior * solo + sum(alone)) / (prior + len(alone))))
         split = [(w.seconds - max(c[2] for c in w.chunks) - fit.host) / (len(w.chunks) - 1)
                  for w in fit.windows if len(w.chunks) > 1]
-        fit.replica = max(0.0, sum(split) / (1 + len(split)))
-        weight, total = 1.0, config.fixed_prior * fit.device
+        fit.replica = max(0.0, sum(split) / (prior + len(split)))
+        weight, total = prior, prior * config.fixed_prior * fit.device
         for window in fit.windows:
             for gpu, samples, seconds, others in window.chunks:
                 if others is not None:
@@ -198,7 +202,7 @@ class Model:
                     if others == () and seconds > 0 and samples >= fit.batch:  # the whole batch, alone
                         logs.setdefault(gpu, []).append(math.log(fit.alone(samples) / seconds))
         for gpu, values in logs.items():
-            self.speed[gpu] = math.exp(sum(values) / (1 + len(values)))  # the prior: log 1 = 0, one window
+            self.speed[gpu] = math.exp(sum(values) / (self.config.prior_weight + len(values)))  # the prior: log 1
 
     def _fit_kappa(self, name: str, fit: AppFit) -> None:
         """Ridge regression of i's chunk stretch on its co-runners' duties, towards ``kappa_prior``."""
@@ -219,7 +223,8 @@ class Model:
             return
         a, y = np.array(rows), np.array(targets)
         prior = np.full(len(partners), self.config.kappa_prior)
-        kappa = np.linalg.solve(a.T @ a + np.eye(len(partners)), a.T @ y + prior)
+        weight = self.config.prior_weight
+        kappa = np.linalg.solve(a.T @ a + weight * np.eye(len(partners)), a.T @ y + weight * prior)
         for other, value in zip(partners, np.clip(kappa, 0.0, 10.0)):
             self.kappa[name, other] = float(value)
 

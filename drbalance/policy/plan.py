@@ -134,7 +134,9 @@ class Layout:
         mover's own, and that of each app sharing a GPU with it, whose chunk there stretches by
         kappa x the mover's change of duty."""
         _, own, duty = self.own(apps, ratios, self.stretch[apps], samples)
-        delta = duty - self.duty[apps]
+        kept = np.array([ratio == self.ratios[j] for j, ratio in zip(apps, ratios)], dtype=bool)
+        own[kept] = 0.0  # keeping a DR changes nothing (the one-step estimate is not the fixed point exactly)
+        delta = np.where(kept[:, None], 0.0, duty - self.duty[apps])
         reach = (np.abs(delta) > 1e-12).astype(float) @ (self.unshared > 0).T.astype(float)  # changes x apps
         reach[np.arange(len(apps)), apps] = 0.0
         change, app = np.nonzero(reach)
@@ -144,6 +146,93 @@ class Layout:
         rows = np.concatenate([np.arange(len(apps)), change])
         return csr_matrix((np.concatenate([own, others]), (rows, np.concatenate([apps, app]))),
                           shape=(len(apps), len(self.names)))
+
+
+@dataclass
+class Programme:
+    """The integer programme of the module docstring: one column per change (an app to one of its
+    options, or two apps exchanging DRs) and its effects ``G`` on every app's SD (columns x apps)."""
+
+    effects: csr_matrix
+    movers: list[tuple[int, ...]]  # per column, the apps it changes
+    taken: list[tuple[DataRatio, ...]]  # ...and the DR each of them takes
+    who: np.ndarray  # apps x columns: 1 where the column changes the app
+    adds: np.ndarray  # GPUs x columns: how many of its apps the column adds load to the GPU for
+    sd: np.ndarray  # every app's predicted SD at finish in the layout now
+
+    @classmethod
+    def build(cls, layout: Layout, choices: list[list[DataRatio]]) -> Programme:
+        count = len(layout.names)
+        apps = np.array([j for j, choices_j in enumerate(choices) for _ in choices_j], dtype=int)
+        ratios = [ratio for choices_j in choices for ratio in choices_j]
+        index = {(j, ratio): o for o, (j, ratio) in enumerate(zip(apps, ratios))}
+        samples = layout.split(apps, ratios)
+        effects = layout.effects(apps, ratios, samples)
+        pairs = _swaps(layout.ratios, index)
+        adds = (samples > layout.samples[apps]).T.astype(float)
+        who = np.zeros((count, len(apps)))
+        who[apps, np.arange(len(apps))] = 1.0
+        if pairs:  # each of the two without the other beside it; the others as for the two moves
+            first, second = np.array(pairs, dtype=int).T
+            j_moves = [index[j, layout.ratios[k]] for j, k in pairs]
+            k_moves = [index[k, layout.ratios[j]] for j, k in pairs]
+            swaps = (effects[j_moves] + effects[k_moves]).tolil()
+            for mover, partner, moves in ((first, second, j_moves), (second, first, k_moves)):
+                stretch = layout.stretch[mover] - layout.kappa[mover, partner][:, None] * layout.duty[partner]
+                _, own, _ = layout.own(mover, [ratios[o] for o in moves], stretch, samples[moves])
+                swaps[np.arange(len(pairs)), mover] = own
+            effects = vstack([effects, swaps.tocsr()]).tocsr()
+            adds = np.hstack([adds, adds[:, j_moves] + adds[:, k_moves]])
+            pair_who = np.zeros((count, len(pairs)))
+            pair_who[first, np.arange(len(pairs))] = pair_who[second, np.arange(len(pairs))] = 1.0
+            who = np.hstack([who, pair_who])
+        movers = [(int(j),) for j in apps] + pairs
+        taken = [(ratio,) for ratio in ratios] + [(layout.ratios[k], layout.ratios[j]) for j, k in pairs]
+        return cls(effects, movers, taken, who, adds, layout.sd)
+
+    def value(self, columns: Sequence[int]) -> float | None:
+        """The objective of taking ``columns`` (x = 1 there, 0 elsewhere); None if that breaks a constraint."""
+        x = np.zeros(len(self.movers))
+        x[list(columns)] = 1.0
+        change = self.effects.T @ x
+        if not np.allclose(self.who @ x, 1.0) or (self.adds @ x > 1.0).any() or change.sum() > 1e-12:
+            return None
+        return float((self.sd + change).max() + MEAN_WEIGHT * change.sum() / len(self.sd))
+
+    def solve(self, seconds: float) -> list[int]:
+        """The columns HiGHS takes within ``seconds`` (an integer answer), else those of its LP
+        relaxation (each app's largest, whole)."""
+        count, gpus, top = len(self.sd), len(self.adds), len(self.movers)
+        mean = np.asarray(self.effects.sum(axis=1)).ravel()  # each column's effect on the sum of the SDs
+        matrix = vstack([hstack([-self.effects.T, np.ones((count, 1))]),  # t >= SD0 + G x
+                         csr_matrix(np.hstack([self.who, np.zeros((count, 1))])),  # one change per app
+                         csr_matrix(np.hstack([self.adds, np.zeros((gpus, 1))])),  # one app adds load per GPU
+                         csr_matrix(np.append(mean, 0.0))]).tocsr()  # the mean does not rise
+        lower = np.concatenate([self.sd, np.ones(count), np.zeros(gpus), [-np.inf]])
+        upper = np.concatenate([np.full(count, np.inf), np.ones(count), np.ones(gpus), [0.0]])
+        constraint = LinearConstraint(matrix, lower, upper)
+        cost = np.append(MEAN_WEIGHT * mean / count, 1.0)
+        bounds = Bounds(np.append(np.zeros(top), -np.inf), np.append(np.ones(top), np.inf))
+        result = milp(cost, constraints=constraint, integrality=np.append(np.ones(top), 0), bounds=bounds,
+                      options={"time_limit": seconds})
+        if result.x is None:
+            result = milp(cost, constraints=constraint, bounds=bounds)
+        if result.x is None:
+            return []
+        taken, covered = [], set()
+        for column in np.argsort(-result.x[:top], kind="stable"):
+            if result.x[column] > 1e-6 and covered.isdisjoint(self.movers[column]):
+                taken.append(int(column))
+                covered.update(self.movers[column])
+        return taken
+
+    def ratios(self, columns: Sequence[int], current: list[DataRatio]) -> list[DataRatio]:
+        """Every app's DR once ``columns`` are taken."""
+        chosen = list(current)
+        for column in columns:
+            for mover, ratio in zip(self.movers[column], self.taken[column]):
+                chosen[mover] = ratio
+        return chosen
 
 
 class PlanPolicy:
@@ -184,57 +273,8 @@ class PlanPolicy:
 
     def solve(self, layout: Layout, choices: list[list[DataRatio]]) -> list[DataRatio]:
         """Each app's DR in the plan the programme of the module docstring picks."""
-        count, gpus = len(layout.names), len(layout.speed)
-        apps = np.array([j for j, choices_j in enumerate(choices) for _ in choices_j], dtype=int)
-        ratios = [ratio for choices_j in choices for ratio in choices_j]
-        index = {(j, ratio): o for o, (j, ratio) in enumerate(zip(apps, ratios))}
-        samples = layout.split(apps, ratios)
-        singles = layout.effects(apps, ratios, samples)
-        pairs = _swaps(layout.ratios, index)
-        movers = [(int(j),) for j in apps] + pairs
-        taken = [(ratio,) for ratio in ratios] + [(layout.ratios[k], layout.ratios[j]) for j, k in pairs]
-        adds = (samples > layout.samples[apps]).T.astype(float)  # GPUs each change adds load to
-        who = np.zeros((count, len(apps)))
-        who[apps, np.arange(len(apps))] = 1.0
-        effects = singles
-        if pairs:  # each of the two without the other beside it; the others as for the two moves
-            first, second = np.array(pairs, dtype=int).T
-            j_moves = [index[j, layout.ratios[k]] for j, k in pairs]
-            k_moves = [index[k, layout.ratios[j]] for j, k in pairs]
-            swaps = (singles[j_moves] + singles[k_moves]).tolil()
-            for mover, partner, moves in ((first, second, j_moves), (second, first, k_moves)):
-                stretch = layout.stretch[mover] - layout.kappa[mover, partner][:, None] * layout.duty[partner]
-                _, own, _ = layout.own(mover, [ratios[o] for o in moves], stretch, samples[moves])
-                swaps[np.arange(len(pairs)), mover] = own
-            effects = vstack([singles, swaps.tocsr()]).tocsr()
-            adds = np.hstack([adds, adds[:, j_moves] + adds[:, k_moves]])
-            pair_who = np.zeros((count, len(pairs)))
-            pair_who[first, np.arange(len(pairs))] = pair_who[second, np.arange(len(pairs))] = 1.0
-            who = np.hstack([who, pair_who])
-        top = effects.shape[0]  # the variable t
-        mean = np.asarray(effects.sum(axis=1)).ravel()  # each change's effect on the sum of the SDs
-        matrix = vstack([hstack([-effects.T, np.ones((count, 1))]), csr_matrix(np.hstack([who, np.zeros((count, 1))])),
-                         csr_matrix(np.hstack([adds, np.zeros((gpus, 1))])), csr_matrix(np.append(mean, 0.0))]).tocsr()
-        lower = np.concatenate([layout.sd, np.ones(count), np.zeros(gpus), [-np.inf]])
-        upper = np.concatenate([np.full(count, np.inf), np.ones(count), np.ones(gpus), [0.0]])
-        cost = np.append(self.objective(layout, effects), 1.0)
-        bounds = Bounds(np.append(np.zeros(top), -np.inf), np.append(np.ones(top), np.inf))
-        constraint = LinearConstraint(matrix, lower, upper)
-        result = milp(cost, constraints=constraint, integrality=np.append(np.ones(top), 0), bounds=bounds,
-                      options={"time_limit": self.config.solve_seconds})
-        if result.x is None:  # no integer answer in time: the LP relaxation, the largest x of each app
-            result = milp(cost, constraints=constraint, bounds=bounds)
-        chosen, weight = list(layout.ratios), [0.0] * count
-        for column in np.argsort(-result.x[:top]) if result.x is not None else ():
-            changed = movers[column]
-            if result.x[column] > 0.5 * max(weight[m] for m in changed) and not any(weight[m] for m in changed):
-                for mover, ratio in zip(changed, taken[column]):
-                    chosen[mover], weight[mover] = ratio, result.x[column]
-        return chosen
-
-    def objective(self, layout: Layout, effects: csr_matrix) -> np.ndarray:
-        """Cost of each change beyond ``t``: its effect on the mean SD, weighted."""
-        return MEAN_WEIGHT * np.asarray(effects.sum(axis=1)).ravel() / len(layout.names)
+        programme = Programme.build(layout, choices)
+        return programme.ratios(programme.solve(self.config.solve_seconds), layout.ratios)
 
     def _judge(self, layout: Layout, chosen: list[DataRatio], trigger: str) -> Plan:
         """The plan in full against the layout now: kept if it pays beyond the model's error."""
