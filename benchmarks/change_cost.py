@@ -11,10 +11,11 @@ in ``BalancedDataParallel`` and changes its DR again and again, in two kinds of 
 
 For each change it times the first two steps after it against the median of the steps that
 follow them under the same DR (warm: what the new DR costs every step is not counted), and
-reports the medians of the extra seconds and of the extra as a share of a step. Devices: ``cpu`` (the CPU path), ``emulated`` (two emulated
-GPUs, ``DRBALANCE_EMULATED_GPUS``'s backend) and ``cuda`` (two GPUs, ``cudnn.benchmark`` on;
-one GPU: reshape only). The simulator charges the figure in ``drbalance/defaults.py``
-(``CHANGE_SECONDS``) per change; docs/policy.md says which measurement it comes from.
+reports the medians of the extra seconds and of the extra as a share of a step. Devices: ``cpu``
+(the CPU path), ``emulated`` (two emulated GPUs, ``DRBALANCE_EMULATED_GPUS``'s backend) and
+``cuda`` (two GPUs, ``cudnn.benchmark`` on; one GPU: reshape only). The simulator charges the
+figure in ``drbalance/defaults.py`` (``CHANGE_COST_ITERATIONS``, in steps) per change;
+docs/simulator.md says which measurement it comes from.
 
     python -m benchmarks.change_cost                       # cpu and emulated (and cuda if present)
     python -m benchmarks.change_cost --devices cuda --model resnet50 --image 224 --batch 64

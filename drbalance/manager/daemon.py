@@ -431,8 +431,8 @@ class Manager:
             return
         trigger = "arrival" if arrived else "departure" if left else "period"
         self._planned_apps, self._next["plan"] = names, now + self._planner.plan_period
-        if not names:
-            return
+        if not names and trigger == "period":
+            return  # nobody to plan for
         self._refresh_all(now)
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         started = time.perf_counter()
