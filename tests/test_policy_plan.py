@@ -27,7 +27,8 @@ class Truth:
     """Apps that follow the model's equations with known parameters (the test's own fixed point)."""
 
     def __init__(self, host, fixed, solo, speed, kappa, replica=0.0):
-        self.host, self.fixed, self.solo, self.speed, self.kappa, self.replica = host, fixed, solo, speed, kappa, replica
+        self.host, self.fixed, self.solo, self.speed = host, fixed, solo, speed
+        self.kappa, self.replica = kappa, replica
 
     def measure(self, layout: dict[str, DataRatio]) -> dict[str, tuple[float, list[float | None], tuple[int, ...]]]:
         """Per app: iteration seconds, chunk seconds per GPU and samples per GPU in ``layout``."""
@@ -79,7 +80,8 @@ def test_the_model_recovers_known_parameters_from_synthetic_measurements():
     assert a.fixed == pytest.approx(0.03, rel=0.15)
     assert a.replica == pytest.approx(0.02, rel=0.1)
     assert model.speed[0] == pytest.approx(1.0, rel=0.02) and model.speed[1] == pytest.approx(0.5, rel=0.05)
-    assert model.kappa["a", "b"] == pytest.approx(0.6, abs=0.08) and model.kappa["b", "a"] == pytest.approx(0.8, abs=0.08)
+    assert model.kappa["a", "b"] == pytest.approx(0.6, abs=0.08)
+    assert model.kappa["b", "a"] == pytest.approx(0.8, abs=0.08)
     # and it predicts a layout it never measured
     unseen = {"a": DataRatio([0, 0, 10]), "b": DataRatio([0, 0, 10])}
     seconds, _ = model.times(["a", "b"], np.array([unseen[n].split(BATCH) for n in ("a", "b")], dtype=float))

@@ -15,13 +15,16 @@ from drbalance.workload.models import model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
 
+TO_GPU_1 = DataRatio([0, 10])
+
+
 class _Recorder:
     """A planner that moves app ``a`` to GPU 1 at its first period plan and records every call."""
 
     name = "observe"
     plan_period = 5.0
 
-    def __init__(self, move: DataRatio | None = DataRatio([0, 10])) -> None:
+    def __init__(self, move: DataRatio | None = TO_GPU_1) -> None:
         self.calls: list[tuple[str, tuple[str, ...]]] = []
         self.move = move
 
