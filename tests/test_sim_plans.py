@@ -14,7 +14,6 @@ from drbalance.sim import SimConfig, Simulation
 from drbalance.workload.models import model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
-
 TO_GPU_1 = DataRatio([0, 10])
 
 
