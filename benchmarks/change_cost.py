@@ -69,7 +69,9 @@ def backend_for(device: str, model_name: str) -> tuple[Callable[[], object], Cal
 
 
 def measure(device: str, args: argparse.Namespace) -> dict:
-    """Extra seconds of the first two steps after each change, per kind of change."""
+    """Extra seconds of the first two steps after each change, per kind of change. With one CUDA
+    GPU a DR cannot give a chunk a new shape: the batch's size changes instead (``reshape``: the same
+    new shapes for cuDNN), and no device is new."""
     torch.manual_seed(0)
     make_backend, sync = backend_for(device, args.model)
     where = "cuda:0" if device == "cuda" else "cpu"
@@ -81,21 +83,21 @@ def measure(device: str, args: argparse.Namespace) -> dict:
     for change in range(args.changes):
         model = getattr(torchvision.models, args.model)(weights=None, num_classes=10).to(where)
         devices = [0, 1] if two else [0]
-        first = DataRatio([TOTAL, 0] if two else [TOTAL], TOTAL)
-        runner = BalancedDataParallel(model, device_ids=devices, ratio=first, backend=make_backend())
+        runner = BalancedDataParallel(model, device_ids=devices, ratio=DataRatio([TOTAL, 0] if two else [TOTAL], TOTAL),
+                                      backend=make_backend())
         step = make_step(runner, x, y, sync)
         for _ in range(args.warmup):
             step()
         if two:  # first use of device 1
             rows["new_device"].append(_around(step, runner, DataRatio([TOTAL // 2, TOTAL // 2], TOTAL), args.steady))
-        else:
-            runner.set_ratio(first)
         for index in range(args.reshapes):
             a = splits[(change * args.reshapes + index) % len(splits)]
-            ratio = DataRatio([a, TOTAL - a], TOTAL) if two else first
-            if not two:
-                break
-            rows["reshape"].append(_around(step, runner, ratio, args.steady))
+            if two:
+                rows["reshape"].append(_around(step, runner, DataRatio([a, TOTAL - a], TOTAL), args.steady))
+            else:
+                size = max(2, round(args.batch * a / TOTAL))
+                resized = make_step(runner, x[:size], y[:size], sync)
+                rows["reshape"].append(_around(resized, runner, runner.ratio, args.steady))
     return {kind: _summary(values) for kind, values in rows.items() if values}
 
 

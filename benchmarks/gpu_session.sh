@@ -34,6 +34,10 @@ echo "rc=$?"
 timeout 150 python3 -m benchmarks.bench_parallel --gpu-only --repeats 30 --model resnet50 --batch 64 --image 224
 echo "rc=$?"
 
+step "what a DR change costs a job on CUDA (benchmarks.change_cost, cudnn.benchmark on)"
+timeout 200 python3 -m benchmarks.change_cost --devices cuda --model resnet50 --image 224 --batch 64 --changes 3
+echo "rc=$?"
+
 step "where the wrapper's host time goes (benchmarks.profile_wrapper, ResNet-18)"
 timeout 90 python3 -m benchmarks.profile_wrapper --steps 300 --top 30
 echo "rc=$?"
