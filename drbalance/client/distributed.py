@@ -614,10 +614,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
 
     Arguments are those of ``DistributedDataParallel`` (passed through) plus, by keyword:
 
-    - ``ratio``: a :class:`~drbalance.DataRatio` or list of integer shares, one per rank of the
-      job (the process group's ranks, in rank order), each at least ``MIN_SHARE`` (1) unit.
-      Default: equal shares (an even split, as plain DDP). A total below 10 is raised to a
-      multiple of itself (``[1, 1]/2`` is kept as ``[5, 5]/10``: same proportions, same splits).
+    - ``ratio``: a :class:`~drbalance.DataRatio` or one weight per rank of the job (the process
+      group's ranks, in rank order; ``drbalance.ratio.as_ratio``: ``[3, 7]``, ``[1, 1]``, ``[0.3, 0.7]``),
+      each rank at least ``MIN_SHARE`` (1) unit. Default: equal shares (an even split, as plain
+      DDP). A total below 10 is raised to a multiple of itself (``[1, 1]`` is kept as ``[5, 5]/10``:
+      same proportions, same splits).
       Every rank must be given the same DR; the constructor checks it.
     - ``loss_reduction``: ``"mean"`` (default) if each rank's loss is the mean over its own
       samples (PyTorch's default), ``"sum"`` if it is a sum over them. Either way every rank ends
@@ -645,7 +646,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         self,
         module: nn.Module,
         *args: Any,
-        ratio: DataRatio | Sequence[int] | None = None,
+        ratio: DataRatio | Sequence[float] | None = None,
         loss_reduction: str = "mean",
         device_label: str | None = None,
         device_uuid: str | None = None,
@@ -746,7 +747,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """The DR of global batches from the next one the sampler produces on."""
         return self.ratio_schedule.latest
 
-    def set_ratio(self, ratio: DataRatio | Sequence[int], from_batch: int | None = None) -> int:
+    def set_ratio(self, ratio: DataRatio | Sequence[float], from_batch: int | None = None) -> int:
         """Split global batches from ``from_batch`` (default: the next one) by ``ratio``; returns that index.
 
         A local call: make it on every rank with the same arguments at the same step (as every
@@ -755,7 +756,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """
         return self.ratio_schedule.set(check_rank_ratio(ratio, self.world_size), from_batch)
 
-    def propose_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
+    def propose_ratio(self, ratio: DataRatio | Sequence[float]) -> None:
         """Rank 0: have every rank use ``ratio`` soon, at no extra communication (other ranks: ignored).
 
         The proposal rides on the next control exchange (within K synchronising steps, see

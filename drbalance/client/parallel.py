@@ -141,8 +141,10 @@ def fold_single_samples(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(folded)
 
 
-def coerce_ratio(value: DataRatio | Sequence[int] | Any) -> DataRatio:
-    """A DataRatio from a DataRatio, a sequence of integers, or a 1-D integer array or tensor."""
+def coerce_ratio(value: DataRatio | Sequence[float] | Any) -> DataRatio:
+    """A DataRatio from a DataRatio, a sequence of weights, or a 1-D numpy array or tensor of them
+    (``drbalance.ratio.as_ratio``: whole numbers keep their proportions, others are apportioned
+    to the DR total of 10)."""
     if isinstance(value, DataRatio):
         return value
     dtype = None
@@ -158,8 +160,7 @@ def coerce_ratio(value: DataRatio | Sequence[int] | Any) -> DataRatio:
     except ValueError as error:
         if dtype is None:
             raise
-        raise ValueError(f"{error} (the DR was an array of dtype {dtype}; give integer shares, e.g. "
-                         f"array.astype(int) or tensor.long())") from None
+        raise ValueError(f"{error} (the DR was an array of dtype {dtype})") from None
 
 
 class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
@@ -167,10 +168,12 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
 
     Arguments are those of ``nn.DataParallel`` plus:
 
-    - ``ratio``: a :class:`~drbalance.DataRatio`, a list of integer shares summing to 10, or a
-      1-D integer numpy array or tensor, one share per entry of ``device_ids``. Default: an
-      exactly even split (``[1] * len(device_ids)`` with total ``len(device_ids)``), which chunks
-      a batch as ``nn.DataParallel`` does up to rounding.
+    - ``ratio``: a :class:`~drbalance.DataRatio`, or one weight per entry of ``device_ids`` (a
+      list, or a 1-D numpy array or tensor): whole numbers keep their proportions (``[3, 1]`` is
+      ``[3, 1]/4``), other numbers are apportioned to the DR total of 10 by largest remainder
+      (``[0.7, 0.3]`` is ``[7, 3]/10``). Default: an exactly even split (``[1] * len(device_ids)``
+      with total ``len(device_ids)``), which chunks a batch as ``nn.DataParallel`` does up to
+      rounding.
     - ``backend``: where chunks run (:mod:`drbalance.client.backends`); default CUDA when
       available, else emulated GPUs when ``DRBALANCE_EMULATED_GPUS`` is set, else the CPU, where
       the same split path runs sequentially with one module.
@@ -193,7 +196,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        ratio: DataRatio | Sequence[int] | None = None,
+        ratio: DataRatio | Sequence[float] | None = None,
         *,
         backend: DeviceBackend | None = None,
         scalar_outputs: str = "weighted_mean",
@@ -238,10 +241,11 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         state = self._state
         return state.pending if state.pending is not None else state.ratio
 
-    def set_ratio(self, ratio: DataRatio | Sequence[int] | Any) -> None:
+    def set_ratio(self, ratio: DataRatio | Sequence[float] | Any) -> None:
         """Use ``ratio`` from the next forward on (a forward in progress keeps its split).
 
-        Accepts a DataRatio, a sequence of integers, or a 1-D integer numpy array or tensor.
+        Accepts a DataRatio, or weights as the constructor's ``ratio`` does (``list(model.ratio.shares)``
+        gives the same DR back).
         """
         self._state.pending = self._checked(coerce_ratio(ratio))
 

@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 
 from drbalance.ipc.names import APP_NAME_PATTERN
-from drbalance.ratio import DataRatio
+from drbalance.ratio import MAX_TOTAL, DataRatio
 
 LAYOUT_VERSION = 2
 MAX_GPUS = 32
@@ -75,8 +75,8 @@ def _ratio(count: int, total: int, shares: tuple[int, ...], where: str) -> DataR
 def _shares(ratio: DataRatio) -> list[int]:
     if len(ratio) > MAX_GPUS:
         raise ValueError(f"a DR of {len(ratio)} GPUs does not fit the record (at most {MAX_GPUS})")
-    if ratio.total > 0xFFFF:
-        raise ValueError(f"a DR total of {ratio.total} does not fit the record (at most 65535)")
+    if ratio.total > MAX_TOTAL:
+        raise ValueError(f"a DR total of {ratio.total} does not fit the record (at most {MAX_TOTAL})")
     return list(ratio.shares) + [0] * (MAX_GPUS - len(ratio))
 
 

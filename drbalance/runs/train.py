@@ -31,7 +31,7 @@ from drbalance.client.session import RatioTarget
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
-from drbalance.ratio import DataRatio
+from drbalance.ratio import as_ratio
 from drbalance.workload.models import MIN_IMAGE_SIZE
 
 if TYPE_CHECKING:
@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'cuda', 'emulated:N[:MEMORY]' (e.g. emulated:4:16GiB), 'cpu', or 'auto' (CUDA if "
                         "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
     parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all); CUDA only")
-    parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
+    parser.add_argument("--ratio", default=None,
+                        help="initial DR as whole-number weights, e.g. 3,3,2,2 or 3,1 (default: even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
                         "model's cost table). Required unless profiling.")
@@ -216,7 +217,7 @@ def parse_integers(text: str, option: str, example: str) -> list[int]:
 def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
-    ratio = DataRatio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
+    ratio = as_ratio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
     if args.gpus is not None and kind != "cuda":  # was ignored without a word
         raise ValueError(f"--gpus {args.gpus} chooses CUDA GPUs, but this job trains on the {kind}; leave --gpus "
                          f"out or use --devices cuda")
