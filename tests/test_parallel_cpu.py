@@ -2,6 +2,7 @@
 
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -249,7 +250,9 @@ def test_default_ratio_is_an_exactly_even_split():
         ({"dim": "0"}, ValueError, "dim must be an integer"),
         ({"scalar_outputs": "sum"}, ValueError, "scalar_outputs must be one of"),
         ({"device_ids": [0, 0]}, ValueError, "duplicates"),
-        ({"device_ids": [torch.device("cuda", 0)]}, ValueError, "CUDA is not available"),
+        ({"device_ids": ["cuda"]}, ValueError, r"device_ids\[0\] is cuda without an index"),
+        ({"device_ids": ["gpu0"]}, ValueError, r"device_ids\[0\] is 'gpu0'; expected an integer, 'cuda:N'"),
+        ({"device_ids": [0, 1.5]}, ValueError, r"device_ids\[1\] is 1.5; expected an integer"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, error, message):
@@ -706,3 +709,13 @@ def test_the_dr_a_wrapper_shows_can_be_given_back_and_weights_are_accepted():
     weighted.set_ratio(torch.tensor([0.3, 0.7]))  # a float tensor of weights: apportioned to 10
     weighted(torch.randn(10, 4))
     assert weighted.ratio == DataRatio([3, 7]) and weighted.last_chunk_sizes == (3, 7)
+
+
+def test_device_ids_of_a_gpu_script_are_slot_labels_without_cuda():
+    """``device_ids=["cuda:0", "cuda:1"]`` and ``torch.device`` entries, as ``nn.DataParallel`` takes
+    them, were refused on the CPU path ("expected an integer", "CUDA is not available here")."""
+    for ids, labels in ((["cuda:0", "cuda:1"], [0, 1]), ([torch.device("cuda", 2), torch.device("cuda:3")], [2, 3]),
+                        ([torch.device("cpu"), 5], [0, 5]), ([np.int64(1), "cuda:0"], [1, 0])):
+        model = BalancedDataParallel(nn.Linear(4, 2), device_ids=ids)
+        model(torch.randn(6, 4))
+        assert model.device_ids == labels and model.last_chunk_sizes == (3, 3)

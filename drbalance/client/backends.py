@@ -17,6 +17,7 @@ slot's GPU UUID, and each slot's peak device memory.
 from __future__ import annotations
 
 import logging
+import numbers
 import re
 import threading
 import time
@@ -194,6 +195,28 @@ def _slot_of(error: BaseException, device_ids: Sequence[int], device: int | None
     return None
 
 
+def slot_label(device: Any, position: int) -> int:
+    """Entry ``position`` of ``device_ids`` as an integer label: an integer as it is, a CUDA device
+    (``torch.device("cuda:1")`` or its name ``"cuda:1"``) as its index, the CPU as ``position``.
+    ValueError naming the entry for anything else, and for ``cuda`` without an index."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer, 'cuda:N' or a "
+                             f"torch.device") from None
+    if isinstance(device, torch.device):
+        if device.type == "cpu":
+            return position
+        if device.index is None:
+            raise ValueError(f"device_ids[{position}] is {device} without an index; give {device.type}:N or the "
+                             f"integer N")
+        return device.index
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer, 'cuda:N' or a torch.device")
+    return int(device)
+
+
 def _distinct_device_ids(device_ids: list[int], device: str) -> list[int]:
     """``device_ids`` when they name at least one ``device`` and none twice; else ValueError."""
     if len(set(device_ids)) != len(device_ids):
@@ -230,21 +253,12 @@ class CpuBackend(DeviceBackend):
     kind = "cpu"
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
+        """Slot labels: integers, or the devices a script written for GPUs passes, as
+        ``nn.DataParallel`` takes them (``"cuda:1"``, ``torch.device("cuda", 1)``: label 1;
+        ``"cpu"``: the entry's position)."""
         if device_ids is None:
             return list(range(ratio_length or 1))
-        labels = []
-        for position, device in enumerate(device_ids):
-            if isinstance(device, torch.device) and device.type != "cpu":
-                raise ValueError(
-                    f"device_ids[{position}] is {device}, but CUDA is not available here; without "
-                    f"CUDA, BalancedDataParallel runs its chunks on the CPU and device_ids are "
-                    f"integer slot labels (or None)"
-                )
-            if isinstance(device, torch.device):
-                device = device.index if device.index is not None else position
-            if isinstance(device, bool) or not isinstance(device, int):
-                raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer")
-            labels.append(device)
+        labels = [slot_label(device, position) for position, device in enumerate(device_ids)]
         return _distinct_device_ids(labels, "device")
 
     def describe(self, device_ids: Sequence[int], slot: int) -> str:

@@ -16,7 +16,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from drbalance.client.backends import ChunkPlan, DeviceBackend, default_backend
+from drbalance import env
+from drbalance.client.backends import ChunkPlan, CpuBackend, DeviceBackend, default_backend
 from drbalance.client.buffers import tracked_buffers
 from drbalance.client.scatter_gather import SCALAR_MODES, batch_size_of
 from drbalance.client.timing import ReplicaTiming
@@ -226,6 +227,17 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         self._state = _ForwardState(initial)
         self.backend.prepare(self.module, self.device_ids)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.load`` of a model saved whole, a copy): a wrapper whose emulated GPUs
+        came from ``DRBALANCE_EMULATED_GPUS`` runs on the CPU path where that variable is not set
+        (it reopened emulated GPUs there), and on emulated GPUs, as saved, where it is. A backend
+        the script chose itself (``backend=``) stays as it was."""
+        super().__setstate__(state)
+        if getattr(self.backend, "chosen_by_environment", False) and not env.emulated_gpus():
+            logger.info("drbalance: a model saved on emulated GPUs runs on the CPU path here "
+                        "(DRBALANCE_EMULATED_GPUS is not set)")
+            self.backend = CpuBackend()
+
     # --- the data ratio -----------------------------------------------------------------------
     def _checked(self, ratio: DataRatio) -> DataRatio:
         if len(ratio) != len(self.device_ids):
@@ -329,7 +341,15 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)
 
+    @torch.compiler.disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Split the batch by the DR, run the replicas, gather the outputs in sample order.
+
+        Kept out of ``torch.compile`` (``torch.compiler.disable``): the split and the bookkeeping
+        (DR, timings, out-of-memory records, emulated costs) change with every DR and would make
+        dynamo break its graphs and recompile at each change. ``model.compile()`` compiles the
+        wrapped module instead (:meth:`compile`), whose chunks then run compiled.
+        """
         with torch.autograd.profiler.record_function("BalancedDataParallel.forward"):
             state = self._state
             training = torch.is_grad_enabled()
@@ -359,6 +379,13 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
             output, timings = self.backend.run(self.module, self.device_ids, self.output_device, plan, inputs, kwargs)
             self._forward_done(ratio, plan, timings, training)
             return output
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile the wrapped module in place (``self.module.compile(*args, **kwargs)``, as
+        ``nn.Module.compile`` takes them); the split and drbalance's bookkeeping stay uncompiled
+        (:meth:`forward`). Chunk sizes change with the DR: ``dynamic=True`` compiles once for all
+        of them (by default dynamo recompiles once, at the first new size, then treats it as dynamic)."""
+        self.module.compile(*args, **kwargs)
 
     def train_step(self, closure: Callable[[], ResultT]) -> ResultT:
         """Run one training step's ``closure`` (forward, loss, ``backward()``); return its result.
