@@ -162,7 +162,7 @@ def check_stored_profile(parser: argparse.ArgumentParser, solo_time: float | str
     if not isinstance(solo_time, str) or env.profile_output() is not None:
         return
     try:
-        resolve_solo_time(solo_time)
+        resolve_solo_time(solo_time, 1)
     except (ProfileNotFound, ValueError, OSError) as error:  # ValueError: an unreadable profiles file
         parser.error(f"argument {option}: {error}")
 

@@ -16,8 +16,10 @@ slot's GPU UUID, and each slot's peak device memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
+import os
 import re
 import threading
 import time
@@ -44,6 +46,7 @@ from drbalance.client.scatter_gather import (
     scatter_by_sizes,
 )
 from drbalance.client.timing import ReplicaTiming
+from drbalance.manager.nvml import Nvml, NvmlUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,12 @@ class DeviceBackend(ABC):
     def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
         """The GPU UUID of each DR slot's device ("" = unknown), as NVML names it (``GPU-...``)."""
         return ("",) * len(device_ids)
+
+    def slots_alone(self, device_ids: Sequence[int]) -> tuple[bool | None, ...]:
+        """Per DR slot: whether no other process uses its device now (None = cannot tell). A job
+        without a solo-run time takes the chunk times of slots it has alone as its solo device
+        time (``drbalance.solo_estimate``)."""
+        return (None,) * len(device_ids)
 
     def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
         """Peak device memory in bytes per DR slot since the last call (None = not measured)."""
@@ -434,6 +443,12 @@ class CudaBackend(DeviceBackend):
             uuids.append(raw if not raw or raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}")
         return tuple(uuids)
 
+    def slots_alone(self, device_ids):
+        """NVML's compute processes on each slot's GPU: alone when this process is the only one
+        listed; None when NVML cannot tell or does not list this process (a container with a pid
+        namespace of its own). Not run on a GPU in this repository's tests."""
+        return tuple(_alone_on_gpu(uuid) for uuid in self.device_uuids(device_ids))
+
     def take_peak_memory(self, device_ids):
         peaks = []
         for device in device_ids:
@@ -582,6 +597,26 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
     return obj
+
+
+@functools.cache
+def _client_nvml() -> Nvml:
+    """This process's NVML session for :func:`_alone_on_gpu` (initialised at its first call)."""
+    return Nvml()
+
+
+def _alone_on_gpu(uuid: str) -> bool | None:
+    """Whether this process is the only compute process NVML lists on GPU ``uuid`` (None: cannot tell)."""
+    if not uuid:
+        return None
+    nvml = _client_nvml()
+    try:
+        handle = nvml.call("nvmlDeviceGetHandleByUUID", uuid)
+        pids = {process.pid for process in nvml.call("nvmlDeviceGetComputeRunningProcesses", handle)}
+    except NvmlUnavailable:
+        return None
+    me = os.getpid()
+    return None if me not in pids else pids == {me}
 
 
 def default_backend() -> DeviceBackend:

@@ -216,6 +216,11 @@ class EmulatedBackend(CpuBackend):
     def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
         return tuple(self.gpus[d].uuid for d in device_ids)
 
+    def slots_alone(self, device_ids: Sequence[int]) -> tuple[bool | None, ...]:
+        """Per slot: whether no other live process holds memory on its emulated GPU (a replica there)."""
+        me = os.getpid()
+        return tuple(self.gpus[d].holders() <= {me} for d in device_ids)
+
     def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
         peaks = tuple(self._peak.get(d, 0) if self.costs is not None else None for d in device_ids)
         self._peak.clear()
