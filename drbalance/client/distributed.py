@@ -64,7 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from drbalance.client.inflight import InFlight
-from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio
+from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio, rank_sizes
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.client.timing import ReplicaTiming
 from drbalance.ratio import DataRatio
@@ -375,6 +375,8 @@ class _BalanceState:
         if self.counts is not None:  # the times are of the step before, whose counts are self.counts
             self.timed_counts, self.times = self.counts, found.times
         self.counts, self.ref = found.counts, sum(found.counts)
+        if self.exchange_index == 0 and self.rank == 0:  # the job's first step: does the loader follow the DR?
+            warn_if_loader_ignores(self.schedule.ratio_for(0), found.counts)
         if self.carried is not None and self.proposal is self.carried:
             self.proposal = None  # delivered
         if found.proposal is not None:
@@ -596,6 +598,21 @@ def _corrected_on_device(future: Any, step: _Step) -> torch.Tensor:
 _weighted_allreduce_hook.__annotations__ = {
     "state": _BalanceState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
 }
+
+
+def warn_if_loader_ignores(ratio: DataRatio, counts: tuple[int, ...]) -> bool:
+    """Warn (and return True) when ``ratio`` is uneven but every rank trained on the same number of
+    samples (``counts``) where it would split them unevenly: the job's loader does not follow its DR
+    (a ``DistributedSampler`` kept from a plain DDP script), so the manager's shares change nothing."""
+    if len(counts) < 2 or len(set(counts)) != 1 or sum(counts) < len(counts):
+        return False
+    if len(set(rank_sizes(ratio, sum(counts)))) == 1:
+        return False  # this DR splits such a batch evenly too
+    logger.warning(
+        "drbalance: the job's DR %s is uneven, but every rank trained on %d samples in its first step: its "
+        "loader does not follow the DR, so the manager's shares change nothing. Make the loader with "
+        "drbalance.client.balanced_loader(loader, model) (docs/ddp.md)", ratio, counts[0])
+    return True
 
 
 def _local_device(ddp: DistributedDataParallel) -> tuple[str, str]:
