@@ -11,8 +11,9 @@ measures itself:
   preferred: with several, the host time also holds DataParallel's overhead of the extra
   replicas, which a solo run does not pay.
 - **device seconds** of the whole batch on one GPU: from the chunks of slots whose GPU the job had
-  *alone* (no other process on it, as the backend tells: NVML's process list on CUDA, the emulated
-  GPU's memory table on emulated GPUs). With chunks of two sizes or more seen alone, a line
+  *alone* throughout a window (no other process on it at any report, as the backend tells: NVML's
+  process list on CUDA, the emulated GPU's memory table on emulated GPUs). Each chunk size's time
+  is the median of its last chunks seen alone; with two sizes or more, a line
   ``fixed + per_sample x samples`` is fitted to them (the form of the simulator's and the
   emulated GPUs' model, ``drbalance.workload.models.ModelCosts``) and read at the batch size;
   with one size, the chunk time is scaled in proportion to the batch. Without any chunk seen
@@ -36,8 +37,12 @@ ALONE = "alone"
 SHARED = "shared"
 
 HISTORY = 32
-"""Windows of measurements kept for the estimate (host times, chunks seen alone): enough to span a
-few DR changes, few enough that the estimate follows a job whose speed changes (a new phase)."""
+"""Windows of host times kept for the estimate, and chunk sizes seen alone (the line is fitted to
+the last ``HISTORY`` sizes): enough to span many DR changes, few enough that the estimate follows
+a job whose speed changes (a new phase)."""
+
+PER_SIZE = 8
+"""Chunks seen alone kept per chunk size; their median is that size's time (robust to a stray one)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ class SoloEstimator:
         self.parallel = parallel
         self._single_host: deque[float] = deque(maxlen=history)  # host seconds of windows with one replica
         self._multi_host: deque[float] = deque(maxlen=history)  # ... with several (DataParallel's overhead in)
-        self._alone: deque[tuple[float, float]] = deque(maxlen=history)  # (samples, seconds) of chunks seen alone
+        self._history = history
+        self._alone: dict[float, deque[float]] = {}  # chunk samples -> seconds of chunks of that size seen alone
         self._least_shared: float | None = None  # least chunk time seen, scaled to the batch
         self.estimate: SoloEstimate | None = None
 
@@ -89,17 +95,49 @@ class SoloEstimator:
         (self._single_host if len(used) == 1 else self._multi_host).append(host)
         for slot in used:
             if slot.alone:
-                self._alone.append((slot.samples, slot.seconds))
+                self._add_alone(slot.samples, slot.seconds)
             scaled = slot.seconds * batch / slot.samples
             if self._least_shared is None or scaled < self._least_shared:
                 self._least_shared = scaled
         host_seconds = statistics.median(self._single_host or self._multi_host)
         if self._alone:
-            device, basis = device_seconds_at(batch, list(self._alone)), ALONE
+            chunks = [(samples, statistics.median(times)) for samples, times in self._alone.items()]
+            device, basis = device_seconds_at(batch, chunks), ALONE
         else:
             device, basis = self._least_shared, SHARED
         self.estimate = SoloEstimate(host_seconds + device, host_seconds, device, basis)
         return self.estimate
+
+    def _add_alone(self, samples: float, seconds: float) -> None:
+        """Keep a chunk seen alone under its size (the sizes seen last are kept: ``history`` of them)."""
+        size = round(samples, 1)  # a window's mean size: whole numbers but for an epoch's short last batch
+        times = self._alone.pop(size, None) or deque(maxlen=PER_SIZE)
+        times.append(seconds)
+        self._alone[size] = times  # last in the order: seen most recently
+        if len(self._alone) > self._history:
+            del self._alone[next(iter(self._alone))]
+
+
+class AloneWindow:
+    """Per slot, whether the job had its GPU alone at every look since its window began: the chunk
+    means of a window count as alone only if no other process was seen there in it (one that left
+    mid-window leaves its slow chunks in the mean). None where the backend cannot tell."""
+
+    def __init__(self) -> None:
+        self._flags: list[bool | None] | None = None
+
+    def update(self, alone: Sequence[bool | None]) -> tuple[bool | None, ...]:
+        """Add a look (per slot: alone now?); return the flags for the whole window so far."""
+        if self._flags is None or len(self._flags) != len(alone):
+            self._flags = list(alone)
+        else:
+            self._flags = [None if was is None or now is None else was and now
+                           for was, now in zip(self._flags, alone)]
+        return tuple(self._flags)
+
+    def new_window(self) -> None:
+        """A decision boundary: the next window's means start afresh."""
+        self._flags = None
 
 
 def device_seconds_at(batch: float, chunks: Sequence[tuple[float, float]]) -> float:

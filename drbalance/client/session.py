@@ -63,7 +63,7 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
-from drbalance.solo_estimate import SlotSample, SoloEstimator
+from drbalance.solo_estimate import AloneWindow, SlotSample, SoloEstimator
 
 logger = logging.getLogger("drbalance.client")
 
@@ -220,6 +220,7 @@ class Session:
             self.solo = resolve_solo_time(solo_time, self.plan.total)  # a profile: scaled to this plan
         backend_kind = getattr(getattr(model, "backend", None), "kind", None)
         self.estimator = None if self.solo is not None else SoloEstimator(parallel=backend_kind != "cpu")
+        self.alone_window = AloneWindow()  # which GPUs the job had alone throughout the window (the estimate's)
         self.tracker = SlowdownTracker(self.plan, None if self.solo is None else self.solo.seconds,
                                        start=self.clock.monotonic(),
                                        done=start_epoch * self.plan.iterations_per_epoch,
@@ -472,7 +473,7 @@ class Session:
 
     def _estimate_solo_time(self) -> None:
         """The solo time from the window's iteration and chunk times (``drbalance.solo_estimate``)."""
-        alone = _slots_alone(self.model)
+        alone = self.alone_window.update(_slots_alone(self.model))
         slots = [None if mean is None else SlotSample(mean[0], mean[1], alone[slot])
                  for slot, mean in enumerate(self.slot_window.means())]
         estimate = self.estimator.observe(self.tracker.mean_iteration_time, self._last_batch(), slots)
@@ -555,6 +556,7 @@ class Session:
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
         self.slot_window.new_window()
+        self.alone_window.new_window()
 
     def _finish(self, now: float) -> None:
         """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""

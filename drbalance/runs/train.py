@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="initial DR as whole-number weights, e.g. 3,3,2,2 or 3,1 (default: even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
-                        "model's cost table). Required unless profiling.")
+                        "model's cost table); default: estimated by the job from its own measurements")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
     add_training_options(parser)
     parser.add_argument("--threads", type=thread_count, default=1,
@@ -239,17 +239,14 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
     return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
 
 
-def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str = "train.py",
-              profiling: bool = True) -> float | str:
+def solo_time(args: argparse.Namespace, kind: str, iterations: int,
+              program: str = "train.py") -> float | str | None:
     """The job's solo-run time in seconds from ``--solo-time`` (a number, ``auto`` with emulated
-    GPUs, or a profile name, returned as is); 1.0 while being profiled when ``profiling`` allows
-    it. Bad values exit with a message that starts with ``program``."""
+    GPUs, or a profile name, returned as is); None without one (the session estimates it). Bad
+    values exit with a message that starts with ``program``."""
     value = args.solo_time
     if value is None:
-        if profiling and env.profile_output() is not None:
-            return 1.0  # being profiled: the solo time is what is being measured
-        raise SystemExit(f"{program}: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
-                         "or 'auto' with emulated GPUs")
+        return None
     if value == "auto":
         if kind != "emulated":
             raise SystemExit(f"{program}: --solo-time auto needs emulated GPUs (their timing model is known)")
