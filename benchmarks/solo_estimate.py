@@ -1,7 +1,7 @@
 """The error of a job's online solo-time estimate (``drbalance.solo_estimate``) against the true solo time.
 
     python -m benchmarks.solo_estimate                     # the simulator: scenarios a, b, c x two placements
-    python -m benchmarks.solo_estimate --emulated RUN_DIR  # the SD logs of a launch on emulated GPUs
+    python -m benchmarks.solo_estimate --emulated RUN_DIR...  # the SD logs of launches on emulated GPUs
 
 **Simulator.** Each scenario runs under the manager's policy (``fair``), from round-robin (one GPU
 per app) and from ``spread`` (every app over every GPU). At each of an app's reports and
@@ -122,7 +122,7 @@ def emulated(run_dir: Path) -> list[AppError]:
                    if r.get("solo_estimated") and isinstance(r.get("solo_time"), (int, float))]
         if not records:
             continue
-        first = next((r for r in records if r.get("iteration", 0) >= spec.iterations_per_epoch), None)
+        first = next((r for r in records if r.get("iteration", 0) >= spec.iterations_per_epoch), None)  # epoch 1 end
         final = records[-1]
         rows.append(AppError(run_dir.name, spec.name, spec.model,
                              None if first is None else first["solo_time"] / true_total - 1.0,
@@ -152,14 +152,14 @@ def _percent(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--emulated", type=Path, default=None, metavar="RUN_DIR",
-                        help="read a launch's SD logs instead of simulating")
+    parser.add_argument("--emulated", type=Path, nargs="+", default=None, metavar="RUN_DIR",
+                        help="read launches' SD logs (drbalance launch ... --estimate-solo) instead of simulating")
     parser.add_argument("--scenarios", default="a,b,c", help="simulated scenarios (default a,b,c)")
     parser.add_argument("--placements", default="round-robin,spread", help="starting placements")
     parser.add_argument("--out", type=Path, default=None, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
     if args.emulated is not None:
-        rows = emulated(args.emulated)
+        rows = [row for run_dir in args.emulated for row in emulated(run_dir)]
         out = args.out or RESULTS.with_name("solo_estimate_emulated.json")
     else:
         rows = simulated(args.scenarios.split(","), args.placements.split(","))
