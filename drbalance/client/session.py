@@ -1,7 +1,7 @@
 """The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
 
     model = BalancedDataParallel(net.cuda(0), device_ids=[0, 1, 2, 3])
-    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader, solo_time="resnet50",
+    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader,
                       start_epoch=start_epoch)   # the plan from len(loader); resume at a later epoch
     for epoch in range(start_epoch, 90):
         for images, labels in loader:
@@ -153,11 +153,12 @@ class Session:
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
-    loader itself: its length is used), ``solo_time`` (seconds for the whole plan, or the name of
-    a stored profile), ``start_epoch`` (resuming from a checkpoint: epochs already done, default
-    0), ``report_every`` (iterations between records, default 5),
-    ``decide_every`` (iterations between decisions besides epoch ends; default None = at epoch
-    ends and when the manager's answer asks for the next decision),
+    loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
+    job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
+    the whole plan; or the name of a stored profile, scaled to this plan), ``start_epoch``
+    (resuming from a checkpoint: epochs already done, default 0), ``report_every`` (iterations
+    between records, default 5), ``decide_every`` (iterations between decisions besides epoch
+    ends; default None = at epoch ends and when the manager's answer asks for the next decision),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
     to wait for the manager's answer, default 0.5), ``send_timeout`` (seconds a notice may wait
