@@ -374,7 +374,7 @@ def test_simulate_refuses_a_policy_or_scheduler_another_option_would_ignore(caps
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "e2e-a", "--out", ""], "argument --out: expected a path, got ''"),
     (["report", "somewhere", "--out", ""], "argument --out: expected a path, got ''"),
-    (["report", ""], "argument runs: expected a path, got ''"),
+    (["report", ""], "argument PATH: expected a path, got ''"),
     (["launch", "e2e-a", "--run-dir", ""], "argument --run-dir: expected a path, got ''"),
     (["demo", "--out", ""], "argument --out: expected a path, got ''"),
     (["launch", "e2e-a", "--run-dir", "x", "--time-scale", "1e308"], "--time-scale: must be at most 10000"),
