@@ -14,9 +14,11 @@ from drbalance.client.emulated import EmulatedBackend
 from drbalance.emu.gpus import remove_emulated_gpus
 from drbalance.ipc.layout import AppState, AppStatus, SlotStatus
 from drbalance.ratio import DataRatio
+from drbalance.runs.launch import LaunchOptions, app_command
 from drbalance.slowdown import IterationPlan, SlowdownTracker
 from drbalance.solo_estimate import ALONE, SHARED, SlotSample, SoloEstimator, device_seconds_at
 from drbalance.workload.models import model_costs
+from drbalance.workload.scenarios import AppSpec, Scenario
 from tests.conftest import python_process
 
 COSTS = model_costs("resnet50")  # device time = fixed + per_sample x samples; host = 0.36 x device(batch)
@@ -173,3 +175,12 @@ def test_an_emulated_gpu_another_process_holds_gives_a_shared_estimate(emu, tmp_
     assert session.estimator.estimate.basis == SHARED
     # the holder runs nothing: the least chunk time is the solo one, marked as a bound
     assert session.tracker.solo_time == pytest.approx(6 * COSTS.solo_iteration(BATCH) * TIME_SCALE, rel=0.10)
+
+
+def test_launch_estimate_solo_starts_the_apps_without_a_solo_time(tmp_path):
+    scenario = Scenario("s", 2, (AppSpec("p", "resnet50", 32, 1, 4),))
+    given = app_command(LaunchOptions(scenario, "fair", tmp_path, "emulated"), 0, "emulated:2")
+    estimating = app_command(LaunchOptions(scenario, "fair", tmp_path, "emulated", estimate_solo=True), 0,
+                             "emulated:2")
+    solo = given.index("--solo-time")
+    assert given[:solo] + given[solo + 2:] == estimating and "--solo-time" not in estimating
