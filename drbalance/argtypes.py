@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from pathlib import Path
 
 from drbalance.defaults import MAX_JITTER
@@ -112,6 +114,28 @@ def non_empty_path(text: str) -> Path:
     return Path(text)
 
 
+AGO_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def point_in_time(text: str) -> float:
+    """A moment as wall-clock seconds: an ISO 8601 date or date and time in local time
+    (``2026-12-04``, ``2026-12-04T09:30``, ``2026-12-04 09:30:00``), or a time ago: a number and
+    a unit, ``s``, ``m``, ``h`` or ``d`` (``90m``, ``2h``, ``3d``)."""
+    unit = AGO_UNITS.get(text[-1:])
+    if unit is not None and text[:-1]:
+        try:
+            ago = float(text[:-1])
+        except ValueError:
+            ago = math.nan
+        if math.isfinite(ago) and ago >= 0:
+            return time.time() - ago * unit
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except (ValueError, OverflowError, OSError):
+        raise argparse.ArgumentTypeError(f"expected a date and time (2026-12-04, 2026-12-04T09:30) or a time ago "
+                                         f"(90m, 2h, 3d); got {text!r}") from None
+
+
 def names_from(known: Iterable[str], what: str) -> Callable[[str], list[str]]:
     """A type for a comma-separated list of names, each one of ``known`` (``what`` names them in
     the error: "policies", "mixes"); an empty list or an unknown name is a usage error."""
@@ -162,7 +186,7 @@ def check_stored_profile(parser: argparse.ArgumentParser, solo_time: float | str
     if not isinstance(solo_time, str) or env.profile_output() is not None:
         return
     try:
-        resolve_solo_time(solo_time)
+        resolve_solo_time(solo_time, 1)
     except (ProfileNotFound, ValueError, OSError) as error:  # ValueError: an unreadable profiles file
         parser.error(f"argument {option}: {error}")
 

@@ -21,7 +21,7 @@ from drbalance.helptext import HelpFormatter, environment_epilog
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("demo", "drbalance.runs.demo", "run the paper's scenario (a), scaled down, with and without balancing"),
     ("launch", "drbalance.runs.launch", "start a manager and a scenario's apps as real processes"),
-    ("report", "drbalance.report.command", "summarise and plot the logs of one or more runs"),
+    ("report", "drbalance.report.command", "summarise and plot your jobs' logs, or runs side by side"),
     ("simulate", "drbalance.sim.command", "simulate a scenario under a policy (no GPUs needed)"),
     ("status", "drbalance.manager.status", "show the running manager's apps and GPU utilisation"),
     ("profile", "drbalance.profiling.command", "measure and store an app's solo-run time"),

@@ -18,6 +18,9 @@ from itertools import compress
 DEFAULT_TOTAL = 10
 """The paper's granularity: shares are tenths of the mini-batch."""
 
+MAX_TOTAL = 0xFFFF
+"""The largest DR total the app's shared-memory record carries (an unsigned 16-bit field)."""
+
 
 def apportion(weights: Sequence[Fraction | int], amount: int) -> tuple[int, ...]:
     """Split ``amount`` whole units in proportion to non-negative ``weights`` (largest remainder).
@@ -131,14 +134,7 @@ class DataRatio:
     @classmethod
     def from_weights(cls, weights: Sequence[float], total: int = DEFAULT_TOTAL) -> DataRatio:
         """Shares proportional to non-negative real ``weights`` (largest remainder, exact sum)."""
-        fractions = []
-        for i, weight in enumerate(weights):
-            if not isinstance(weight, numbers.Real) or weight != weight or weight < 0:
-                raise ValueError(f"weight {i} of {list(weights)} is {weight!r}; need a real >= 0")
-            if weight == float("inf"):
-                raise ValueError(f"weight {i} of {list(weights)} is infinite")
-            fractions.append(Fraction(weight))
-        return cls(apportion(fractions, total), total)
+        return cls(apportion([Fraction(weight) for weight in _checked_weights(weights)], total), total)
 
     # --- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -186,8 +182,51 @@ def _check_gpu_count(gpu_count: int) -> None:
         raise ValueError(f"GPU count must be a positive integer; got {gpu_count!r}")
 
 
-def as_ratio(value: DataRatio | Sequence[int], total: int | None = None) -> DataRatio:
-    """Coerce a user value (a DataRatio or a list of ints) into a validated DataRatio."""
+def as_ratio(value: DataRatio | Sequence[float], total: int | None = None) -> DataRatio:
+    """A validated DataRatio from a user's value: a DataRatio, or one *weight* per GPU.
+
+    A DataRatio is taken as it is (expressed in ``total`` when one is given). A sequence of
+    non-negative numbers is a set of weights:
+
+    - whole numbers keep their exact proportions, with their sum as the DR total (``[1, 2, 7, 0]``
+      is ``[1, 2, 7, 0]/10``, ``[1, 1, 1, 1]`` is ``[1, 1, 1, 1]/4``, ``[3, 1]`` is ``[3, 1]/4``);
+    - other numbers (``[0.7, 0.3]``), whole numbers whose sum is beyond ``MAX_TOTAL``, and any
+      weights when ``total`` is given (unless they already sum to it) are apportioned to the DR
+      total (``total``, default ``DEFAULT_TOTAL``) by largest remainder, as :meth:`DataRatio.split`
+      splits a batch.
+
+    ``ValueError`` names the entry and the rule for a negative, NaN, infinite or non-numeric
+    weight, weights that are all zero, and an empty sequence.
+    """
     if isinstance(value, DataRatio):
         return value if total is None or total == value.total else DataRatio(value.shares, total)
-    return DataRatio(value, total)
+    weights = _checked_weights(value)
+    if all(isinstance(weight, numbers.Integral) for weight in weights):
+        whole = tuple(int(weight) for weight in weights)
+        if total is None and sum(whole) <= MAX_TOTAL:
+            return DataRatio(whole, sum(whole))
+        if total is not None and sum(whole) == total:
+            return DataRatio(whole, total)
+    wanted = DEFAULT_TOTAL if total is None else total
+    if isinstance(wanted, bool) or not isinstance(wanted, numbers.Integral) or wanted < 1:
+        raise ValueError(f"the DR total must be a positive integer; got {wanted!r}")
+    return DataRatio.from_weights(weights, int(wanted))
+
+
+
+def _checked_weights(value: object) -> tuple[numbers.Real, ...]:
+    """``value`` as a tuple of finite non-negative real numbers, not all zero; ValueError naming the entry."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"a DR is a sequence of shares (weights), one per GPU; got {value!r}")
+    if len(value) == 0:
+        raise ValueError("a DR needs at least one GPU entry; got an empty sequence")
+    for position, weight in enumerate(value):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise ValueError(f"DR shares must be non-negative numbers (weights); entry {position} of {list(value)} "
+                             f"is {weight!r} ({type(weight).__name__})")
+        if not weight >= 0 or weight == math.inf:  # NaN fails every comparison
+            raise ValueError(f"DR shares must be finite non-negative numbers (weights); entry {position} of "
+                             f"{list(value)} is {weight}")
+    if not any(value):
+        raise ValueError(f"DR shares {list(value)} are all zero: give at least one GPU a share")
+    return tuple(value)

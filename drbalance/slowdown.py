@@ -51,16 +51,18 @@ def check_solo_time(seconds: float) -> float:
 class SlowdownTracker:
     """Progress, the windowed mean iteration time, and SD (Eq. 2). Times in seconds."""
 
-    def __init__(self, plan: IterationPlan, solo_time: float, start: float, done: int = 0,
+    def __init__(self, plan: IterationPlan, solo_time: float | None, start: float, done: int = 0,
                  uncounted: Callable[[], float] | None = None) -> None:
-        """``uncounted``: seconds (cumulative, read at each call) of the clock's time that count
+        """``solo_time``: seconds for the whole plan, or None while not known yet (an estimate
+        comes later: :meth:`set_solo_time`; SD is None until then). ``uncounted``: seconds
+        (cumulative, read at each call) of the clock's time that count
         neither in iteration times nor in the SD; an emulated job's CPU time past its modelled host time
         (``DeviceBackend.uncounted_seconds``). Times passed in are the clock's; the tracker keeps
         its own run time, the clock's less what became uncounted since the tracker started."""
         if isinstance(done, bool) or not isinstance(done, int) or not 0 <= done < plan.total:
             raise ValueError(f"a run can start at iteration 0..{plan.total - 1} of its plan; got {done!r}")
         self.plan = plan
-        self.solo_time = check_solo_time(solo_time)
+        self.solo_time = None if solo_time is None else check_solo_time(solo_time)
         self._uncounted = uncounted
         self._uncounted_at_start = uncounted() if uncounted is not None else 0.0
         self.start = float(start)
@@ -97,12 +99,19 @@ class SlowdownTracker:
         """Continue with a longer ``plan`` (the solo time grows in proportion to its length)."""
         if plan.total < self.plan.total:
             raise ValueError(f"a plan can only grow: {plan.total} < {self.plan.total} iterations")
-        self.solo_time *= plan.total / self.plan.total
+        if self.solo_time is not None:
+            self.solo_time *= plan.total / self.plan.total
         self.plan = plan
 
+    def set_solo_time(self, seconds: float) -> None:
+        """A new solo-run time for the whole plan (an estimate refined as measurements come)."""
+        self.solo_time = check_solo_time(seconds)
+
     @property
-    def run_solo_time(self) -> float:
-        """Solo time of the part of the plan this run covers (all of it unless resumed)."""
+    def run_solo_time(self) -> float | None:
+        """Solo time of the part of the plan this run covers (all of it unless resumed); None while unknown."""
+        if self.solo_time is None:
+            return None
         return self.solo_time * (self.plan.total - self.first) / self.plan.total
 
     def new_window(self) -> None:
@@ -132,13 +141,16 @@ class SlowdownTracker:
         return self.done // self.plan.iterations_per_epoch
 
     def slowdown(self, now: float) -> float | None:
-        """SD at ``now``; None while no iteration time is known yet."""
+        """SD at ``now``; None while no iteration time (or no solo time) is known yet."""
+        solo = self.run_solo_time
+        if solo is None:
+            return None
         if self.finished:
-            return (self.last_mark - self.start) / self.run_solo_time
+            return (self.last_mark - self.start) / solo
         mean = self.mean_iteration_time
         if mean is None:
             return None
-        return (self.run_time(now) - self.start + self.iterations_left * mean) / self.run_solo_time
+        return (self.run_time(now) - self.start + self.iterations_left * mean) / solo
 
 
 # --- per-slot replica measurements ---------------------------------------------------------------

@@ -9,10 +9,12 @@ mini-batch is split over the GPUs; without one the job trains on with its own sp
     DRBALANCE_EMULATED_GPUS=4 python examples/integrate.py         # four emulated GPUs, no GPU needed
     python examples/integrate.py --epochs 90 --batch-size 256 --image-size 224 --solo-time resnet50
 
-``--solo-time`` is this job's run time alone in seconds (any number > 0: ``5400``, ``5.4e3``), or
-the name of a time stored with ``drbalance profile NAME -- python examples/integrate.py ...``;
-a number that is not finite and positive, an invalid name, or a name with no stored profile
-(unless ``drbalance profile`` is measuring this run) is a usage error.
+Without ``--solo-time`` the job estimates its run time alone from its own measurements (its SD is
+then marked as estimated; docs/profiles.md). ``--solo-time`` gives it: seconds (any number > 0:
+``5400``, ``5.4e3``), or the name of a time stored with ``drbalance profile NAME -- python
+examples/integrate.py ...`` (scaled to this run's epochs x iterations); a number that is not finite
+and positive, an invalid name, or a name with no stored profile (unless ``drbalance profile`` is
+measuring this run) is a usage error.
 """
 
 import argparse
@@ -33,8 +35,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=positive_int, default=4, help="iterations per epoch")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--image-size", type=positive_int, default=32, help="image side, pixels")
-    parser.add_argument("--solo-time", type=seconds_or_profile_name, default=60.0,
-                        help="seconds alone (a number > 0), or a stored profile's name")
+    parser.add_argument("--solo-time", type=seconds_or_profile_name, default=None,
+                        help="seconds alone (a number > 0), or a stored profile's name (default: estimated by the "
+                        "job from its own measurements)")
     args = parser.parse_args()
     check_stored_profile(parser, args.solo_time)  # a name no profile has: a usage error, before any work
     torch.manual_seed(0)

@@ -218,10 +218,10 @@ def test_an_os_error_of_a_command_is_one_line_not_a_traceback(tmp_path, capsys):
 
 
 def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
-    code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "3,3", "--solo-time", "1",
+    code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "0,0", "--solo-time", "1",
                           "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
     assert code == 2 and "Traceback" not in err, err
-    assert "drbalance.runs.train: error: DR shares [3, 3] sum to 6" in err
+    assert "drbalance.runs.train: error: DR shares [0, 0] are all zero" in err
 
 
 def test_report_names_a_file_given_as_a_run_and_a_corrupt_run_json(tmp_path, capsys):
@@ -374,7 +374,7 @@ def test_simulate_refuses_a_policy_or_scheduler_another_option_would_ignore(caps
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "e2e-a", "--out", ""], "argument --out: expected a path, got ''"),
     (["report", "somewhere", "--out", ""], "argument --out: expected a path, got ''"),
-    (["report", ""], "argument runs: expected a path, got ''"),
+    (["report", ""], "argument PATH: expected a path, got ''"),
     (["launch", "e2e-a", "--run-dir", ""], "argument --run-dir: expected a path, got ''"),
     (["demo", "--out", ""], "argument --out: expected a path, got ''"),
     (["launch", "e2e-a", "--run-dir", "x", "--time-scale", "1e308"], "--time-scale: must be at most 10000"),
@@ -440,8 +440,9 @@ def _one_rank_env() -> dict:
 @pytest.mark.parametrize("option, message", [
     (("--ratio", "1,x", "--solo-time", "10"), "--ratio takes comma-separated integers, e.g. 5,5; got '1,x'"),
     (("--solo-time", "no-such-profile"), "no-such-profile"),
-    (("--ratio", "1,1", "--solo-time", "10"), "--ratio: DR shares [1, 1] sum to 2, but the DR total is 10"),
+    (("--ratio", "0,0", "--solo-time", "10"), "--ratio: DR shares [0, 0] are all zero"),
     (("--ratio", "4,6", "--solo-time", "10"), "--ratio [4, 6]/10 has 2 entries but the job has 1 rank(s)"),
+    (("--ratio", "1,1", "--solo-time", "10"), "--ratio [5, 5]/10 has 2 entries but the job has 1 rank(s)"),
 ])
 def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one_line(ipc_env, option, message):
     code, _out, err = run("drbalance.runs.train_ddp", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",

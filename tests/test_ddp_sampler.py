@@ -181,10 +181,14 @@ def test_bad_ratios_and_sizes_are_rejected_with_the_rule():
         BalancedBatchSampler(100, 10, rank=0, world_size=2, shuffle="no")
     assert sampler.ratio == DataRatio([5, 5])
     assert sampler.set_ratio([3, 7], from_batch=np.int64(2)) == 2  # NumPy integers are whole numbers
-    with pytest.raises(ValueError, match=r"^DR: DR shares \[1, 1\] sum to 2"):
-        check_rank_ratio([1, 1], 2)  # the rule of DataRatio itself, prefixed with where it was given
+    with pytest.raises(ValueError, match=r"^DR: DR shares \[0, 0\] are all zero"):
+        check_rank_ratio([0, 0], 2)  # the rule of as_ratio itself, prefixed with where it was given
     with pytest.raises(ValueError, match=r"^--ratio: DR shares"):
-        check_rank_ratio([1, 1], 2, where="--ratio")
+        check_rank_ratio([-1, 1], 2, where="--ratio")
+    # weights (issue 57): [1, 1] is kept as [5, 5]/10 as the docstring says, [3, 1] as [9, 3]/12
+    assert check_rank_ratio([1, 1], 2) == DataRatio([5, 5], 10)
+    assert check_rank_ratio([3, 1], 2) == DataRatio([9, 3], 12)
+    assert check_rank_ratio([0.3, 0.7], 2) == DataRatio([3, 7], 10)
 
 
 def test_the_schedule_never_resplits_a_produced_batch():

@@ -77,13 +77,37 @@ def test_measured_features_count_flops_saved_activations_and_operators():
     assert features.operators >= 5
 
 
-def swapped_script(tmp_path, cpu_line: str) -> str:
-    """The ImageNet-style script with its CPU line swapped (and the import added at the top)."""
+def documented_edit() -> dict[str, str]:
+    """The edit docs/client.md shows for an ImageNet-style script: each ``-`` line of its ``diff``
+    block (without its comment) and the ``+`` line after it; the import line under ``"import"``;
+    its context lines (but ``...``) under ``"context"``, joined by newlines."""
+    text = (ROOT / "docs" / "client.md").read_text()
+    block = text.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    context = [line[1:] for line in block if line.startswith(" ") and line.strip() != "..."]
+    edit, removed = {"context": "\n".join(context)}, None
+    for line in block:
+        if line.startswith("-"):
+            removed = line[1:].split("  #")[0].rstrip()
+        elif line.startswith("+"):
+            edit[removed if removed is not None else "import"] = line[1:].split("  #")[0].rstrip()
+            removed = None
+    return edit
+
+
+def swapped_script(tmp_path) -> str:
+    """The ImageNet-style script with the edit docs/client.md shows applied."""
     source = (HELPERS / "imagenet_like.py").read_text()
-    original = '        print("using CPU, this will be slow")  # drop-in: CPU line\n'
-    assert source.count(original) == 1
-    source = source.replace(original, f"        {cpu_line}\n")
-    source = source.replace("import torch\n", "import torch\nfrom drbalance.client import BalancedDataParallel\n", 1)
+    edit = documented_edit()
+    assert edit["import"].strip() == "from drbalance.client import BalancedDataParallel", edit
+    lines = source.splitlines()
+    for context in edit["context"].splitlines():  # the branches the edit names are the script's own
+        assert context in lines, f"docs/client.md's edit names {context.strip()!r}, not in the script"
+    for marker in ("# drop-in: CPU line", "# drop-in: CUDA line"):
+        original = next(line for line in source.splitlines() if line.endswith(marker))
+        code = original.split("  #")[0]
+        assert code in edit, f"docs/client.md's edit does not show the script's line {code.strip()!r}"
+        source = source.replace(original, edit[code])
+    source = source.replace("import torch\n", f"import torch\n{edit['import']}\n", 1)
     path = tmp_path / "imagenet_swapped.py"
     path.write_text(source)
     return str(path)
@@ -96,7 +120,9 @@ def run_script(path, tmp_path, *args, emulated="2"):
 
 
 def test_item8_a_one_line_swap_runs_an_imagenet_style_script_on_emulated_gpus(emu, tmp_path):
-    path = swapped_script(tmp_path, "model = BalancedDataParallel(model)")
+    """The edit docs/client.md shows, applied to a script in today's ``torch.accelerator`` wording
+    (``if not use_accel:``: the script skips DataParallel without an accelerator)."""
+    path = swapped_script(tmp_path)
     watched = [EmulatedGpu(emu, i) for i in range(2)]  # held open as a manager would: the job leaves them at exit
     result = run_script(path, tmp_path, "--epochs", "2")
     assert result.returncode == 0, result.stderr
@@ -238,3 +264,44 @@ def test_cuda_device_ids_of_a_gpu_script_name_the_emulated_gpus_of_their_index(e
         BalancedDataParallel(nn.Linear(2, 2), device_ids=["cuda"])
     with pytest.raises(ValueError, match=r"device_ids \[7\] are not among the 4 emulated GPUs"):
         BalancedDataParallel(nn.Linear(2, 2), device_ids=["cuda:7"])
+
+
+SAVE_ON_EMULATED = """
+import sys, torch
+from torch import nn
+from drbalance.client import BalancedDataParallel
+model = BalancedDataParallel(nn.Linear(4, 2))
+model(torch.randn(6, 4))
+assert model.backend.kind == "emulated", model.backend.kind
+torch.save(model, sys.argv[1])
+model.backend.close()
+"""
+
+LOAD_ELSEWHERE = """
+import os, sys, torch
+from drbalance.ipc.names import IpcNames
+from tests.conftest import leftovers
+model = torch.load(sys.argv[1], weights_only=False)
+out = model(torch.randn(6, 4))
+print(model.backend.kind, tuple(out.shape), model.last_chunk_sizes, len(leftovers(IpcNames.current())))
+"""
+
+
+def test_a_model_saved_whole_on_emulated_gpus_loads_without_them(emu, tmp_path):
+    """A wrapper saved with ``torch.save`` on emulated GPUs reopened emulated GPUs (segments in
+    /dev/shm, device time) when loaded in a process without ``DRBALANCE_EMULATED_GPUS``: it now
+    loads on the CPU path there, with its DR, and on emulated GPUs where the variable is set."""
+    saved = tmp_path / "model.pt"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "DRBALANCE_EMULATED_GPUS": "3"}
+    subprocess.run([sys.executable, "-c", SAVE_ON_EMULATED, str(saved)], env=environment, cwd=ROOT, check=True,
+                   timeout=120)
+    remove_emulated_gpus(emu, 3)
+    del environment["DRBALANCE_EMULATED_GPUS"]
+    loaded = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(saved)], env=environment, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split("\n")[0] == "cpu (6, 2) (2, 2, 2) 0", loaded.stdout
+    environment["DRBALANCE_EMULATED_GPUS"] = "3"
+    loaded = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(saved)], env=environment, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.startswith("emulated (6, 2) (2, 2, 2) "), loaded.stderr

@@ -57,18 +57,23 @@ def test_integrate_trains_the_readme_loop_and_its_session_logs_start_to_finish(i
     assert int(done.group(1)) == 6 and math.isfinite(float(done.group(2)))
     events = _log_events(tmp_path / "logs" / "copied.sd.jsonl")
     assert events[0] == "start" and "finish" in events
+    start = json.loads((tmp_path / "logs" / "copied.sd.jsonl").read_text().splitlines()[0])
+    assert start["solo_time_source"] == "estimated"  # no --solo-time: the job estimates it
 
 
 @pytest.mark.timeout(300)
 def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env, tmp_path):
+    """The example keeps a plain DDP script's loader (DistributedSampler, 12 samples per rank) and
+    remakes it with balanced_loader: every global batch of 24 is split by the DR."""
     result = _run([sys.executable, "-m", "torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                    str(EXAMPLES / "torchrun_ddp.py"), "--app", "copied-ddp", "--batch-size", "12"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = {int(m.group(1)): int(m.group(2)) for m in
-             re.finditer(r"rank (\d): done: 8 iterations, final loss [0-9.]+, (\d+) of 12 samples", result.stdout)}
-    assert set(ranks) == {0, 1} and sum(ranks.values()) == 12, result.stdout
+             re.finditer(r"rank (\d): done: 8 iterations, final loss [0-9.]+, (\d+) of 24 samples", result.stdout)}
+    assert set(ranks) == {0, 1} and sum(ranks.values()) == 24, result.stdout
     events = _log_events(tmp_path / "logs" / "copied-ddp.sd.jsonl")  # rank 0's session speaks for the job
     assert events[0] == "start" and "finish" in events
+    assert "does not follow the DR" not in result.stderr
 
 
 @pytest.mark.timeout(240)

@@ -15,6 +15,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from drbalance.cli import main as drbalance
 from drbalance.manager.cli import main as manager_main
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
 from drbalance.manager.nvml import MemoryInfo
@@ -58,7 +59,7 @@ def scrape_until(url: str, predicate, timeout: float) -> dict:
 def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     metrics = ManagerMetrics("ns1", "fair")
     metrics.update(MetricsSnapshot(
-        apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)), AppMetrics("b", None, None, ())),
+        apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)), AppMetrics("b", None, None, (), slowdown_estimated=True)),
         utilization=(40.0, None),
         memory=(MemoryInfo(16 * GIB, 4 * GIB, 12 * GIB), None),
     ))
@@ -70,6 +71,7 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     found = samples(prometheus_client.generate_latest(metrics.registry).decode())
     assert named(found, "drbalance_apps") == {(): 2}
     assert named(found, "drbalance_app_slowdown") == {(("app", "a"),): 1.25}  # b's SD is unknown: no sample
+    assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0}
     assert named(found, "drbalance_app_iteration_seconds") == {(("app", "a"),): 0.5}
     assert named(found, "drbalance_app_dr_share_ratio") == {(("app", "a"), ("gpu", "0")): 0.75,
                                                             (("app", "a"), ("gpu", "1")): 0.25}
@@ -277,3 +279,31 @@ def test_connections_that_trickle_bytes_hold_no_thread_for_long_nor_more_than_a_
             connection.close()
         server.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metrics(ipc_env, tmp_path, capsys):
+    """Issue 57, item 5: a job given no solo time estimates it; the record says so, and the manager's
+    status file, ``drbalance status`` and the metrics mark its SD as estimated (the other job's not)."""
+    manager = ManagerProcess(tmp_path, ipc_env, (0, 0, 0, 0), "--metrics-port", "0")
+    apps = []
+    try:
+        url = json.loads(ipc_env.manager_status().read_text())["metrics"]
+        for name, solo in (("guessing", "estimate"), ("given", "30")):
+            app = toy_app(name, "--epochs", "100000", "--iterations", "3", "--sleep", "0.05", "--solo", solo)
+            first_line(app)
+            drain(app)
+            apps.append(app)
+        found = scrape_until(url, lambda f: len(named(f, "drbalance_app_slowdown")) == 2, timeout=90)
+        assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "guessing"),): 1.0,
+                                                                    (("app", "given"),): 0.0}
+        status = {app["name"]: app for app in json.loads(ipc_env.manager_status().read_text())["apps"]}
+        assert status["guessing"]["sd_estimated"] is True and status["given"]["sd_estimated"] is False
+        assert drbalance(["status"]) == 0
+        rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
+        assert rows["guessing"][4].startswith("~") and not rows["given"][4].startswith("~")
+        assert "~" in rows and "estimate of its solo-run time" in " ".join(rows["~"])
+    finally:
+        for app in apps:
+            stop_app(app)
+        code, err = manager.stop()
+    assert code == 0, err

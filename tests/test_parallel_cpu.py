@@ -2,6 +2,7 @@
 
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -244,11 +245,14 @@ def test_default_ratio_is_an_exactly_even_split():
     [
         ({"ratio": [5, 5, 0], "device_ids": [0, 1]}, ValueError, "has 3 entries but device_ids"),
         ({"ratio": [5, 5], "device_ids": [0, 1, 2]}, ValueError, "has 2 entries but device_ids"),
-        ({"ratio": [6, 5]}, ValueError, "sum to 11, but the DR total is 10"),
+        ({"ratio": [6, -5]}, ValueError, "entry 1 of \\[6, -5\\] is -5"),
+        ({"ratio": [0, 0]}, ValueError, "are all zero"),
         ({"dim": "0"}, ValueError, "dim must be an integer"),
         ({"scalar_outputs": "sum"}, ValueError, "scalar_outputs must be one of"),
         ({"device_ids": [0, 0]}, ValueError, "duplicates"),
-        ({"device_ids": [torch.device("cuda", 0)]}, ValueError, "CUDA is not available"),
+        ({"device_ids": ["cuda"]}, ValueError, r"device_ids\[0\] is cuda without an index"),
+        ({"device_ids": ["gpu0"]}, ValueError, r"device_ids\[0\] is 'gpu0'; expected an integer, 'cuda:N'"),
+        ({"device_ids": [0, 1.5]}, ValueError, r"device_ids\[1\] is 1.5; expected an integer"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, error, message):
@@ -260,8 +264,8 @@ def test_not_a_module_and_bad_set_ratio():
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         BalancedDataParallel(lambda x: x)
     wrapped = BalancedDataParallel(nn.Linear(2, 2), ratio=[5, 5])
-    with pytest.raises(ValueError, match="sum to 4, but the DR total is 10"):
-        wrapped.set_ratio([2, 2])
+    with pytest.raises(ValueError, match="entry 0 of \\[nan, 2\\] is nan"):
+        wrapped.set_ratio([float("nan"), 2])
     with pytest.raises(ValueError, match="has 3 entries"):
         wrapped.set_ratio([5, 5, 0])
     assert wrapped.ratio == DataRatio([5, 5])  # a rejected ratio changes nothing
@@ -430,12 +434,12 @@ def test_item6_arrays_that_are_not_drs_get_clear_errors():
     import numpy
 
     wrapped = BalancedDataParallel(Echo(), ratio=[5, 5])
-    with pytest.raises(ValueError, match=r"entry 0 of \[5.0, 5.0\] is 5.0 .*dtype torch.float32.*tensor.long\(\)"):
-        wrapped.set_ratio(torch.tensor([5.0, 5.0]))
+    with pytest.raises(ValueError, match=r"entry 0 of \[-5.0, 5.0\] is -5.0 .*dtype torch.float32"):
+        wrapped.set_ratio(torch.tensor([-5.0, 5.0]))
     with pytest.raises(ValueError, match=r"must be 1-D .*shape \(1, 2\)"):
         wrapped.set_ratio(numpy.array([[5, 5]]))
-    with pytest.raises(ValueError, match="sum to 9, but the DR total is 10"):
-        wrapped.set_ratio(numpy.array([4, 5]))
+    with pytest.raises(ValueError, match=r"\[0, 0\] are all zero.*dtype int64"):
+        wrapped.set_ratio(numpy.array([0, 0]))
     assert wrapped.ratio == DataRatio([5, 5])  # a rejected DR changes nothing
 
 
@@ -685,3 +689,33 @@ def test_with_one_device_the_modules_own_exception_passes_through_as_data_parall
     with pytest.raises(KeyError, match="in replica 0") as caught:  # two devices: named, as before
         BalancedDataParallel(Fails(), device_ids=[0, 1], ratio=[10, 0])(torch.ones(4, 1))
     assert caught.value is not raised and caught.value.__cause__ is raised
+
+
+# --- issue 57, item 1: ratios as weights -------------------------------------------------------------
+
+def test_the_dr_a_wrapper_shows_can_be_given_back_and_weights_are_accepted():
+    """``m.set_ratio(list(m.ratio.shares))`` raised "DR shares [1, 1, 1, 1] sum to 4, but the DR
+    total is 10"; ``ratio=[3, 1]`` and ``[1, 1]`` failed the same way."""
+    model = BalancedDataParallel(nn.Linear(4, 2), device_ids=[0, 1, 2, 3])
+    model.set_ratio(list(model.ratio.shares))
+    model(torch.randn(8, 4))
+    assert model.ratio == DataRatio([1, 1, 1, 1], 4) and model.last_chunk_sizes == (2, 2, 2, 2)
+    weighted = BalancedDataParallel(nn.Linear(4, 2), ratio=[3, 1])
+    weighted(torch.randn(8, 4))
+    assert weighted.last_chunk_sizes == (6, 2)
+    weighted.set_ratio([1, 1])
+    weighted(torch.randn(8, 4))
+    assert weighted.last_chunk_sizes == (4, 4)
+    weighted.set_ratio(torch.tensor([0.3, 0.7]))  # a float tensor of weights: apportioned to 10
+    weighted(torch.randn(10, 4))
+    assert weighted.ratio == DataRatio([3, 7]) and weighted.last_chunk_sizes == (3, 7)
+
+
+def test_device_ids_of_a_gpu_script_are_slot_labels_without_cuda():
+    """``device_ids=["cuda:0", "cuda:1"]`` and ``torch.device`` entries, as ``nn.DataParallel`` takes
+    them, were refused on the CPU path ("expected an integer", "CUDA is not available here")."""
+    for ids, labels in ((["cuda:0", "cuda:1"], [0, 1]), ([torch.device("cuda", 2), torch.device("cuda:3")], [2, 3]),
+                        ([torch.device("cpu"), 5], [0, 5]), ([np.int64(1), "cuda:0"], [1, 0])):
+        model = BalancedDataParallel(nn.Linear(4, 2), device_ids=ids)
+        model(torch.randn(6, 4))
+        assert model.device_ids == labels and model.last_chunk_sizes == (3, 3)

@@ -11,11 +11,13 @@ from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
 from drbalance.profiling.store import (
     Measurement,
+    Profile,
     ProfileNotFound,
     extrapolate,
     load_profile,
     resolve_solo_time,
     run_profile,
+    save_profile,
 )
 from tests.conftest import torchrun_args
 from tests.helpers.processes import running
@@ -31,14 +33,15 @@ def test_profile_command_measures_a_real_script_and_the_session_resolves_the_nam
     profile = load_profile("toy")
     assert profile.iterations_total == 200 and profile.measured_iterations == 25 and profile.device == "cpu"
     assert 0.02 <= profile.iteration_time_s < 1.0  # a 0.02 s sleep per iteration; slack for a loaded machine
-    assert profile.solo_time_s == pytest.approx(200 * profile.iteration_time_s)
+    assert profile.startup_s >= 0
+    assert profile.solo_time_s == pytest.approx(profile.startup_s + 200 * profile.iteration_time_s)
     stored = json.loads((tmp_path / "profiles.json").read_text())
     assert stored["version"] == 1 and stored["profiles"]["toy"]["solo_time_s"] == profile.solo_time_s
     assert "toy\t" in capsys.readouterr().out
 
-    session = Session(BalancedDataParallel(nn.Linear(2, 2)), "user", 1, 10, solo_time="toy",
+    session = Session(BalancedDataParallel(nn.Linear(2, 2)), "user", 4, 50, solo_time="toy",
                       sd_log=False, handle_sigterm=False)
-    assert session.tracker.solo_time == profile.solo_time_s
+    assert session.tracker.solo_time == pytest.approx(profile.solo_time_s)  # the same plan as the profiled one
     session.close()
 
 
@@ -96,15 +99,17 @@ def test_a_profiles_file_that_could_not_take_the_result_is_refused_before_the_co
 
 
 def test_extrapolation_uses_the_mean_after_warmup():
-    solo, mean = extrapolate(Measurement([5.0, 1.0, 2.0, 3.0], 1, 100, "cpu"))
-    assert mean == pytest.approx(2.0) and solo == pytest.approx(200.0)
+    solo, mean, startup = extrapolate(Measurement([5.0, 1.0, 2.0, 3.0], 1, 100, "cpu"))
+    assert mean == pytest.approx(2.0) and startup == pytest.approx(3.0) and solo == pytest.approx(203.0)
+    _, _, startup = extrapolate(Measurement([1.0, 1.5, 2.0, 3.0], 1, 100, "cpu"))
+    assert startup == 0.0  # a warm-up faster than the mean costs nothing
 
 
 def test_profile_not_found_reads_as_one_sentence_with_its_hint_before_the_command(ipc_env, tmp_path):
     # found by a review, 2026-11-25: the hint followed the command's "..." as ".... For 12.5 seconds"
     path = tmp_path / "profiles.json"
     with pytest.raises(ProfileNotFound) as missing:
-        resolve_solo_time("12.5")
+        resolve_solo_time("12.5", 1)
     assert str(missing.value) == (
         f"no solo-run profile named '12.5' in {path} (profiles there: none); for 12.5 seconds, give the number "
         f"(12.5), not a string; or create the profile with: drbalance profile 12.5 -- python your_train.py ..."
@@ -115,10 +120,10 @@ def test_profile_not_found_reads_as_one_sentence_with_its_hint_before_the_comman
                                   f"create it with: drbalance profile nope -- python your_train.py ...")
     for not_seconds in ("inf", "0", "-5"):  # no "give the number" for numbers that are not a solo time
         with pytest.raises(ProfileNotFound) as missing:
-            resolve_solo_time(not_seconds)
+            resolve_solo_time(not_seconds, 1)
         assert "give the number" not in str(missing.value) and str(missing.value).endswith("your_train.py ...")
     with pytest.raises(ValueError) as invalid:  # no "create it with: drbalance profile a b -- ..."
-        resolve_solo_time("a b")
+        resolve_solo_time("a b", 1)
     assert str(invalid.value) == "profile name 'a b' is not valid: use 1-64 letters, digits, '_', '.' or '-'"
 
 
@@ -131,7 +136,7 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
 
     with pytest.raises(ProfileNotFound, match=r"for 12\.5 seconds, give the number \(12\.5\), not a string"):
         session("12.5")
-    for wrong in (None, [12.5], True):
+    for wrong in ([12.5], True):
         with pytest.raises(ValueError, match="solo_time must be the solo-run time in seconds"):
             session(wrong)
     with session(numpy.int64(30)) as accepted:  # a NumPy number is a number
@@ -172,7 +177,7 @@ def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env, tmp_path
     assert status == 0
     profile = load_profile("ddp-one")
     assert profile.iterations_total == 40 and profile.measured_iterations == 6
-    assert profile.solo_time_s == pytest.approx(40 * profile.iteration_time_s)
+    assert profile.solo_time_s == pytest.approx(profile.startup_s + 40 * profile.iteration_time_s)
 
 
 def test_a_hand_edited_profiles_file_is_refused_naming_it_never_a_traceback_nor_a_wrong_time(tmp_path):
@@ -194,3 +199,39 @@ def test_a_hand_edited_profiles_file_is_refused_naming_it_never_a_traceback_nor_
         with pytest.raises(ValueError, match=message) as refused:
             load_profile("x", store)
         assert str(store) in str(refused.value)
+
+
+def test_a_stored_profile_is_scaled_to_the_plan_of_the_job_that_names_it(ipc_env, tmp_path):
+    """A profile measured over 8 iterations gave a job of 32 iterations the 8-iteration solo time
+    (its SD four times too high); it is now start-up + 32 x the mean, and the SD log says so."""
+    save_profile(Profile(name="short", solo_time_s=0.25, iteration_time_s=0.03, iterations_total=8,
+                         measured_iterations=6, warmup_iterations=2, device="cpu", command=["python", "x.py"],
+                         host="h", created="c", startup_s=0.01))
+    log = tmp_path / "job.sd.jsonl"
+    with Session(BalancedDataParallel(nn.Linear(2, 2)), "job", 2, 16, solo_time="short", sd_log=log,
+                 handle_sigterm=False) as session:
+        assert session.tracker.solo_time == pytest.approx(0.01 + 32 * 0.03)
+    start = json.loads(log.read_text().splitlines()[0])
+    assert start["event"] == "start" and start["solo_time"] == pytest.approx(0.97)
+    assert start["solo_time_source"] == "profile" and start["profile"] == "short"
+    assert start["scaled_to_iterations"] == 32 and start["profile_iterations"] == 8
+    assert start["profile_iteration_time"] == 0.03 and start["profile_startup"] == 0.01
+    with Session(BalancedDataParallel(nn.Linear(2, 2)), "given", 2, 16, solo_time=5.0, sd_log=log,
+                 handle_sigterm=False) as session:
+        assert session.tracker.solo_time == 5.0  # seconds are the whole plan's, as given
+    starts = [record for record in map(json.loads, log.read_text().splitlines()) if record["event"] == "start"]
+    assert [start["solo_time_source"] for start in starts] == ["profile", "seconds"]
+
+
+def test_a_profiles_file_without_start_up_times_still_loads(tmp_path):
+    """Profiles written before the start-up cost was recorded load with a start-up of 0."""
+    store = tmp_path / "profiles.json"
+    entry = {"name": "old", "solo_time_s": 10.0, "iteration_time_s": 0.1, "iterations_total": 100,
+             "measured_iterations": 90, "warmup_iterations": 10, "device": "cpu", "command": ["true"],
+             "host": "h", "created": "c"}
+    store.write_text(json.dumps({"version": 1, "profiles": {"old": entry}}))
+    profile = load_profile("old", store)
+    assert profile.startup_s == 0.0 and profile.solo_time(300) == pytest.approx(30.0)
+    store.write_text(json.dumps({"version": 1, "profiles": {"old": {**entry, "startup_s": -1}}}))
+    with pytest.raises(ValueError, match="invalid start-up time -1"):
+        load_profile("old", store)

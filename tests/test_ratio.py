@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from drbalance.ratio import DataRatio, apportion
+from drbalance.ratio import DataRatio, apportion, as_ratio
 
 
 @st.composite
@@ -82,7 +82,7 @@ def test_bad_split_and_helpers():
         DataRatio([10]).split(-1)
     with pytest.raises(ValueError, match="GPU index 4 is outside"):
         DataRatio.single(4, 4)
-    with pytest.raises(ValueError, match="need a real >= 0"):
+    with pytest.raises(ValueError, match="entry 0 of \\[nan, 1.0\\] is nan"):
         DataRatio.from_weights([float("nan"), 1.0])
     with pytest.raises(ValueError, match="sum > 0"):
         apportion([0, 0], 3)
@@ -91,3 +91,42 @@ def test_bad_split_and_helpers():
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=10).filter(any), st.integers(0, 10000))
 def test_apportion_integer_and_fraction_paths_agree(weights, amount):
     assert apportion(weights, amount) == apportion([Fraction(w, 7) for w in weights], amount)
+
+
+# --- issue 57, item 1: a list of numbers is a set of weights -----------------------------------------
+
+@pytest.mark.parametrize(("weights", "expected"), [
+    ([1, 2, 7, 0], DataRatio([1, 2, 7, 0], 10)),  # summing to 10: the DR as given
+    ([1, 1, 1, 1], DataRatio([1, 1, 1, 1], 4)),  # what a default four-slot wrapper shows
+    ([3, 1], DataRatio([3, 1], 4)),  # whole numbers keep their exact proportions
+    ([0.7, 0.3], DataRatio([7, 3], 10)),  # other numbers are apportioned to 10
+    ([1 / 3, 1 / 3, 1 / 3], DataRatio([4, 3, 3], 10)),  # by largest remainder, ties to the lower index
+    ([70000, 1], DataRatio([10, 0], 10)),  # a sum beyond what the record carries: apportioned to 10
+    (DataRatio([1, 1], 2), DataRatio([1, 1], 2)),
+])
+def test_weights_become_a_data_ratio(weights, expected):
+    ratio = as_ratio(weights)
+    assert ratio == expected
+    assert ratio.split(40) == expected.split(40)
+
+
+def test_weights_with_a_total_are_apportioned_to_it():
+    assert as_ratio([1, 1], total=10) == DataRatio([5, 5], 10)
+    assert as_ratio([5, 5], total=10) == DataRatio([5, 5], 10)
+    assert as_ratio([2, 1], total=10) == DataRatio([7, 3], 10)
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ([-1, 11], "entry 0 of [-1, 11] is -1"),
+    ([float("nan"), 1], "entry 0 of [nan, 1] is nan"),
+    ([float("inf"), 1], "entry 0 of [inf, 1] is inf"),
+    ([0, 0], "DR shares [0, 0] are all zero"),
+    ([True, 9], "entry 0 of [True, 9] is True (bool)"),
+    (["3", 7], "entry 0 of ['3', 7] is '3' (str)"),
+    ([], "at least one GPU"),
+    ("55", "sequence of shares"),
+])
+def test_bad_weights_raise_clear_errors(weights, message):
+    with pytest.raises(ValueError) as raised:
+        as_ratio(weights)
+    assert message in str(raised.value)

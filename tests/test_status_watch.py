@@ -9,7 +9,15 @@ import signal
 import pytest
 
 from drbalance.cli import main as drbalance
-from drbalance.manager.status import CLEAR_SCREEN, StatusError, app_state, format_watch, utilization_bar, watch
+from drbalance.manager.status import (
+    CLEAR_SCREEN,
+    StatusError,
+    app_state,
+    format_table,
+    format_watch,
+    utilization_bar,
+    watch,
+)
 from tests.conftest import python_process, wait_for
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
@@ -194,3 +202,15 @@ def test_a_planted_objects_name_reaches_the_terminal_escaped():
     assert "\x1b" not in table and "\r" not in table
     assert "/dev/shm/drb.1000.lab.\\x1b[2K\\x1b[1A\\rAPP (no apps)\\x1b[8m\\udcff belongs to" in warning
     table.encode("utf-8")  # strict: what a UTF-8 locale's stdout does
+
+
+def test_an_estimated_sd_is_marked_in_the_frame_and_the_table():
+    """Issue 57, item 5: an SD that divides by the job's own estimate of its solo time reads ``~1.50``,
+    with a line that says what the mark means; a status file without the field shows plain SDs."""
+    apps = status()["apps"]
+    apps[0]["sd_estimated"] = True
+    for text in (format_watch(status(apps=apps), width=60), format_table(status(apps=apps))):
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
+        assert "~1.50" in rows["resnet"] and "1.00" in rows["elsewhere"]
+        assert "estimate of its solo-run time" in text
+    assert "~" not in format_table(status()) and "estimate" not in format_watch(status())

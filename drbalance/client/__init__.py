@@ -2,6 +2,7 @@
 
 from drbalance.client.backends import ChunkPlan, CpuBackend, CudaBackend, DeviceBackend
 from drbalance.client.distributed import BalancedDistributedDataParallel
+from drbalance.client.loader import BalancedDataLoader, balanced_loader
 from drbalance.client.parallel import BalancedDataParallel
 from drbalance.client.sampler import BalancedBatchSampler
 from drbalance.client.session import MeasurementComplete, Session
@@ -9,6 +10,7 @@ from drbalance.client.timing import ReplicaTiming
 
 __all__ = [
     "BalancedBatchSampler",
+    "BalancedDataLoader",
     "BalancedDataParallel",
     "BalancedDistributedDataParallel",
     "ChunkPlan",
@@ -18,4 +20,5 @@ __all__ = [
     "MeasurementComplete",
     "ReplicaTiming",
     "Session",
+    "balanced_loader",
 ]

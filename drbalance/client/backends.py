@@ -16,7 +16,10 @@ slot's GPU UUID, and each slot's peak device memory.
 
 from __future__ import annotations
 
+import functools
 import logging
+import numbers
+import os
 import re
 import threading
 import time
@@ -43,6 +46,7 @@ from drbalance.client.scatter_gather import (
     scatter_by_sizes,
 )
 from drbalance.client.timing import ReplicaTiming
+from drbalance.manager.nvml import Nvml, NvmlUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +171,12 @@ class DeviceBackend(ABC):
         """The GPU UUID of each DR slot's device ("" = unknown), as NVML names it (``GPU-...``)."""
         return ("",) * len(device_ids)
 
+    def slots_alone(self, device_ids: Sequence[int]) -> tuple[bool | None, ...]:
+        """Per DR slot: whether no other process uses its device now (None = cannot tell). A job
+        without a solo-run time takes the chunk times of slots it has alone as its solo device
+        time (``drbalance.solo_estimate``)."""
+        return (None,) * len(device_ids)
+
     def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
         """Peak device memory in bytes per DR slot since the last call (None = not measured)."""
         return (None,) * len(device_ids)
@@ -192,6 +202,28 @@ def _slot_of(error: BaseException, device_ids: Sequence[int], device: int | None
     if device is not None and device in device_ids:
         return list(device_ids).index(device)
     return None
+
+
+def slot_label(device: Any, position: int) -> int:
+    """Entry ``position`` of ``device_ids`` as an integer label: an integer as it is, a CUDA device
+    (``torch.device("cuda:1")`` or its name ``"cuda:1"``) as its index, the CPU as ``position``.
+    ValueError naming the entry for anything else, and for ``cuda`` without an index."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer, 'cuda:N' or a "
+                             f"torch.device") from None
+    if isinstance(device, torch.device):
+        if device.type == "cpu":
+            return position
+        if device.index is None:
+            raise ValueError(f"device_ids[{position}] is {device} without an index; give {device.type}:N or the "
+                             f"integer N")
+        return device.index
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer, 'cuda:N' or a torch.device")
+    return int(device)
 
 
 def _distinct_device_ids(device_ids: list[int], device: str) -> list[int]:
@@ -230,21 +262,12 @@ class CpuBackend(DeviceBackend):
     kind = "cpu"
 
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
+        """Slot labels: integers, or the devices a script written for GPUs passes, as
+        ``nn.DataParallel`` takes them (``"cuda:1"``, ``torch.device("cuda", 1)``: label 1;
+        ``"cpu"``: the entry's position)."""
         if device_ids is None:
             return list(range(ratio_length or 1))
-        labels = []
-        for position, device in enumerate(device_ids):
-            if isinstance(device, torch.device) and device.type != "cpu":
-                raise ValueError(
-                    f"device_ids[{position}] is {device}, but CUDA is not available here; without "
-                    f"CUDA, BalancedDataParallel runs its chunks on the CPU and device_ids are "
-                    f"integer slot labels (or None)"
-                )
-            if isinstance(device, torch.device):
-                device = device.index if device.index is not None else position
-            if isinstance(device, bool) or not isinstance(device, int):
-                raise ValueError(f"device_ids[{position}] is {device!r}; expected an integer")
-            labels.append(device)
+        labels = [slot_label(device, position) for position, device in enumerate(device_ids)]
         return _distinct_device_ids(labels, "device")
 
     def describe(self, device_ids: Sequence[int], slot: int) -> str:
@@ -420,6 +443,12 @@ class CudaBackend(DeviceBackend):
             uuids.append(raw if not raw or raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}")
         return tuple(uuids)
 
+    def slots_alone(self, device_ids):
+        """NVML's compute processes on each slot's GPU: alone when this process is the only one
+        listed; None when NVML cannot tell or does not list this process (a container with a pid
+        namespace of its own). Not run on a GPU in this repository's tests."""
+        return tuple(_alone_on_gpu(uuid) for uuid in self.device_uuids(device_ids))
+
     def take_peak_memory(self, device_ids):
         peaks = []
         for device in device_ids:
@@ -568,6 +597,26 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
     return obj
+
+
+@functools.cache
+def _client_nvml() -> Nvml:
+    """This process's NVML session for :func:`_alone_on_gpu` (initialised at its first call)."""
+    return Nvml()
+
+
+def _alone_on_gpu(uuid: str) -> bool | None:
+    """Whether this process is the only compute process NVML lists on GPU ``uuid`` (None: cannot tell)."""
+    if not uuid:
+        return None
+    nvml = _client_nvml()
+    try:
+        handle = nvml.call("nvmlDeviceGetHandleByUUID", uuid)
+        pids = {process.pid for process in nvml.call("nvmlDeviceGetComputeRunningProcesses", handle)}
+    except NvmlUnavailable:
+        return None
+    me = os.getpid()
+    return None if me not in pids else pids == {me}
 
 
 def default_backend() -> DeviceBackend:

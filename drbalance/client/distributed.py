@@ -64,7 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from drbalance.client.inflight import InFlight
-from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio
+from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio, rank_sizes
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.client.timing import ReplicaTiming
 from drbalance.ratio import DataRatio
@@ -375,6 +375,8 @@ class _BalanceState:
         if self.counts is not None:  # the times are of the step before, whose counts are self.counts
             self.timed_counts, self.times = self.counts, found.times
         self.counts, self.ref = found.counts, sum(found.counts)
+        if self.exchange_index == 0 and self.rank == 0:  # the job's first step: does the loader follow the DR?
+            warn_if_loader_ignores(self.schedule.ratio_for(0), found.counts)
         if self.carried is not None and self.proposal is self.carried:
             self.proposal = None  # delivered
         if found.proposal is not None:
@@ -598,6 +600,21 @@ _weighted_allreduce_hook.__annotations__ = {
 }
 
 
+def warn_if_loader_ignores(ratio: DataRatio, counts: tuple[int, ...]) -> bool:
+    """Warn (and return True) when ``ratio`` is uneven but every rank trained on the same number of
+    samples (``counts``) where it would split them unevenly: the job's loader does not follow its DR
+    (a ``DistributedSampler`` kept from a plain DDP script), so the manager's shares change nothing."""
+    if len(counts) < 2 or len(set(counts)) != 1 or sum(counts) < len(counts):
+        return False
+    if len(set(rank_sizes(ratio, sum(counts)))) == 1:
+        return False  # this DR splits such a batch evenly too
+    logger.warning(
+        "drbalance: the job's DR %s is uneven, but every rank trained on %d samples in its first step: its "
+        "loader does not follow the DR, so the manager's shares change nothing. Make the loader with "
+        "drbalance.client.balanced_loader(loader, model) (docs/ddp.md)", ratio, counts[0])
+    return True
+
+
 def _local_device(ddp: DistributedDataParallel) -> tuple[str, str]:
     """(label, GPU UUID or "") of the device this rank trains on."""
     if ddp.device_type == "cuda":
@@ -614,10 +631,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
 
     Arguments are those of ``DistributedDataParallel`` (passed through) plus, by keyword:
 
-    - ``ratio``: a :class:`~drbalance.DataRatio` or list of integer shares, one per rank of the
-      job (the process group's ranks, in rank order), each at least ``MIN_SHARE`` (1) unit.
-      Default: equal shares (an even split, as plain DDP). A total below 10 is raised to a
-      multiple of itself (``[1, 1]/2`` is kept as ``[5, 5]/10``: same proportions, same splits).
+    - ``ratio``: a :class:`~drbalance.DataRatio` or one weight per rank of the job (the process
+      group's ranks, in rank order; ``drbalance.ratio.as_ratio``: ``[3, 7]``, ``[1, 1]``, ``[0.3, 0.7]``),
+      each rank at least ``MIN_SHARE`` (1) unit. Default: equal shares (an even split, as plain
+      DDP). A total below 10 is raised to a multiple of itself (``[1, 1]`` is kept as ``[5, 5]/10``:
+      same proportions, same splits).
       Every rank must be given the same DR; the constructor checks it.
     - ``loss_reduction``: ``"mean"`` (default) if each rank's loss is the mean over its own
       samples (PyTorch's default), ``"sum"`` if it is a sum over them. Either way every rank ends
@@ -645,7 +663,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         self,
         module: nn.Module,
         *args: Any,
-        ratio: DataRatio | Sequence[int] | None = None,
+        ratio: DataRatio | Sequence[float] | None = None,
         loss_reduction: str = "mean",
         device_label: str | None = None,
         device_uuid: str | None = None,
@@ -746,7 +764,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """The DR of global batches from the next one the sampler produces on."""
         return self.ratio_schedule.latest
 
-    def set_ratio(self, ratio: DataRatio | Sequence[int], from_batch: int | None = None) -> int:
+    def set_ratio(self, ratio: DataRatio | Sequence[float], from_batch: int | None = None) -> int:
         """Split global batches from ``from_batch`` (default: the next one) by ``ratio``; returns that index.
 
         A local call: make it on every rank with the same arguments at the same step (as every
@@ -755,7 +773,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         """
         return self.ratio_schedule.set(check_rank_ratio(ratio, self.world_size), from_batch)
 
-    def propose_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
+    def propose_ratio(self, ratio: DataRatio | Sequence[float]) -> None:
         """Rank 0: have every rank use ``ratio`` soon, at no extra communication (other ranks: ignored).
 
         The proposal rides on the next control exchange (within K synchronising steps, see

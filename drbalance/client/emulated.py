@@ -101,6 +101,9 @@ class EmulatedBackend(CpuBackend):
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
         self.memory_bytes = int(memory_bytes)
+        # chosen by DRBALANCE_EMULATED_GPUS, not by code: a wrapper loaded in another process
+        # follows that process's environment (BalancedDataParallel.__setstate__)
+        self.chosen_by_environment = False
         self._uncounted = 0.0  # seconds of host phases left out of the job's time (uncounted_seconds)
         self._granted = 0.0  # of the host phase under way: what uncounted_seconds has counted so far
         self._last_target: float | None = None  # the last host phase's modelled seconds
@@ -110,7 +113,9 @@ class EmulatedBackend(CpuBackend):
     def from_environment(cls) -> EmulatedBackend:
         """Emulated GPUs as ``DRBALANCE_EMULATED_GPUS`` says (``N`` or ``N:MEMORY``), cost estimated."""
         spec = emulated_spec()
-        return cls(spec.count, None, memory_bytes=spec.memory_bytes)
+        backend = cls(spec.count, None, memory_bytes=spec.memory_bytes)
+        backend.chosen_by_environment = True
+        return backend
 
     def _open_state(self) -> None:
         self._gpus: list[EmulatedGpu] | None = None
@@ -126,7 +131,7 @@ class EmulatedBackend(CpuBackend):
     def __getstate__(self) -> dict[str, Any]:
         return {"gpu_count": self.gpu_count, "costs": self.costs, "time_scale": self.time_scale,
                 "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes,
-                "costs_provisional": self.costs_provisional}
+                "costs_provisional": self.costs_provisional, "chosen_by_environment": self.chosen_by_environment}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -199,8 +204,6 @@ class EmulatedBackend(CpuBackend):
     def resolve_device_ids(self, device_ids: Sequence[Any] | None, ratio_length: int | None) -> list[int]:
         """The emulated GPUs' indices; a CUDA device (``torch.device("cuda:1")``, ``"cuda:1"``, as a
         script written for GPUs passes them) stands for the emulated GPU of its index."""
-        if device_ids is not None:
-            device_ids = [_emulated_index(device, position) for position, device in enumerate(device_ids)]
         ids = super().resolve_device_ids(device_ids if device_ids is not None else range(self.gpu_count), None)
         bad = [d for d in ids if not 0 <= d < self.gpu_count]
         if bad:
@@ -212,6 +215,11 @@ class EmulatedBackend(CpuBackend):
 
     def device_uuids(self, device_ids: Sequence[int]) -> tuple[str, ...]:
         return tuple(self.gpus[d].uuid for d in device_ids)
+
+    def slots_alone(self, device_ids: Sequence[int]) -> tuple[bool | None, ...]:
+        """Per slot: whether no other live process holds memory on its emulated GPU (a replica there)."""
+        me = os.getpid()
+        return tuple(self.gpus[d].holders() <= {me} for d in device_ids)
 
     def take_peak_memory(self, device_ids: Sequence[int]) -> tuple[int | None, ...]:
         peaks = tuple(self._peak.get(d, 0) if self.costs is not None else None for d in device_ids)
@@ -391,22 +399,6 @@ def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | No
     time at which it was done."""
     gpu.occupy(seconds, cancel=cancel)
     return time.monotonic()
-
-
-def _emulated_index(device: Any, position: int) -> Any:
-    """A CUDA device (a ``torch.device`` or its name, with an index) as the index of the emulated
-    GPU it stands for; anything else as it is (checked by ``CpuBackend.resolve_device_ids``)."""
-    if isinstance(device, str) and device.startswith("cuda"):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            return device
-    if isinstance(device, torch.device) and device.type == "cuda":
-        if device.index is None:
-            raise ValueError(f"device_ids[{position}] is {device} without an index; on emulated GPUs give "
-                             f"cuda:N or the integer N of an emulated GPU")
-        return device.index
-    return device
 
 
 def _warn_unmeasured(name: str, error: BaseException) -> None:

@@ -16,7 +16,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from drbalance.client.backends import ChunkPlan, DeviceBackend, default_backend
+from drbalance import env
+from drbalance.client.backends import ChunkPlan, CpuBackend, DeviceBackend, default_backend
 from drbalance.client.buffers import tracked_buffers
 from drbalance.client.scatter_gather import SCALAR_MODES, batch_size_of
 from drbalance.client.timing import ReplicaTiming
@@ -141,8 +142,10 @@ def fold_single_samples(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(folded)
 
 
-def coerce_ratio(value: DataRatio | Sequence[int] | Any) -> DataRatio:
-    """A DataRatio from a DataRatio, a sequence of integers, or a 1-D integer array or tensor."""
+def coerce_ratio(value: DataRatio | Sequence[float] | Any) -> DataRatio:
+    """A DataRatio from a DataRatio, a sequence of weights, or a 1-D numpy array or tensor of them
+    (``drbalance.ratio.as_ratio``: whole numbers keep their proportions, others are apportioned
+    to the DR total of 10)."""
     if isinstance(value, DataRatio):
         return value
     dtype = None
@@ -158,8 +161,7 @@ def coerce_ratio(value: DataRatio | Sequence[int] | Any) -> DataRatio:
     except ValueError as error:
         if dtype is None:
             raise
-        raise ValueError(f"{error} (the DR was an array of dtype {dtype}; give integer shares, e.g. "
-                         f"array.astype(int) or tensor.long())") from None
+        raise ValueError(f"{error} (the DR was an array of dtype {dtype})") from None
 
 
 class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
@@ -167,10 +169,12 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
 
     Arguments are those of ``nn.DataParallel`` plus:
 
-    - ``ratio``: a :class:`~drbalance.DataRatio`, a list of integer shares summing to 10, or a
-      1-D integer numpy array or tensor, one share per entry of ``device_ids``. Default: an
-      exactly even split (``[1] * len(device_ids)`` with total ``len(device_ids)``), which chunks
-      a batch as ``nn.DataParallel`` does up to rounding.
+    - ``ratio``: a :class:`~drbalance.DataRatio`, or one weight per entry of ``device_ids`` (a
+      list, or a 1-D numpy array or tensor): whole numbers keep their proportions (``[3, 1]`` is
+      ``[3, 1]/4``), other numbers are apportioned to the DR total of 10 by largest remainder
+      (``[0.7, 0.3]`` is ``[7, 3]/10``). Default: an exactly even split (``[1] * len(device_ids)``
+      with total ``len(device_ids)``), which chunks a batch as ``nn.DataParallel`` does up to
+      rounding.
     - ``backend``: where chunks run (:mod:`drbalance.client.backends`); default CUDA when
       available, else emulated GPUs when ``DRBALANCE_EMULATED_GPUS`` is set, else the CPU, where
       the same split path runs sequentially with one module.
@@ -193,7 +197,7 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        ratio: DataRatio | Sequence[int] | None = None,
+        ratio: DataRatio | Sequence[float] | None = None,
         *,
         backend: DeviceBackend | None = None,
         scalar_outputs: str = "weighted_mean",
@@ -223,6 +227,17 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         self._state = _ForwardState(initial)
         self.backend.prepare(self.module, self.device_ids)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.load`` of a model saved whole, a copy): a wrapper whose emulated GPUs
+        came from ``DRBALANCE_EMULATED_GPUS`` runs on the CPU path where that variable is not set
+        (it reopened emulated GPUs there), and on emulated GPUs, as saved, where it is. A backend
+        the script chose itself (``backend=``) stays as it was."""
+        super().__setstate__(state)
+        if getattr(self.backend, "chosen_by_environment", False) and not env.emulated_gpus():
+            logger.info("drbalance: a model saved on emulated GPUs runs on the CPU path here "
+                        "(DRBALANCE_EMULATED_GPUS is not set)")
+            self.backend = CpuBackend()
+
     # --- the data ratio -----------------------------------------------------------------------
     def _checked(self, ratio: DataRatio) -> DataRatio:
         if len(ratio) != len(self.device_ids):
@@ -238,10 +253,11 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         state = self._state
         return state.pending if state.pending is not None else state.ratio
 
-    def set_ratio(self, ratio: DataRatio | Sequence[int] | Any) -> None:
+    def set_ratio(self, ratio: DataRatio | Sequence[float] | Any) -> None:
         """Use ``ratio`` from the next forward on (a forward in progress keeps its split).
 
-        Accepts a DataRatio, a sequence of integers, or a 1-D integer numpy array or tensor.
+        Accepts a DataRatio, or weights as the constructor's ``ratio`` does (``list(model.ratio.shares)``
+        gives the same DR back).
         """
         self._state.pending = self._checked(coerce_ratio(ratio))
 
@@ -325,7 +341,15 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)
 
+    @torch.compiler.disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Split the batch by the DR, run the replicas, gather the outputs in sample order.
+
+        Kept out of ``torch.compile`` (``torch.compiler.disable``): the split and the bookkeeping
+        (DR, timings, out-of-memory records, emulated costs) change with every DR and would make
+        dynamo break its graphs and recompile at each change. ``model.compile()`` compiles the
+        wrapped module instead (:meth:`compile`), whose chunks then run compiled.
+        """
         with torch.autograd.profiler.record_function("BalancedDataParallel.forward"):
             state = self._state
             training = torch.is_grad_enabled()
@@ -355,6 +379,13 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
             output, timings = self.backend.run(self.module, self.device_ids, self.output_device, plan, inputs, kwargs)
             self._forward_done(ratio, plan, timings, training)
             return output
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile the wrapped module in place (``self.module.compile(*args, **kwargs)``, as
+        ``nn.Module.compile`` takes them); the split and drbalance's bookkeeping stay uncompiled
+        (:meth:`forward`). Chunk sizes change with the DR: ``dynamic=True`` compiles once for all
+        of them (by default dynamo recompiles once, at the first new size, then treats it as dynamic)."""
+        self.module.compile(*args, **kwargs)
 
     def train_step(self, closure: Callable[[], ResultT]) -> ResultT:
         """Run one training step's ``closure`` (forward, loss, ``backward()``); return its result.

@@ -33,8 +33,9 @@ MIN_SHARE = 1
 """Every rank keeps at least this many units of the DR total (what a DDP job publishes as ``min_share``)."""
 
 
-def check_rank_ratio(ratio: DataRatio | Sequence[int], world_size: int, where: str = "DR") -> DataRatio:
-    """``ratio`` as a DataRatio over ``world_size`` ranks, each with at least ``MIN_SHARE`` units.
+def check_rank_ratio(ratio: DataRatio | Sequence[float], world_size: int, where: str = "DR") -> DataRatio:
+    """``ratio`` (a DataRatio, or weights: ``drbalance.ratio.as_ratio``) as a DataRatio over
+    ``world_size`` ranks, each with at least ``MIN_SHARE`` units.
 
     The total is raised to at least 10 as :func:`job_ratio` does (same proportions, same splits).
 
@@ -229,7 +230,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         batch_size: int,
         *,
         model: object | None = None,
-        ratio: DataRatio | Sequence[int] | None = None,
+        ratio: DataRatio | Sequence[float] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool = True,
@@ -267,7 +268,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """Choose the epoch's order (seeded with ``seed + epoch``); call it on every rank before each epoch."""
         self.epoch = whole_number(epoch, "epoch")
 
-    def set_ratio(self, ratio: DataRatio | Sequence[int], from_batch: int | None = None) -> int:
+    def set_ratio(self, ratio: DataRatio | Sequence[float], from_batch: int | None = None) -> int:
         """Split global batches from ``from_batch`` (default: the next one) by ``ratio``; returns that index.
 
         Call it on every rank with the same arguments (a model-driven sampler follows

@@ -1,7 +1,7 @@
 """The training script's one object: SD tracking, reports, the epoch-end exchange, the SD log.
 
     model = BalancedDataParallel(net.cuda(0), device_ids=[0, 1, 2, 3])
-    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader, solo_time="resnet50",
+    session = Session(model, app="resnet50-a", epochs=90, iterations_per_epoch=loader,
                       start_epoch=start_epoch)   # the plan from len(loader); resume at a later epoch
     for epoch in range(start_epoch, 90):
         for images, labels in loader:
@@ -60,9 +60,10 @@ from drbalance.ipc.link import (
 )
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.profiling.store import Measurement, resolve_solo_time
+from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
+from drbalance.solo_estimate import AloneWindow, SlotSample, SoloEstimator
 
 logger = logging.getLogger("drbalance.client")
 
@@ -88,6 +89,11 @@ waiting changes (0.5 s per boundary before, from a slow manager that answered ev
 
 SHORT_WAIT_SHARE = 0.1
 """The share of ``exchange_timeout`` a session waits while its manager is slow (see above)."""
+
+UNKNOWN_SOLO_SECONDS = 1.0
+"""The solo time (seconds) a session without one publishes before its first estimate (its first
+report): the record needs a positive number, and its SD is unknown meanwhile (the record says so),
+so the number enters no SD. The manager's own ``AppView`` default is the same."""
 
 
 class RatioTarget(Protocol):
@@ -147,11 +153,12 @@ class Session:
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
-    loader itself: its length is used), ``solo_time`` (seconds for the whole plan, or the name of
-    a stored profile), ``start_epoch`` (resuming from a checkpoint: epochs already done, default
-    0), ``report_every`` (iterations between records, default 5),
-    ``decide_every`` (iterations between decisions besides epoch ends; default None = at epoch
-    ends and when the manager's answer asks for the next decision),
+    loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
+    job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
+    the whole plan; or the name of a stored profile, scaled to this plan), ``start_epoch``
+    (resuming from a checkpoint: epochs already done, default 0), ``report_every`` (iterations
+    between records, default 5), ``decide_every`` (iterations between decisions besides epoch
+    ends; default None = at epoch ends and when the manager's answer asks for the next decision),
     ``namespace`` (default ``DRBALANCE_NAMESPACE``), ``sd_log`` (path of the JSON Lines SD log;
     None = ``DRBALANCE_LOG_DIR/<app>.sd.jsonl``, False = no log), ``exchange_timeout`` (seconds
     to wait for the manager's answer, default 0.5), ``send_timeout`` (seconds a notice may wait
@@ -166,7 +173,7 @@ class Session:
         app: str,
         epochs: int,
         iterations_per_epoch: int | Sized,
-        solo_time: float | str,
+        solo_time: float | str | None = None,
         *,
         start_epoch: int = 0,
         report_every: int = 5,
@@ -206,12 +213,17 @@ class Session:
         self.measurement_output = env.profile_output()
         self.own_ratio = model.ratio
         self.job = JobSync.of(model)  # None unless a DDP job: then only its rank 0 talks to the manager
+        self.solo: SoloTime | None = None  # None: estimated online (self.estimator)
         if self.measurement_output is not None:
             self._start_solo_measurement()
-            solo = 1.0  # unknown yet: this run measures it
-        else:
-            solo = resolve_solo_time(solo_time)
-        self.tracker = SlowdownTracker(self.plan, solo, start=self.clock.monotonic(),
+            self.solo = SoloTime(1.0, "measuring")  # unknown yet: this run measures it
+        elif solo_time is not None:
+            self.solo = resolve_solo_time(solo_time, self.plan.total)  # a profile: scaled to this plan
+        backend_kind = getattr(getattr(model, "backend", None), "kind", None)
+        self.estimator = None if self.solo is not None else SoloEstimator(parallel=backend_kind != "cpu")
+        self.alone_window = AloneWindow()  # which GPUs the job had alone throughout the window (the estimate's)
+        self.tracker = SlowdownTracker(self.plan, None if self.solo is None else self.solo.seconds,
+                                       start=self.clock.monotonic(),
                                        done=start_epoch * self.plan.iterations_per_epoch,
                                        uncounted=_uncounted_time_of(model))
         self.start_wall = self.clock.wall()
@@ -256,7 +268,8 @@ class Session:
             if handle_sigterm:
                 self._install_sigterm_handler()
             atexit.register(self.close)
-            self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time,
+            solo_source = self.solo.describe() if self.solo is not None else {"solo_time_source": "estimated"}
+            self._write_log("start", self.clock.monotonic(), solo_time=self.tracker.solo_time, **solo_source,
                             epochs=self.plan.epochs, iterations_per_epoch=self.plan.iterations_per_epoch,
                             start_epoch=start_epoch, namespace=self.names.namespace,
                             measuring=self.measurement_output is not None)
@@ -431,10 +444,10 @@ class Session:
             epoch=tracker.epoch, epochs=self.plan.epochs, iteration=tracker.done,
             iterations_total=self.plan.total, iterations_per_epoch=self.plan.iterations_per_epoch,
             notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
-            iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time,
+            iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time or UNKNOWN_SOLO_SECONDS,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
-            slots=self._slot_statuses(),
+            slots=self._slot_statuses(), solo_estimated=self.estimator is not None,
         )
 
     def _last_batch(self) -> int:
@@ -451,10 +464,22 @@ class Session:
         )
 
     def _sample_replicas(self) -> None:
-        """Add the last forward's per-replica timings to the window (on CUDA this waits for it)."""
+        """Add the last forward's per-replica timings to the window (on CUDA this waits for it);
+        refine the estimated solo time, if the session has no other."""
         timings = getattr(self.model, "last_replica_timings", None)
         if timings is not None:
             self.slot_window.add(timings())
+        if self.estimator is not None:
+            self._estimate_solo_time()
+
+    def _estimate_solo_time(self) -> None:
+        """The solo time from the window's iteration and chunk times (``drbalance.solo_estimate``)."""
+        alone = self.alone_window.update(_slots_alone(self.model))
+        slots = [None if mean is None else SlotSample(mean[0], mean[1], alone[slot])
+                 for slot, mean in enumerate(self.slot_window.means())]
+        estimate = self.estimator.observe(self.tracker.mean_iteration_time, self._last_batch(), slots)
+        if estimate is not None and estimate.iteration_seconds > 0:
+            self.tracker.set_solo_time(estimate.iteration_seconds * self.plan.total)
 
     def _sample_memory(self, now: float) -> None:
         """Per slot: peak memory per sample (the last measured value stands), the out-of-memory
@@ -532,6 +557,7 @@ class Session:
         self._exchange(NoticeKind.BOUNDARY, now)
         self.tracker.new_window()
         self.slot_window.new_window()
+        self.alone_window.new_window()
 
     def _finish(self, now: float) -> None:
         """The planned end: tell the manager (its GPUs are free for others); stay open until closed."""
@@ -683,6 +709,10 @@ class Session:
         uncounted = tracker.uncounted_seconds
         if uncounted > 0:  # emulated GPUs: this machine's CPU time the SD leaves out
             record["uncounted"] = uncounted
+        if self.estimator is not None:  # the SD's solo time is this job's own estimate
+            estimate = self.estimator.estimate
+            record.update(solo_estimated=True, solo_time=tracker.solo_time,
+                          solo_basis=None if estimate is None else estimate.basis)
         record.update(extra)
         self.log.write(record)
         if event != "report":
@@ -735,6 +765,14 @@ def _device_uuids(model: RatioTarget) -> tuple[str, ...]:
     if len(uuids) != count:
         return ("",) * count
     return tuple(str(uuid) for uuid in uuids)
+
+
+def _slots_alone(model: RatioTarget) -> tuple[bool | None, ...]:
+    """Per DR slot: whether the job has the slot's GPU alone (None: not known), as the model's backend tells."""
+    count = len(model.ratio)
+    method = getattr(getattr(model, "backend", None), "slots_alone", None)
+    alone = tuple(method(model.device_ids)) if callable(method) else ()
+    return alone if len(alone) == count else (None,) * count
 
 
 def _uncounted_time_of(model: RatioTarget) -> Callable[[], float] | None:

@@ -291,6 +291,11 @@ class EmulatedGpu:
         """The entries of processes still alive (not of later processes that reuse a dead one's pid)."""
         return [entry for entry in self._entries() if _same_process(entry[0], entry[3])]
 
+    def holders(self) -> set[int]:
+        """The pids of the live processes holding memory on this GPU (those with a replica on it,
+        as NVML lists a GPU's compute processes)."""
+        return {entry[0] for entry in self._live_entries()}
+
     def memory_info(self) -> MemoryInfo:
         """Total, used (by live processes) and free bytes, as NVML reports them."""
         used = sum(entry[2] for entry in self._live_entries())

@@ -15,9 +15,9 @@ import struct
 from dataclasses import dataclass, field
 
 from drbalance.ipc.names import APP_NAME_PATTERN
-from drbalance.ratio import DataRatio
+from drbalance.ratio import MAX_TOTAL, DataRatio
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: the status flag FLAG_SOLO_ESTIMATED
 MAX_GPUS = 32
 SEGMENT_SIZE = 8192
 SEGMENT_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, status offset, command offset
@@ -75,13 +75,15 @@ def _ratio(count: int, total: int, shares: tuple[int, ...], where: str) -> DataR
 def _shares(ratio: DataRatio) -> list[int]:
     if len(ratio) > MAX_GPUS:
         raise ValueError(f"a DR of {len(ratio)} GPUs does not fit the record (at most {MAX_GPUS})")
-    if ratio.total > 0xFFFF:
-        raise ValueError(f"a DR total of {ratio.total} does not fit the record (at most 65535)")
+    if ratio.total > MAX_TOTAL:
+        raise ValueError(f"a DR total of {ratio.total} does not fit the record (at most {MAX_TOTAL})")
     return list(ratio.shares) + [0] * (MAX_GPUS - len(ratio))
 
 
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
+FLAG_SOLO_ESTIMATED = 4  # the solo time (and so the SD) is estimated online, not given (layout version 3)
+STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED
 COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
 SLOT_FIELDS = struct.Struct(f"<{UUID_BYTES}sdddq")  # uuid, chunk s, chunk samples, bytes/sample, max samples
@@ -148,7 +150,8 @@ class AppStatus:
     a later process that reuses its pid. ``batch``: samples in the last global mini-batch (0 =
     unknown). ``min_share``: the smallest share, in units of the DR total, that every slot must
     keep (0 = a slot may be emptied, as DataParallel allows; DDP ranks need >= 1). ``slots``: one
-    ``SlotStatus`` per DR entry, or empty when nothing is known.
+    ``SlotStatus`` per DR entry, or empty when nothing is known. ``solo_estimated``: the solo time
+    is the job's own online estimate (``drbalance.solo_estimate``), not a given or profiled one.
     """
 
     pid: int
@@ -171,6 +174,7 @@ class AppStatus:
     batch: int = 0
     min_share: int = 0
     slots: tuple[SlotStatus, ...] = field(default=())
+    solo_estimated: bool = False
 
     HEAD = struct.Struct(f"<i48sBBBBHH{MAX_GPUS}HIIQQQQddddddQIHH")
     STRUCT_SIZE = HEAD.size + MAX_GPUS * SLOT_FIELDS.size
@@ -180,9 +184,9 @@ class AppStatus:
             raise ValueError(f"{len(self.slots)} slot entries for a DR of {len(self.ratio)} GPUs")
 
     def encode(self) -> bytes:
-        flags = (FLAG_SD_KNOWN if self.slowdown is not None else 0) | (
-            FLAG_ITER_TIME_KNOWN if self.iteration_time is not None else 0
-        )
+        flags = ((FLAG_SD_KNOWN if self.slowdown is not None else 0)
+                 | (FLAG_ITER_TIME_KNOWN if self.iteration_time is not None else 0)
+                 | (FLAG_SOLO_ESTIMATED if self.solo_estimated else 0))
         head = self.HEAD.pack(
             self.pid, self.app.encode("ascii"), int(self.state), flags, len(self.ratio), 0,
             self.ratio.total, 0, *_shares(self.ratio),
@@ -211,6 +215,8 @@ class AppStatus:
             app_state = AppState(state)
         except ValueError:
             raise RecordError(f"{where}: unknown app state {state}") from None
+        if flags & ~STATUS_FLAGS:
+            raise RecordError(f"{where}: unknown status flags {flags:#x}")
         ratio = _ratio(count, total, shares, where)
         if iterations_total < 1 or per_epoch < 1 or epochs < 1:
             raise RecordError(
@@ -238,7 +244,7 @@ class AppStatus:
         )
         return cls(pid, _name(raw_name, where), app_state, ratio, epoch, epochs, iteration, iterations_total,
                    per_epoch, notice_seq, sd, it, solo_time, start_wall, updated_wall, updated_mono,
-                   start_ticks, batch, min_share, slots)
+                   start_ticks, batch, min_share, slots, bool(flags & FLAG_SOLO_ESTIMATED))
 
 
 @dataclass(frozen=True)

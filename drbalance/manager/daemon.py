@@ -1068,10 +1068,12 @@ class Manager:
             "started": self._started_wall, "updated": self.clock.wall(), "gpus": self.gpu_count,
             "util": list(self.window.values()), "decisions": self.decisions,
             "runtime_dir": str(self.names.runtime_dir()), "quiet_after": self.settings.quiet_after,
+            "log": str(self._log_path),
             "apps": [
                 {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
                  "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
+                 "sd_estimated": e.status.solo_estimated,
                  "updated_ago": now - e.status.updated_mono,
                  "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
                  "steered": steered}
@@ -1117,7 +1119,7 @@ class Manager:
                 shares = tuple(share / ratio.total for share in ratio.to_list())
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
-            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares))
+            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 

@@ -4,6 +4,8 @@ The series (every name starts with ``drbalance_``; docs/operations.md explains e
 
 - ``drbalance_apps`` (gauge): live apps in the manager's table.
 - ``drbalance_app_slowdown{app}`` (gauge): the app's slow-down SD (predicted finish / solo time).
+- ``drbalance_app_slowdown_estimated{app}`` (gauge): 1 when the app's SD divides by its own online
+  estimate of its solo-run time (the job was given none), 0 when by a given or profiled one.
 - ``drbalance_app_dr_share_ratio{app,gpu}`` (gauge): the fraction of the app's mini-batch on that
   GPU (its DR share / DR total), in the manager's GPU order.
 - ``drbalance_app_iteration_seconds{app}`` (gauge): the app's mean iteration time, seconds.
@@ -80,6 +82,7 @@ class AppMetrics:
     slowdown: float | None
     iteration_seconds: float | None
     shares: tuple[float, ...] = ()
+    slowdown_estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,18 @@ class _StateCollector(Collector):
         shares = GaugeMetricFamily("drbalance_app_dr_share_ratio",
                                    "Fraction of the app's mini-batch on the GPU (DR share / DR total)",
                                    labels=("app", "gpu"))
+        estimated = GaugeMetricFamily("drbalance_app_slowdown_estimated",
+                                      "1 when the app's SD uses its own online estimate of its solo-run time",
+                                      labels=("app",))
         for app in snapshot.apps:
+            estimated.add_metric((app.name,), float(app.slowdown_estimated))
             if app.slowdown is not None:
                 slowdown.add_metric((app.name,), app.slowdown)
             if app.iteration_seconds is not None:
                 iteration.add_metric((app.name,), app.iteration_seconds)
             for gpu, share in enumerate(app.shares):
                 shares.add_metric((app.name, str(gpu)), share)
-        yield from (slowdown, iteration, shares)
+        yield from (slowdown, estimated, iteration, shares)
         utilization = GaugeMetricFamily("drbalance_gpu_utilization_ratio",
                                         "Smoothed GPU utilisation (fraction of time busy, 0-1) as the policy sees it",
                                         labels=("gpu",))

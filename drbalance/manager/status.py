@@ -112,6 +112,17 @@ def _malformed(status: Any) -> str | None:
     return None
 
 
+def sd_text(app: dict[str, Any]) -> str:
+    """An app's SD for the tables: ``1.23``, ``~1.23`` when it divides by the job's own estimate of its
+    solo-run time (the job was given none), ``-`` while unknown."""
+    if app.get("sd") is None:
+        return "-"
+    return f"{'~' if app.get('sd_estimated') is True else ''}{app['sd']:.2f}"
+
+
+ESTIMATED_NOTE = "~ SD from the job's own estimate of its solo-run time (no solo_time given; docs/profiles.md)"
+
+
 def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
@@ -136,7 +147,7 @@ def format_table(status: dict[str, Any]) -> str:
         f"{'APP':<24} {'PID':>7} {'EPOCH':>9} {'ITERATION':>15} {'SD':>6}  {'STATE':<10} DR",
     ]
     for app in sorted(status["apps"], key=lambda a: a["name"]):
-        sd = "-" if app.get("sd") is None else f"{app['sd']:.2f}"
+        sd = sd_text(app)
         state = str(app.get("state", "?")).lower()
         if app.get("quiet_for") is not None:
             state = f"quiet {_duration(app.get('updated_ago') or app['quiet_for'])}"
@@ -146,6 +157,8 @@ def format_table(status: dict[str, Any]) -> str:
         )
     if not status["apps"]:
         lines.append("(no apps)")
+    if any(app.get("sd_estimated") is True for app in status["apps"]):
+        lines.append(ESTIMATED_NOTE)
     for item in status.get("foreign", []):
         lines.append(f"WARNING: /dev/shm/{printable(item.get('object'))} belongs to {printable(item.get('owner'))}: "
                      f"another user's object under this namespace's names (ignored, never trusted)")
@@ -217,11 +230,13 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
         lines.append(f"GPU {gpu:<2} {utilization_bar(percent, bar)}{_memory(reading)}")
     lines += ["", f"{'APP':<20} {'STATE':<9} {'SD':>6} {'EPOCH':>11}  DR"]
     for app in sorted(status["apps"], key=lambda a: a["name"]):
-        sd = "-" if app.get("sd") is None else f"{app['sd']:.2f}"
         dr = " ".join(str(share) for share in app["dr"])
-        lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd:>6} {app['epoch']:>5}/{app['epochs']:<5}  {dr}")
+        lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd_text(app):>6} "
+                     f"{app['epoch']:>5}/{app['epochs']:<5}  {dr}")
     if not status["apps"]:
         lines.append("(no apps)")
+    if any(app.get("sd_estimated") is True for app in status["apps"]):
+        lines.append(ESTIMATED_NOTE)
     lines += fault_lines(status)
     return "\n".join(lines)
 

@@ -2,9 +2,10 @@
 
 ``drbalance profile NAME -- python train.py ...`` runs the script with ``DRBALANCE_PROFILE_*``
 set. The script's session then trains alone on its first device, records each iteration's
-duration, writes them to a file and ends the script after N iterations. The solo-run time is
-extrapolated as ``iterations in the full plan x mean iteration time after warm-up`` and stored
-under NAME in the profiles file (``DRBALANCE_PROFILES``, see ``docs/profiles.md``).
+duration, writes them to a file and ends the script after N iterations. The mean iteration time
+after warm-up and the start-up cost (what the warm-up iterations took beyond that mean) are stored
+under NAME in the profiles file (``DRBALANCE_PROFILES``, see ``docs/profiles.md``); a job that
+names the profile gets ``start-up + its own plan's iterations x the mean`` as its solo-run time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ PROFILE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 
 @dataclass(frozen=True)
 class Profile:
-    """A stored solo-run measurement. Times in seconds."""
+    """A stored solo-run measurement. Times in seconds.
+
+    What a job uses is per iteration: ``iteration_time_s`` (the mean after warm-up) and
+    ``startup_s`` (how much longer the warm-up iterations took than that mean; 0 in files written
+    before it was recorded). ``solo_time_s`` is the solo-run time of the profiled command's own plan
+    of ``iterations_total`` iterations; a job of another plan gets :meth:`solo_time` of its own.
+    """
 
     name: str
     solo_time_s: float
@@ -48,6 +55,31 @@ class Profile:
     command: list[str]
     host: str
     created: str
+    startup_s: float = 0.0
+
+    def solo_time(self, iterations: int) -> float:
+        """Solo-run seconds of a plan of ``iterations`` iterations: start-up + iterations x mean."""
+        return self.startup_s + iterations * self.iteration_time_s
+
+
+@dataclass(frozen=True)
+class SoloTime:
+    """A job's solo-run time (seconds, for its whole plan) and where it came from, as its SD log says:
+    ``source`` is ``"seconds"`` (given as a number) or ``"profile"`` (``profile`` names it, scaled
+    to the job's plan of ``iterations`` iterations)."""
+
+    seconds: float
+    source: str
+    profile: Profile | None = None
+    iterations: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        """The fields of the SD log's ``start`` record that say where the solo time came from."""
+        if self.profile is None:
+            return {"solo_time_source": self.source}
+        return {"solo_time_source": self.source, "profile": self.profile.name,
+                "profile_iteration_time": self.profile.iteration_time_s, "profile_startup": self.profile.startup_s,
+                "profile_iterations": self.profile.iterations_total, "scaled_to_iterations": self.iterations}
 
 
 class ProfileNotFound(KeyError):
@@ -96,6 +128,10 @@ def _load_profile(name: str, path: Path | None, hint: str = "") -> Profile:
         raise ValueError(f"profile {name!r} in {path} is malformed: {error}") from None
     if not (finite_number(profile.solo_time_s) and profile.solo_time_s > 0):  # not true, nor 400 digits
         raise ValueError(f"profile {name!r} in {path} has an invalid solo time {profile.solo_time_s!r}")
+    if not (finite_number(profile.iteration_time_s) and profile.iteration_time_s > 0):
+        raise ValueError(f"profile {name!r} in {path} has an invalid iteration time {profile.iteration_time_s!r}")
+    if not (finite_number(profile.startup_s) and profile.startup_s >= 0):
+        raise ValueError(f"profile {name!r} in {path} has an invalid start-up time {profile.startup_s!r}")
     return profile
 
 
@@ -132,20 +168,23 @@ def _lock_path(path: Path) -> Path:
     return path.with_suffix(path.suffix + ".lock")
 
 
-def resolve_solo_time(solo_time: float | str) -> float:
-    """Seconds from a number, or from the stored profile of that name. ``ProfileNotFound`` for a
-    name with no profile (saying so when the name reads as a solo time in seconds: ``"12.5"``
-    instead of ``12.5``); ValueError for an invalid profile name and for anything that is neither."""
+def resolve_solo_time(solo_time: float | str, iterations: int) -> SoloTime:
+    """The solo-run time of a plan of ``iterations`` iterations: a number as it is (seconds for the
+    whole plan), a profile name as the profile's start-up + ``iterations`` x its mean iteration
+    time (whatever plan it was measured with). ``ProfileNotFound`` for a name with no profile
+    (saying so when the name reads as a solo time in seconds: ``"12.5"`` instead of ``12.5``);
+    ValueError for an invalid profile name and for anything that is neither."""
     if isinstance(solo_time, str):
         check_profile_name(solo_time)  # before "create it with: drbalance profile NAME", which would refuse it
         hint = ""
         if _reads_as_seconds(solo_time):
             hint = f"for {solo_time} seconds, give the number ({solo_time}), not a string; "
-        return _load_profile(solo_time, None, hint).solo_time_s
+        profile = _load_profile(solo_time, None, hint)
+        return SoloTime(profile.solo_time(iterations), "profile", profile, iterations)
     if isinstance(solo_time, bool) or not isinstance(solo_time, numbers.Real):
         raise ValueError(f"solo_time must be the solo-run time in seconds (a number) or the name of a stored "
                          f"profile; got {solo_time!r}")
-    return float(solo_time)
+    return SoloTime(float(solo_time), "seconds")
 
 
 def _reads_as_seconds(text: str) -> bool:
@@ -177,8 +216,9 @@ class Measurement:
             raise ValueError(f"profile measurement {path} is missing or malformed: {error}") from None
 
 
-def extrapolate(measurement: Measurement) -> tuple[float, float]:
-    """(solo-run seconds, mean iteration seconds) from the post-warm-up iterations."""
+def extrapolate(measurement: Measurement) -> tuple[float, float, float]:
+    """(solo-run seconds of the measured plan, mean iteration seconds after warm-up, start-up
+    seconds: how much longer the warm-up iterations took than that mean, at least 0)."""
     steady = measurement.iteration_times[measurement.warmup:]
     if not steady:
         raise ValueError(
@@ -186,7 +226,8 @@ def extrapolate(measurement: Measurement) -> tuple[float, float]:
             f"the {measurement.warmup} warm-up ones; run more iterations or a shorter warm-up"
         )
     mean = statistics.fmean(steady)
-    return mean * measurement.iterations_total, mean
+    startup = max(0.0, sum(measurement.iteration_times[:measurement.warmup]) - measurement.warmup * mean)
+    return startup + mean * measurement.iterations_total, mean, startup
 
 
 STOP_GRACE = 10.0  # seconds the profiled command's processes get after SIGTERM before SIGKILL
@@ -268,19 +309,20 @@ def run_profile(
                 "drbalance Session and call session.step() every iteration?"
             )
         measurement = Measurement.read(output)
-    solo, mean = extrapolate(measurement)
+    solo, mean, startup = extrapolate(measurement)
     profile = Profile(
         name=name, solo_time_s=solo, iteration_time_s=mean, iterations_total=measurement.iterations_total,
         measured_iterations=len(measurement.iteration_times) - measurement.warmup,
         warmup_iterations=measurement.warmup, device=measurement.device, command=list(command),
-        host=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        host=socket.gethostname(), created=time.strftime("%Y-%m-%dT%H:%M:%S"), startup_s=startup,
     )
     try:
         save_profile(profile, path)
     except (OSError, ValueError) as error:  # the store changed since check_store: say what was measured
         raise RuntimeError(f"profile {name!r} (solo-run time {solo:.3f} s, {mean:.6f} s/iteration) could not be "
                            f"stored: {error}") from None
-    print(f"profile {name!r}: {mean * 1000:.1f} ms/iteration x {measurement.iterations_total} iterations "
-          f"= solo-run time {solo:.1f} s (measured in {time.monotonic() - started:.0f} s on {measurement.device})",
+    print(f"profile {name!r}: {mean * 1000:.1f} ms/iteration x {measurement.iterations_total} iterations + "
+          f"{startup:.1f} s start-up = solo-run time {solo:.1f} s (measured in {time.monotonic() - started:.0f} s "
+          f"on {measurement.device}); a job naming it gets start-up + its own iterations x the mean",
           file=sys.stderr)
     return profile

@@ -20,6 +20,7 @@ Definitions (docs/report.md):
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 from bisect import bisect_right
@@ -70,13 +71,36 @@ class RunData:
     no_records: list[str] = field(default_factory=list)  # apps of the run with no SD records at all
 
 
-def load_run(path: str | Path) -> RunData:
+@dataclass(frozen=True)
+class Selection:
+    """Which jobs a report takes: ``apps``, names or shell-style patterns (``res*``; empty: every
+    app), and a time window (wall-clock seconds, None: open) that a job's run must overlap."""
+
+    apps: tuple[str, ...] = ()
+    since: float | None = None
+    until: float | None = None
+
+    def picks(self, name: str, records: list[dict]) -> bool:
+        """Whether the job ``name`` (its run's SD records, in the log's order) is one the report takes."""
+        if self.apps and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.apps):
+            return False
+        times = [record["t"] for record in records]
+        if not times:
+            return self.since is None and self.until is None
+        return (self.until is None or min(times) <= self.until) and (self.since is None or max(times) >= self.since)
+
+
+EVERYTHING = Selection()
+
+
+def load_run(path: str | Path, select: Selection = EVERYTHING) -> RunData:
     """Read ``run.json``, ``apps/*.sd.jsonl`` and ``manager.jsonl`` of a run directory.
 
     The manager's log is read with its rotated predecessors (``manager.jsonl.N`` ... ``.1``,
     oldest first), so a long run's early utilisation samples are not lost to rotation. An app
     named in ``run.json`` without an SD log, or with a log of no records, is in ``no_records``
-    (with a warning): a job that exited before its first line is not silently left out."""
+    (with a warning): a job that exited before its first line is not silently left out.
+    ``select`` picks jobs by name and time (:class:`Selection`)."""
     root = Path(path)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -85,16 +109,51 @@ def load_run(path: str | Path) -> RunData:
     logs = sorted((root / "apps").glob("*.sd.jsonl")) if (root / "apps").is_dir() else []
     if not logs:
         raise FileNotFoundError(f"{root} has no apps/*.sd.jsonl SD logs: is it a drbalance run directory?")
-    records = {log.name[: -len(".sd.jsonl")]: _timed_records([log], fields=APP_FIELDS) for log in logs}
     launched = info.get("apps")
-    for name in launched if isinstance(launched, dict) else ():
-        records.setdefault(str(name), [])
-    manager = _timed_records(rotated_files(root / "manager.jsonl"), events={"util"}, fields=MANAGER_FIELDS)
-    run = run_from_records(str(info.get("label") or root.name), records, manager, info, root)
+    expected = [str(name) for name in launched] if isinstance(launched, dict) else []
+    return load_logs(str(info.get("label") or root.name), logs, rotated_files(root / "manager.jsonl"), select,
+                     info, root, expected)
+
+
+def load_logs(label: str, sd_logs: list[Path], manager_logs: list[Path], select: Selection = EVERYTHING,
+              info: dict | None = None, path: Path | None = None, expected: list[str] | None = None) -> RunData:
+    """A run from SD log files and manager log files (oldest first), as one column of a report.
+
+    An SD log is ``<app>.sd.jsonl``; one that holds several runs of the same app name (a job run
+    again with the same name appends to its log) gives one job per run, named ``<app>#1``,
+    ``<app>#2``, ... in the log's order. ``select`` picks jobs by name and time; the manager's
+    utilisation samples are kept from the first picked job's start to the last one's end (a
+    manager log of weeks does not count its idle days). ``expected``: app names that should have
+    records (``run.json``'s): those without are in ``no_records``."""
+    jobs: dict[str, list[dict]] = {}
+    for log in sd_logs:
+        name = log.name[: -len(".sd.jsonl")] if log.name.endswith(".sd.jsonl") else log.name
+        runs = _sessions(_timed_records([log], fields=APP_FIELDS))
+        for index, records in enumerate(runs, start=1):
+            job = name if len(runs) == 1 else f"{name}#{index}"
+            if select.picks(job, records):
+                jobs[job] = records
+    for name in expected or ():
+        if select.picks(name, jobs.get(name, [])):
+            jobs.setdefault(name, [])
+    times = [record["t"] for records in jobs.values() for record in records]
+    manager = [record for record in _timed_records(manager_logs, events={"util"}, fields=MANAGER_FIELDS)
+               if info is not None or (times and min(times) <= record["t"] <= max(times))]
+    run = run_from_records(label, jobs, manager, info, path)
     if run.no_records:
         logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
-                       "number of the report, and it claims no makespan", root, ", ".join(run.no_records))
+                       "number of the report, and it claims no makespan", path or label, ", ".join(run.no_records))
     return run
+
+
+def _sessions(records: list[dict]) -> list[list[dict]]:
+    """An SD log's records cut into one list per run of the job: each ``start`` record begins one."""
+    runs: list[list[dict]] = []
+    for record in records:
+        if record.get("event") == "start" or not runs:
+            runs.append([])
+        runs[-1].append(record)
+    return runs
 
 
 def _read_run_info(path: Path) -> dict:
@@ -216,12 +275,17 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
 MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
 
 
+def run_span(run: RunData) -> float:
+    """Seconds from the run's start to its last finish or SD record."""
+    ends = [a.end for a in run.apps.values() if a.end is not None]
+    last_sd = max((a.times[-1] for a in run.apps.values() if a.times), default=0.0)
+    return max(ends + [last_sd])
+
+
 def grid_times(run: RunData, step: float) -> list[float]:
     """0, step, 2 step, ... seconds past the run's last record; ValueError when that would be more
     than ``MAX_GRID_POINTS`` points (a ``--step`` far finer than the run)."""
-    ends = [a.end for a in run.apps.values() if a.end is not None]
-    last_sd = max((a.times[-1] for a in run.apps.values() if a.times), default=0.0)
-    end = max(ends + [last_sd])
+    end = run_span(run)
     count = int(end / step) + 1
     if count > MAX_GRID_POINTS:
         raise ValueError(f"a time grid of {step:g} s over the {end:.0f} s of run {run.label!r} has more than "

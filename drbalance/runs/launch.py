@@ -65,6 +65,7 @@ class LaunchOptions:
     label: str | None = None
     extra_manager_args: list[str] = field(default_factory=list)
     progress: bool = False  # a bar of the apps' iterations (all apps together) with the time left, on stderr
+    estimate_solo: bool = False  # apps get no solo-run time: each estimates its own (drbalance.solo_estimate)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=None,
                         help="stop every app after this many seconds (default: run to the end)")
     parser.add_argument("--label", default=None, help="name of this run in reports (default: the policy)")
+    parser.add_argument("--estimate-solo", action="store_true",
+                        help="give the apps no solo-run time: each estimates its own from its measurements, as a "
+                        "job without a profile does (docs/profiles.md; benchmarks/solo_estimate.py measures it)")
     progress.add_argument(parser)
 
 
@@ -160,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         scenario, args.policy, args.run_dir, devices, args.time_scale, args.real_batch, args.image_size,
         args.decide_every, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
         timeout=args.timeout, label=args.label, progress=progress.wanted(args.progress),
+        estimate_solo=args.estimate_solo,
     )
     launch(options)
     from drbalance.report.command import summarise_runs
@@ -314,11 +319,15 @@ def app_command(options: LaunchOptions, index: int, devices_arg: str) -> list[st
     ]
     if options.devices == "emulated":
         command += ["--batch-size", str(options.real_batch), "--sample-scale", str(app.batch / options.real_batch),
-                    "--time-scale", str(options.time_scale), "--solo-time", str(app.solo_time() * options.time_scale)]
+                    "--time-scale", str(options.time_scale)]
+        solo = str(app.solo_time() * options.time_scale)
     else:
-        command += ["--batch-size", str(app.batch), "--solo-time", app.model]
+        command += ["--batch-size", str(app.batch)]
+        solo = app.model
         if not app.ddp:
             command += ["--gpus", ",".join(map(str, gpus))]
+    if not options.estimate_solo:
+        command += ["--solo-time", solo]
     if options.decide_every:
         command += ["--decide-every", str(options.decide_every)]
     return command

@@ -31,7 +31,7 @@ from drbalance.client.session import RatioTarget
 from drbalance.emu.gpus import EmulatedSpec, emulated_spec
 from drbalance.ipc.discovery import AppNameInUse
 from drbalance.profiling.store import ProfileNotFound
-from drbalance.ratio import DataRatio
+from drbalance.ratio import as_ratio
 from drbalance.workload.models import MIN_IMAGE_SIZE
 
 if TYPE_CHECKING:
@@ -112,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'cuda', 'emulated:N[:MEMORY]' (e.g. emulated:4:16GiB), 'cpu', or 'auto' (CUDA if "
                         "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
     parser.add_argument("--gpus", default=None, help="CUDA device ids, e.g. 0,1,2,3 (default: all); CUDA only")
-    parser.add_argument("--ratio", default=None, help="initial DR, e.g. 3,3,2,2 (sums to 10; default: even)")
+    parser.add_argument("--ratio", default=None,
+                        help="initial DR as whole-number weights, e.g. 3,3,2,2 or 3,1 (default: even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
-                        "model's cost table). Required unless profiling.")
+                        "model's cost table); default: estimated by the job from its own measurements")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
     add_training_options(parser)
     parser.add_argument("--threads", type=thread_count, default=1,
@@ -216,7 +217,7 @@ def parse_integers(text: str, option: str, example: str) -> list[int]:
 def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
-    ratio = DataRatio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
+    ratio = as_ratio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
     if args.gpus is not None and kind != "cuda":  # was ignored without a word
         raise ValueError(f"--gpus {args.gpus} chooses CUDA GPUs, but this job trains on the {kind}; leave --gpus "
                          f"out or use --devices cuda")
@@ -238,17 +239,14 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
     return BalancedDataParallel(network, ratio=ratio, backend=CpuBackend())  # --devices cpu means the CPU
 
 
-def solo_time(args: argparse.Namespace, kind: str, iterations: int, program: str = "train.py",
-              profiling: bool = True) -> float | str:
+def solo_time(args: argparse.Namespace, kind: str, iterations: int,
+              program: str = "train.py") -> float | str | None:
     """The job's solo-run time in seconds from ``--solo-time`` (a number, ``auto`` with emulated
-    GPUs, or a profile name, returned as is); 1.0 while being profiled when ``profiling`` allows
-    it. Bad values exit with a message that starts with ``program``."""
+    GPUs, or a profile name, returned as is); None without one (the session estimates it). Bad
+    values exit with a message that starts with ``program``."""
     value = args.solo_time
     if value is None:
-        if profiling and env.profile_output() is not None:
-            return 1.0  # being profiled: the solo time is what is being measured
-        raise SystemExit(f"{program}: give --solo-time SECONDS, a profile name (see 'drbalance profile'), "
-                         "or 'auto' with emulated GPUs")
+        return None
     if value == "auto":
         if kind != "emulated":
             raise SystemExit(f"{program}: --solo-time auto needs emulated GPUs (their timing model is known)")

@@ -67,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "present, else DRBALANCE_EMULATED_GPUS, else the CPU)")
     parser.add_argument("--gpus", default=None,
                         help="device of each local rank, e.g. 2,3 (default: local rank i on device i)")
-    parser.add_argument("--ratio", default=None, help="initial DR over the ranks, e.g. 3,7 (sums to 10; default even)")
+    parser.add_argument("--ratio", default=None,
+                        help="initial DR over the ranks as whole-number weights, e.g. 3,7 or 1,2 (default even)")
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs: from the model's "
-                        "cost table). Required.")
+                        "cost table); default: estimated by the job from its own measurements")
     parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-ddp-<pid of rank 0>)")
     parser.add_argument("--workers", type=non_negative_int, default=0,
                         help="DataLoader worker processes per rank (default 0)")

@@ -1,10 +1,11 @@
 """A training script shaped like the well-known public ImageNet example, written for the drop-in tests.
 
-Same structure as that script (argument parser, a torchvision architecture by name, the device
-branches with ``nn.DataParallel`` only when CUDA is there, train / validate / checkpoint / resume,
-state dicts saved from the wrapper), with FakeData instead of an ImageNet folder and small sizes.
-The tests apply the one-line swap documented in docs/client.md to it (textually, the marked lines)
-and run it unchanged otherwise.
+Same structure as that script in its ``torch.accelerator`` wording (argument parser, a torchvision
+architecture by name, the device branches with ``nn.DataParallel`` only when a CUDA accelerator is
+there, train / validate / checkpoint / resume, state dicts saved from the wrapper),
+with FakeData instead of an ImageNet folder and small sizes.
+The tests apply the edit docs/client.md shows to it (textually, its ``diff`` block on the marked
+lines) and run it unchanged otherwise.
 """
 
 from __future__ import annotations
@@ -59,14 +60,17 @@ def main(argv=None):
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.arch)(weights=None, num_classes=10)
 
-    if not torch.cuda.is_available():
-        print("using CPU, this will be slow")  # drop-in: CPU line
+    use_accel = torch.accelerator.is_available()
+    device = torch.accelerator.current_accelerator() if use_accel else torch.device("cpu")
+    if not use_accel:
+        print('using CPU, this will be slow')  # drop-in: CPU line
     elif args.gpu is not None:
-        torch.cuda.set_device(args.gpu)
-        model = model.cuda(args.gpu)
-    else:
+        torch.accelerator.set_device_index(args.gpu)
+        model = model.to(device)
+    elif device.type == 'cuda':
         model = torch.nn.DataParallel(model).cuda()  # drop-in: CUDA line
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        model.to(device)
 
     criterion = nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)

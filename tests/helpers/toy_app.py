@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=5, help="iterations per epoch")
     parser.add_argument("--sleep", type=float, default=0.01, help="extra seconds per iteration")
-    parser.add_argument("--solo", default="1.0", help="seconds, or a profile name")
+    parser.add_argument("--solo", default="1.0", help="seconds, a profile name, or 'estimate' (none given)")
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--decide-every", type=int, default=None)
     parser.add_argument("--exchange-timeout", type=float, default=0.5)
@@ -50,6 +50,7 @@ def main() -> None:
     if args.stuck_thread:
         threading.Thread(target=stuck_forever, name="stuck-forever").start()
     solo = float(args.solo) if args.solo.replace(".", "", 1).isdigit() else args.solo
+    solo = None if solo == "estimate" else solo
     torch.manual_seed(0)
     model = BalancedDataParallel(nn.Linear(4, 2), device_ids=list(range(args.gpus)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -1,0 +1,156 @@
+"""A job's solo iteration time estimated online from its own measurements, when no solo-run time is given.
+
+On a busy shared server there is no idle GPU to profile on, so a job may start without a solo-run
+time (``Session(solo_time=None)``). Its SD then uses this estimate of what one iteration would take
+alone on one GPU, refined at every report (every ``report_every`` iterations) from what the job
+measures itself:
+
+- **host seconds**: the part of an iteration no replica's chunk covers: the window's mean
+  iteration time less its longest mean chunk time (chunks run at once on their GPUs), or less
+  their sum where they run one after another (the CPU path). Windows with a single replica are
+  preferred: with several, the host time also holds DataParallel's overhead of the extra
+  replicas, which a solo run does not pay.
+- **device seconds** of the whole batch on one GPU: from the chunks of slots whose GPU the job had
+  *alone* throughout a window (no other process on it at any report, as the backend tells: NVML's
+  process list on CUDA, the emulated GPU's memory table on emulated GPUs). Each chunk size's time
+  is the median of its last chunks seen alone; with two sizes or more, a line
+  ``fixed + per_sample x samples`` is fitted to them (the form of the simulator's and the
+  emulated GPUs' model, ``drbalance.workload.models.ModelCosts``) and read at the batch size;
+  with one size, the chunk time is scaled in proportion to the batch. Without any chunk seen
+  alone, the least of every chunk's time scaled to the batch stands: a chunk shared with other
+  jobs is slower than alone, so this is an upper bound, and the estimate is marked ``shared``.
+
+The estimate is ``host + device`` seconds per iteration; the session multiplies it by its plan's
+iterations. Its error against the true solo time is measured by ``python -m benchmarks.solo_estimate``
+(docs/profiles.md). Framework-free: the client uses it, and the benchmark drives it with the
+simulator's timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ALONE = "alone"
+SHARED = "shared"
+
+HISTORY = 32
+"""Windows of host times kept for the estimate, and chunk sizes seen alone (the line is fitted to
+the last ``HISTORY`` sizes): enough to span many DR changes, few enough that the estimate follows
+a job whose speed changes (a new phase)."""
+
+PER_SIZE = 8
+"""Chunks seen alone kept per chunk size; their median is that size's time (robust to a stray one)."""
+
+
+@dataclass(frozen=True)
+class SlotSample:
+    """One slot's chunks over a window: mean seconds, mean samples, and whether the job had the
+    slot's GPU alone (None: not known, e.g. on the CPU path)."""
+
+    seconds: float
+    samples: float
+    alone: bool | None = None
+
+
+@dataclass(frozen=True)
+class SoloEstimate:
+    """Estimated seconds of one iteration alone on one GPU (``iteration_seconds`` = ``host_seconds``
+    + ``device_seconds``); ``basis`` is ``"alone"`` (device time from GPUs the job had alone) or
+    ``"shared"`` (only shared GPUs seen: an upper bound)."""
+
+    iteration_seconds: float
+    host_seconds: float
+    device_seconds: float
+    basis: str
+
+
+class SoloEstimator:
+    """Keeps a job's measurements and estimates its solo iteration time (see the module docstring).
+
+    ``parallel``: whether the job's chunks run at once (on GPUs, real or emulated) rather than one
+    after another (the CPU path).
+    """
+
+    def __init__(self, parallel: bool = True, history: int = HISTORY) -> None:
+        self.parallel = parallel
+        self._single_host: deque[float] = deque(maxlen=history)  # host seconds of windows with one replica
+        self._multi_host: deque[float] = deque(maxlen=history)  # ... with several (DataParallel's overhead in)
+        self._history = history
+        self._alone: dict[float, deque[float]] = {}  # chunk samples -> seconds of chunks of that size seen alone
+        self._least_shared: float | None = None  # least chunk time seen, scaled to the batch
+        self.estimate: SoloEstimate | None = None
+
+    def observe(self, iteration_seconds: float | None, batch: int,
+                slots: Sequence[SlotSample | None]) -> SoloEstimate | None:
+        """Add one window's measurements (mean iteration seconds, the global batch in samples, and
+        per slot its chunks); return the refined estimate (None while nothing is measured)."""
+        used = [slot for slot in slots if slot is not None and slot.samples > 0 and slot.seconds > 0]
+        if iteration_seconds is None or batch <= 0 or not used:
+            return self.estimate
+        busy = max(slot.seconds for slot in used) if self.parallel else sum(slot.seconds for slot in used)
+        host = max(0.0, iteration_seconds - busy)
+        (self._single_host if len(used) == 1 else self._multi_host).append(host)
+        for slot in used:
+            if slot.alone:
+                self._add_alone(slot.samples, slot.seconds)
+            scaled = slot.seconds * batch / slot.samples
+            if self._least_shared is None or scaled < self._least_shared:
+                self._least_shared = scaled
+        host_seconds = statistics.median(self._single_host or self._multi_host)
+        if self._alone:
+            chunks = [(samples, statistics.median(times)) for samples, times in self._alone.items()]
+            device, basis = device_seconds_at(batch, chunks), ALONE
+        else:
+            device, basis = self._least_shared, SHARED
+        self.estimate = SoloEstimate(host_seconds + device, host_seconds, device, basis)
+        return self.estimate
+
+    def _add_alone(self, samples: float, seconds: float) -> None:
+        """Keep a chunk seen alone under its size (the sizes seen last are kept: ``history`` of them)."""
+        size = round(samples, 1)  # a window's mean size: whole numbers but for an epoch's short last batch
+        times = self._alone.pop(size, None) or deque(maxlen=PER_SIZE)
+        times.append(seconds)
+        self._alone[size] = times  # last in the order: seen most recently
+        if len(self._alone) > self._history:
+            del self._alone[next(iter(self._alone))]
+
+
+class AloneWindow:
+    """Per slot, whether the job had its GPU alone at every look since its window began: the chunk
+    means of a window count as alone only if no other process was seen there in it (one that left
+    mid-window leaves its slow chunks in the mean). None where the backend cannot tell."""
+
+    def __init__(self) -> None:
+        self._flags: list[bool | None] | None = None
+
+    def update(self, alone: Sequence[bool | None]) -> tuple[bool | None, ...]:
+        """Add a look (per slot: alone now?); return the flags for the whole window so far."""
+        if self._flags is None or len(self._flags) != len(alone):
+            self._flags = list(alone)
+        else:
+            self._flags = [None if was is None or now is None else was and now
+                           for was, now in zip(self._flags, alone)]
+        return tuple(self._flags)
+
+    def new_window(self) -> None:
+        """A decision boundary: the next window's means start afresh."""
+        self._flags = None
+
+
+def device_seconds_at(batch: float, chunks: Sequence[tuple[float, float]]) -> float:
+    """Device seconds of a chunk of ``batch`` samples from ``(samples, seconds)`` of chunks run alone:
+    a least-squares line ``fixed + per_sample x samples`` when they have two sizes or more and the
+    line is plausible (fixed >= 0, per_sample > 0), else the median seconds per sample x ``batch``."""
+    sizes = {samples for samples, _ in chunks}
+    if len(sizes) >= 2:
+        mean_n = statistics.fmean(samples for samples, _ in chunks)
+        mean_t = statistics.fmean(seconds for _, seconds in chunks)
+        spread = sum((samples - mean_n) ** 2 for samples, _ in chunks)
+        slope = sum((samples - mean_n) * (seconds - mean_t) for samples, seconds in chunks) / spread
+        fixed = mean_t - slope * mean_n
+        if slope > 0 and fixed >= 0:
+            return fixed + slope * batch
+    return statistics.median(seconds / samples for samples, seconds in chunks) * batch
