@@ -663,6 +663,7 @@ class Session:
                             pushed=command.pushed)
             self.tracker.new_window()  # the iteration and chunk times measured from now on are the new DR's
             self.slot_window.new_window()
+            self.alone_window.new_window()
 
     def _refuse(self, command: AppCommand, now: float, **extra: Any) -> None:
         """Log a DR the job did not take and publish at once: the manager counts the DR it sent as
