@@ -27,7 +27,7 @@ from drbalance.sim.mixes import scenario_named
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import SCENARIOS
 
-POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
+POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis", "plan")
 
 
 @dataclass(frozen=True)
