@@ -25,6 +25,7 @@ from drbalance.ipc import objects
 from drbalance.ipc.discovery import AppClaim, DiscoveryError, ManagerInfo, read_manager
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, RecordError
 from drbalance.ipc.names import IpcNames, new_token
+from drbalance.ipc.private import entry_stat
 from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
 
 logger = logging.getLogger("drbalance.client")
@@ -237,9 +238,8 @@ class PosixManagerLink:
     def _discover(self) -> ManagerInfo | None:
         """``manager.json``, re-read only when the file changed."""
         path = self.names.manager_info()
-        try:
-            info = os.stat(path, follow_symlinks=False)
-        except OSError:
+        info = entry_stat(path, private=True)
+        if info is None:
             self._info, self._info_stamp = None, None
             return None
         stamp = (info.st_ino, info.st_mtime_ns, info.st_size)

@@ -40,7 +40,15 @@ from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint, other_live_manager
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames, ListedObject
-from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
+from drbalance.ipc.private import (
+    UnsafePath,
+    is_open_file,
+    open_private,
+    read_private,
+    remove_private,
+    user_name,
+    write_private,
+)
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.listing import ShmLister, ShmListing
@@ -169,7 +177,7 @@ class ManagerLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd, _ = open_private(path, os.O_RDWR | os.O_CREAT)
+        fd, _ = open_private(path, os.O_RDWR | os.O_CREAT, private=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -189,14 +197,7 @@ class ManagerLock:
 
     def held(self) -> bool:
         """Whether ``path`` still names the file we hold locked (not removed with its folder)."""
-        if self.fd is None:
-            return False
-        try:
-            current = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            return False
-        info = os.fstat(self.fd)
-        return (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino)
+        return self.fd is not None and is_open_file(self.fd, self.path, private=True)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -360,9 +361,9 @@ class Manager:
     def _remove_own_status(self) -> None:
         path = self.names.manager_status()
         try:
-            status = json.loads(read_private(path))
+            status = json.loads(read_private(path, private=True))
             if isinstance(status, dict) and status.get("pid") == os.getpid():
-                os.unlink(path)
+                remove_private(path, private=True)
         except (OSError, ValueError):
             pass  # gone, or not ours (a successor's): leave it
 
@@ -1044,7 +1045,7 @@ class Manager:
             "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
             "metrics": self.metrics.url() if self.metrics is not None else None,
         }
-        write_private(self.names.manager_status(), json.dumps(status).encode())
+        write_private(self.names.manager_status(), json.dumps(status).encode(), private=True)
 
     def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
         """The app's DR by the manager's GPU index (as in the manager log and the metrics), and

@@ -8,12 +8,16 @@ the suite does not run as root (CI runs it as root).
 Actions (JSON lists): ``["shm", NAME, MODE]`` create shared memory (4096 bytes, mode exactly
 MODE); ``["sem", NAME, MODE]``; ``["mq", NAME, MODE]``; ``["open_shm", NAME]`` / ``["open_sem",
 NAME]`` / ``["open_mq", NAME]`` try to open an existing object; ``["send_mq", NAME]`` try to send
-a message; ``["symlink", TARGET, LINK]``; ``["mkdir", PATH, MODE]``; ``["write", PATH, TEXT]``.
+a message; ``["symlink", TARGET, LINK]``; ``["mkdir", PATH, MODE]``; ``["write", PATH, TEXT]``;
+``["swap", A, B, STOP, VICTIM, EVERY]``: exchange the names A and B (``renameat2``'s
+RENAME_EXCHANGE) over and over until the file STOP exists, removing the file VICTIM every EVERY
+seconds (its result: ``"ok N"``, N exchanges made).
 Each result is ``"ok"`` or the exception's class name and text.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pwd
@@ -129,8 +133,33 @@ def _run(action: list) -> str:
         elif kind == "write":
             with open(args[0], "w") as out:
                 out.write(args[1])
+        elif kind == "swap":
+            return f"ok {_swap(*args)}"
         else:
             return f"ValueError: unknown action {kind}"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "ok"
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _swap(first: str, second: str, stop: str, victim: str, every: float) -> int:
+    """Exchange the names ``first`` and ``second`` until ``stop`` exists, removing ``victim`` every
+    ``every`` seconds; the number of exchanges."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_cwd = -100  # AT_FDCWD
+    names = (first.encode(), second.encode())
+    swaps, removed_at = 0, time.monotonic()
+    while not os.path.exists(stop):
+        if libc.renameat2(at_cwd, names[0], at_cwd, names[1], RENAME_EXCHANGE) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), first)
+        swaps += 1
+        if time.monotonic() - removed_at >= every:
+            removed_at = time.monotonic()
+            try:
+                os.unlink(victim)
+            except OSError:  # not there, or reached through the link: not hers to remove
+                pass
+    return swaps
