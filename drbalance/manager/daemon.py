@@ -8,8 +8,9 @@ IPC objects are removed), adoption of live apps found through their claims (e.g.
 manager restart), the check of the runtime directory, and the status file read by
 ``drbalance status``.
 
-Liveness is decided by the process alone: an app is dead when its pid is gone or now belongs to
-a process with another start time. An app that is alive but has not updated its record for
+Liveness is decided by the process alone: an app is dead when the pid its claim names is gone
+or now belongs to a process with another start time (a record may say anything: one that names
+another process than its claim is invalid, logged and ignored). An app that is alive but has not updated its record for
 ``quiet_after`` seconds (a long evaluation, a checkpoint) is shown as quiet, never removed.
 Objects are removed only when their owner is dead. Objects under this namespace's prefix that
 belong to another user are never opened for use; they are reported by name and owner.
@@ -444,11 +445,11 @@ class Manager:
         now = self.clock.monotonic()
         entry = self.table.get(notice.app)
         if notice.kind == NoticeKind.FINISH:
-            if entry is not None and entry.status.pid == notice.pid:
+            if entry is not None and entry.owner_pid == notice.pid:
                 self.table.remove(notice.app, unlink=False)  # the app removes its own objects
                 self.log("app_removed", app=notice.app, pid=notice.pid, reason="finished")
             return
-        if entry is not None and entry.status.pid != notice.pid:
+        if entry is not None and entry.owner_pid != notice.pid:
             if not self._replaced(entry, notice):
                 return
             entry = None
@@ -475,10 +476,10 @@ class Manager:
         if claim is not None and claim.pid == notice.pid and claim.token != entry.token:
             dead = not entry.alive()
             self.table.remove(entry.name, unlink=dead)
-            self.log("app_removed", app=entry.name, pid=entry.status.pid,
+            self.log("app_removed", app=entry.name, pid=entry.owner_pid,
                      reason=f"its name was taken by pid {notice.pid}" + (" after it died" if dead else ""))
             return True
-        error = (f"notice from pid {notice.pid} for app {notice.app!r}, which pid {entry.status.pid} runs "
+        error = (f"notice from pid {notice.pid} for app {notice.app!r}, which pid {entry.owner_pid} runs "
                  f"(claim: {'pid ' + str(claim.pid) if claim else 'none'}); ignored")
         self.log("invalid", what="notice", app=notice.app, error=error)
         logger.warning("drbalance-manager: %s", error)
@@ -671,12 +672,12 @@ class Manager:
         for entry in list(self.table.entries.values()):
             status = entry.status
             if not entry.alive():
-                reason = "process gone" if not objects.pid_alive(status.pid) else \
-                    f"pid {status.pid} now belongs to another process"
+                pid = entry.owner_pid
+                reason = "process gone" if not objects.pid_alive(pid) else f"pid {pid} now belongs to another process"
                 self.table.remove(entry.name, unlink=True)  # the objects of this token are the dead app's
                 if discovery.collect_claim(self.names, entry.name, entry.token) is None:
                     self._claims_left.add((entry.name, entry.token))  # a later rescan collects it, quietly
-                self.log("app_removed", app=entry.name, pid=status.pid, reason=reason)
+                self.log("app_removed", app=entry.name, pid=pid, reason=reason)
                 logger.info("drbalance-manager: removed %r (%s)", entry.name, reason)
             elif status.state == AppState.FINISHED:
                 self.table.remove(entry.name, unlink=False)  # its FINISH notice was lost; it cleans up itself
@@ -990,7 +991,7 @@ class Manager:
             claim = discovery.read_claim(self.names, entry.name)
         except (OSError, discovery.DiscoveryError):
             claim = None
-        if claim is not None and claim.pid == entry.status.pid:
+        if claim is not None and claim.pid == entry.owner_pid:
             token = claim.token
         try:
             channel = AppChannel(self.names, entry.name, token)
