@@ -27,6 +27,7 @@ from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, Rec
 from drbalance.ipc.names import IpcNames, new_token
 from drbalance.ipc.private import entry_stat
 from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
+from drbalance.ratio import DataRatio
 
 logger = logging.getLogger("drbalance.client")
 
@@ -116,6 +117,8 @@ class PosixManagerLink:
         self.problem = "none is running"  # why manager() last found no manager
         self._closed = False
         self._set_up_failed = False
+        self._dr_total: int | None = None  # the DR total of the manager last found (commands: see _command_for)
+        self._published: DataRatio | None = None  # the DR of the status last published
         try:
             self._set_up(first=True)
         except BaseException:
@@ -151,6 +154,7 @@ class PosixManagerLink:
 
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:
+        self._published = status.ratio
         if self.record is None:  # not made yet (see _set_up): this status goes nowhere
             return
         record_gone = objects.unlinked_fd(self.record.segment.memory.fd)
@@ -272,6 +276,7 @@ class PosixManagerLink:
         if self.clock.monotonic() - beat.beat_mono >= self.stale_after:
             return self._absent(f"its heartbeat is older than {self.stale_after:g} s")
         self.problem = ""
+        self._dr_total = beat.dr_total
         return beat
 
     def _discover(self) -> ManagerInfo | None:
@@ -378,6 +383,12 @@ class PosixManagerLink:
             return None  # a half-written, corrupt or truncated command is never applied
         if command is None or command.generation != generation:
             return None  # none yet, or a stale answer to an older notice
+        if command.ratio.total != self._dr_total and command.ratio != self._published:
+            # a manager sends a new DR at its own total (a kept one as the job has it): not the manager's
+            self._report(f"total:{command.ratio.total}:{self._dr_total}", "drbalance: %r ignored a command for DR "
+                         "%s: its manager decides at DR total %s", self.app, command.ratio,
+                         self._dr_total if self._dr_total is not None else "(none found yet)")
+            return None
         return command
 
     def _drain_signal(self) -> None:

@@ -489,8 +489,10 @@ class Manager:
         """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
 
         Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
-        the command goes back in the app's own order. An app whose GPUs this manager does not
-        see keeps its DR.
+        the command goes back in the app's own order. Policies see every DR at the manager's DR
+        total, whatever total the app's record carries, and a new DR is sent at that total; a DR
+        kept is sent as the app has it (a job takes a command only at its manager's total, or
+        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR.
         """
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         app_old = entry.effective_ratio()
@@ -512,7 +514,7 @@ class Manager:
                 ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
                 next_boundary = decision.next_boundary
                 self._check_ratio(ratio, old, view)
-                sent = entry.to_app_ratio(ratio, self.server)
+                sent = app_old if ratio == old else entry.to_app_ratio(ratio, self.server)
                 pushes = dict(decision.others)
             except Exception as error:  # a policy bug must never crash the daemon or reach the app
                 logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
@@ -551,7 +553,7 @@ class Manager:
                 raise TypeError(f"policy pushed {ratio!r}, not a DataRatio")
             view = snapshot.app(name)
             self._check_ratio(ratio, view.ratio, view)
-            sent = entry.to_app_ratio(ratio, self.server)
+            sent = entry.effective_ratio() if ratio == view.ratio else entry.to_app_ratio(ratio, self.server)
         except Exception as error:  # one bad push is refused and logged; the decision's other pushes go on
             shown = ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
             self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))

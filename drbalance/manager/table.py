@@ -114,14 +114,16 @@ class AppEntry:
     def view(self, dr_total: int | None = None, server: ServerGpus | None = None) -> AppView:
         """The app as a policy sees it, per server GPU.
 
-        ``dr_total`` is the manager's DR granularity, in which the minimum share and the memory
-        caps are expressed. ``server``: the manager's GPUs; with it, slots are mapped by UUID
+        ``dr_total`` is the manager's DR granularity, in which the DR (whatever total the record
+        carries: the manager decides at its own), the minimum share and the memory caps are
+        expressed. ``server``: the manager's GPUs; with it, slots are mapped by UUID
         (:class:`Unmapped` if that cannot be done); without it, slot g of the app is GPU g.
         """
         status = self.status
         slots = status.slots
         total = dr_total or status.ratio.total
         app_ratio = self.effective_ratio()
+        ratio = app_ratio.rescale(total)
         common = dict(
             name=self.name, slowdown=status.slowdown, pid=status.pid, epoch=status.epoch,
             iteration=status.iteration, iterations_total=status.iterations_total,
@@ -130,7 +132,7 @@ class AppEntry:
         )
         if server is None:
             return AppView(
-                ratio=app_ratio, **common,
+                ratio=ratio, **common,
                 chunk_seconds=tuple(slot.chunk_seconds for slot in slots) if slots else None,
                 chunk_samples=tuple(slot.chunk_samples for slot in slots) if slots else None,
             )
@@ -138,10 +140,10 @@ class AppEntry:
         shares = [0] * server.count
         for slot, gpu in enumerate(mapping):
             if gpu is not None:
-                shares[gpu] = app_ratio[slot]
+                shares[gpu] = ratio[slot]
         allowed = tuple(sorted(gpu for gpu in mapping if gpu is not None))
         return AppView(
-            ratio=DataRatio(shares, app_ratio.total), **common,
+            ratio=DataRatio(shares, total), **common,
             allowed=None if len(allowed) == server.count else allowed,
             max_share=self._max_share(mapping, server, total, app_ratio),
             chunk_seconds=_per_gpu(mapping, server.count, [s.chunk_seconds for s in slots], None) if slots else None,
