@@ -627,6 +627,11 @@ mount -t mqueue none "$OUT/mqueue"
 echo 4 > /proc/sys/fs/mqueue/queues_max
 cd "$ROOT"
 "$PY" -c "$JOB" > "$OUT/job.out" 2>&1
+echo '{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}' > "$OUT/util.json"
+DRBALANCE_RUNTIME_DIR="$OUT/run" DRBALANCE_NAMESPACE=rootq \
+  setpriv --inh-caps -sys_resource --bounding-set -sys_resource \
+  "$PY" -m drbalance.manager.cli --source scripted:"$OUT/util.json" --duration 1 > "$OUT/manager.out" 2>&1 \
+  && echo "manager rc 0" >> "$OUT/manager.out" || echo "manager rc $?" >> "$OUT/manager.out"
 """
 
 QUEUES_JOB = textwrap.dedent("""
@@ -656,7 +661,9 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
     """Any user can create fs.mqueue.queues_max (256) tiny queues, about 25 KiB of their budget; then
     no other unprivileged user can create one, and a manager cannot start. The error blamed the
     manager's own RLIMIT_MSGQUEUE ("this user's message-queue budget is probably used up"), and
-    raising it changes nothing. In a private IPC namespace whose count is 4."""
+    raising it changes nothing. Root is not exempt either, only CAP_SYS_RESOURCE is (many
+    containers drop it): a root manager without it exits 1 saying so. In a private IPC namespace
+    whose count is 4."""
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-i", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("a private IPC namespace needs CAP_SYS_ADMIN (unshare -i -m)")
@@ -668,6 +675,7 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         subprocess.run([unshare, "-i", "-m", "sh", "-c", QUEUES_SCRIPT], env=env, timeout=100, check=True)
         out = (out_dir / "job.out").read_text()
+        manager = (out_dir / "manager.out").read_text()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     _, _, who = second_user()
@@ -675,6 +683,9 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
     assert "budget is probably used up" not in out, out
     assert "fs.mqueue.queues_max" in out and "4 queues" in out and "system-wide" in out, out
     assert f"4 of {who}" in out, out  # who holds them, read from the mounted mqueue file system
+    assert "manager rc 1" in manager and "Traceback" not in manager, manager
+    assert "system-wide count of message queues is reached" in manager and f"4 of {who}" in manager, manager
+    assert "only processes with CAP_SYS_RESOURCE are exempt (root without it is not" in manager, manager
 
 
 # --- log folders: the user's choice, but never reached through a neighbour's link -------------------
