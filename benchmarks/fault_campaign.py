@@ -30,14 +30,10 @@ import os
 import random
 import resource
 import secrets
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -61,6 +57,7 @@ from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import JsonLinesWriter, read_json_lines
+from tests.helpers.connections import HeldConnections
 from tests.helpers.disk import fill_up, mount_small_tmpfs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -461,28 +458,15 @@ def swapped_log_folder(scratch: Path, seconds: float = 10.0) -> dict:
     manager's log every 0.5 s, for ``seconds``: a manager runs with its log there meanwhile, and
     SD logs are opened there one after the other. Files that reached the root-only folder, opens
     done and refused."""
-    from tests.helpers.neighbour import as_neighbour, second_user
+    from tests.helpers.neighbour import swapped_folder
 
-    uid, gid, _ = second_user()
-    base = Path(tempfile.mkdtemp(prefix="drbalance-campaign-swap-"))  # in /tmp: she can reach it
     target = scratch / "root-only"
     target.mkdir(mode=0o700)
-    shared, stop = base / "shared", base / "stop"
-    logs, trap = shared / "logs", shared / "trap"
-    swaps: list[str] = []
     opened = refused = 0
-    try:
-        os.chmod(base, 0o755)
-        shared.mkdir()
-        os.chown(shared, uid, gid)
-        os.chmod(shared, 0o2775)
-        as_neighbour([["mkdir", str(logs), 0o2775], ["symlink", str(target), str(trap)]])
+    with swapped_folder(target, "manager.jsonl") as (logs, swaps):
         manager = Manager(scratch, "swapped", "--log", str(logs / "manager.jsonl"))
-        manager.ready()
-        swapper = threading.Thread(target=lambda: swaps.extend(as_neighbour(
-            [["swap", str(logs), str(trap), str(stop), str(logs / "manager.jsonl"), 0.5]], timeout=600)))
-        swapper.start()
         try:
+            manager.ready()
             started, attempt = time.monotonic(), 0
             while time.monotonic() - started < seconds:
                 attempt += 1
@@ -495,15 +479,10 @@ def swapped_log_folder(scratch: Path, seconds: float = 10.0) -> dict:
                     refused += 1
             manager_alive = manager.alive()
         finally:
-            stop.touch()
-            swapper.join(timeout=600)
             manager.stop()
-        return {"neighbour": swaps[0] if swaps else "did not run", "opened": opened, "refused": refused,
-                "manager_alive": manager_alive, "manager_log_reopened": len(manager.out.read_text().split(
-                    "was removed or replaced")) - 1, "files_in_root_only_folder": sorted(os.listdir(target))}
-    finally:
-        stop.touch()
-        shutil.rmtree(base, ignore_errors=True)
+    return {"neighbour": swaps[0] if swaps else "did not run", "opened": opened, "refused": refused,
+            "manager_alive": manager_alive, "manager_log_reopened": manager.out.read_text().count(
+                "was removed or replaced"), "files_in_root_only_folder": sorted(os.listdir(target))}
 
 
 def held_metrics_connections(scratch: Path, held: int = 50, scrapes: int = 20) -> dict:
@@ -513,40 +492,21 @@ def held_metrics_connections(scratch: Path, held: int = 50, scrapes: int = 20) -
     manager.ready()
     url = json.loads(manager.names.manager_status().read_text())["metrics"]
     host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
-    stop = threading.Event()
-    sockets = [socket.create_connection((host, int(port)), timeout=30) for _ in range(held)]
-    reopened = 0
-
-    def hold() -> None:
-        nonlocal reopened
-        while not stop.is_set():
-            readable, _, _ = select.select(sockets, [], [], 0.1)
-            for connection in readable:
-                if connection.recv(1) == b"":
-                    connection.close()
-                    sockets[sockets.index(connection)] = socket.create_connection((host, int(port)), timeout=30)
-                    reopened += 1
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
     answered, seconds = 0, []
     try:
-        for _ in range(scrapes):  # over about 10 s: past REQUEST_SECONDS, the held ones are closed and opened again
-            time.sleep(0.5)
-            started = time.monotonic()
-            try:
-                with urllib.request.urlopen(url, timeout=10) as reply:
-                    answered += reply.status == 200 and b"drbalance_apps" in reply.read()
-            except OSError:
-                pass
-            seconds.append(time.monotonic() - started)
+        with HeldConnections(host, int(port), held) as holder:
+            for _ in range(scrapes):  # over about 10 s: past REQUEST_SECONDS, the held ones are closed, opened again
+                time.sleep(0.5)
+                started = time.monotonic()
+                try:
+                    with urllib.request.urlopen(url, timeout=10) as reply:
+                        answered += reply.status == 200 and b"drbalance_apps" in reply.read()
+                except OSError:
+                    pass
+                seconds.append(time.monotonic() - started)
     finally:
-        stop.set()
-        holder.join(timeout=30)
-        for connection in sockets:
-            connection.close()
         manager.stop()
-    return {"held": held, "scrapes": scrapes, "answered": answered, "reopened_by_the_holder": reopened,
+    return {"held": held, "scrapes": scrapes, "answered": answered, "reopened_by_the_holder": holder.reopened,
             "scrape_seconds": summary(seconds)}
 
 
@@ -559,7 +519,7 @@ def campaign_filesystem(scratch: Path) -> dict:
     job = python("benchmarks.fault_campaign", "--role", "exchanger", "fsjob", "600", str(scratch / "fs.json"))
     try:
         wait(lambda: "fsjob" in names.listed_apps())
-        shutil.rmtree(names.runtime_dir().parent)
+        remove_tree(names.runtime_dir().parent)
         results["runtime dir removed: manager.json and lock restored after (s)"] = wait(
             lambda: names.manager_info().exists(), 30)
         results["runtime dir removed: job's claim restored after (s)"] = wait(
@@ -601,6 +561,20 @@ def campaign_filesystem(scratch: Path) -> dict:
     results["full disk (tmpfs)"] = full_disk(scratch)
     results["leaks_after"] = leaks(names)
     return results
+
+
+def remove_tree(path: Path, tries: int = 50) -> None:
+    """``rm -rf path``, again while a process that writes there (the manager's status file) makes a
+    new file in it meanwhile ("Directory not empty")."""
+    for _ in range(tries - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            continue
+    shutil.rmtree(path)
 
 
 def full_disk(scratch: Path) -> dict:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,7 +40,7 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.daemon import MAX_FOREIGN_LISTED, Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import ROOT, python_process, wait_for
-from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
+from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user, swapped_folder
 from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all, toy_app
 from tests.helpers.steered import SteeredModel
 
@@ -721,46 +720,26 @@ def test_a_folder_a_neighbour_swaps_with_her_link_never_takes_a_log_or_file_of_o
     and removes the log now and then, so that it is opened again: a log path checked, then opened
     again by its name, made a root manager create its log in a root-only folder of her choice.
     Every folder is now opened relative to the one before it, without following her link."""
-    base = Path(tempfile.mkdtemp(prefix="drbalance-swap-"))  # in /tmp: she can reach it
     target = tmp_path / "root-only"
     target.mkdir(mode=0o700)
-    shared, stop = base / "shared", base / "stop"
-    logs, trap = shared / "logs", shared / "trap"
-    neighbour: list[str] = []
-    try:
-        os.chmod(base, 0o755)
-        shared.mkdir()
-        uid, gid, _ = second_user()
-        os.chown(shared, uid, gid)  # her folder, which the group may write (as docs allow for logs)
-        os.chmod(shared, 0o2775)
-        assert as_neighbour([["mkdir", str(logs), 0o2775], ["symlink", str(target), str(trap)]]) == ["ok", "ok"]
-        swapper = threading.Thread(target=lambda: neighbour.extend(as_neighbour(
-            [["swap", str(logs), str(trap), str(stop), str(logs / "m.jsonl"), 0.5]], timeout=100)))
-        swapper.start()
-        written, attempts, errors = 0, 0, []
-        try:
-            while attempts < 4000 and not any(target.iterdir()):
-                attempts += 1
-                try:
-                    if attempts % 2:
-                        writer = JsonLinesWriter(logs / "m.jsonl")  # what the manager and jobs open their logs by
-                        writer.write({"attempt": attempts})
-                        assert writer.close() == 0
-                    else:
-                        write_private(logs / "status.json", b"{}")  # status, run.json, reports
-                    written += 1
-                except OSError as error:
-                    errors.append(error)
-        finally:
-            stop.touch()
-            swapper.join(timeout=100)
-        assert neighbour and neighbour[0].startswith("ok ") and int(neighbour[0].split()[1]) > 0, neighbour
-        assert sorted(os.listdir(target)) == []  # nothing of ours in the folder of her choice
-        assert written and errors  # both faces of the swap were met: a real folder, and her link
-        assert all(isinstance(e, UnsafePath) and "symbolic link owned by" in str(e) for e in errors), errors[:5]
-    finally:
-        stop.touch()
-        shutil.rmtree(base, ignore_errors=True)
+    written, attempts, errors = 0, 0, []
+    with swapped_folder(target, "m.jsonl") as (logs, neighbour):
+        while attempts < 4000 and not any(target.iterdir()):
+            attempts += 1
+            try:
+                if attempts % 2:
+                    writer = JsonLinesWriter(logs / "m.jsonl")  # what the manager and jobs open their logs by
+                    writer.write({"attempt": attempts})
+                    assert writer.close() == 0
+                else:
+                    write_private(logs / "status.json", b"{}")  # status, run.json, reports
+                written += 1
+            except OSError as error:
+                errors.append(error)
+    assert neighbour and neighbour[0].startswith("ok ") and int(neighbour[0].split()[1]) > 0, neighbour
+    assert sorted(os.listdir(target)) == []  # nothing of ours in the folder of her choice
+    assert written and errors  # both faces of the swap were met: a real folder, and her link
+    assert all(isinstance(e, UnsafePath) and "symbolic link owned by" in str(e) for e in errors), errors[:5]
 
 
 def test_a_log_folder_every_user_may_write_is_refused_a_sticky_or_group_one_is_not(tmp_path):

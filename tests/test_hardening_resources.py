@@ -95,14 +95,21 @@ def private_mounts(covered: str) -> str:
         pytest.skip(f"a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused); {covered}")
     return unshare
 
+def run_with_private_mounts(tmp_path: Path, script: str, job: str, covered: str) -> tuple[str, str]:
+    """Run the shell ``script`` in a private mount namespace (``private_mounts``: skips where that
+    is not allowed, saying ``covered``) with ``$JOB`` = ``job`` and ``$OUT`` = ``tmp_path`` (which
+    holds a scripted utilisation file for 2 GPUs); what ``job.out`` and ``manager.out`` hold."""
+    unshare = private_mounts(covered)
+    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
+    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=job, OUT=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([unshare, "-m", "sh", "-c", script], env=env, timeout=110, check=True)
+    return (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
+
+
 def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
     """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
-    unshare = private_mounts("the backed-pages test covers it")
-    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
-    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=JOB, OUT=str(tmp_path),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([unshare, "-m", "sh", "-c", FULL_SHM_SCRIPT], env=env, timeout=100, check=True)
-    job, manager = (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
+    job, manager = run_with_private_mounts(tmp_path, FULL_SHM_SCRIPT, JOB, "the backed-pages test covers it")
     assert "job rc 0" in job and "link PosixManagerLink" in job and "trained" in job, job
     assert "No space left on device" in job and "tries again at its later reports" in job  # why, and what next
     assert "manager rc 1" in manager and "cannot create the manager's inbox queue and heartbeat" in manager, manager
@@ -210,12 +217,7 @@ def test_a_job_started_while_dev_shm_is_full_claims_its_name_and_is_managed_once
     """Issue 59, item 2. A job that started while a neighbour kept /dev/shm full ran its whole life
     without a manager: it gave its name claim back and never tried again. It now keeps its claim,
     and makes its record and semaphore at a later report, as it looks for an absent manager."""
-    unshare = private_mounts("no other case fills /dev/shm")
-    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
-    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=LATE_JOB, OUT=str(tmp_path),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([unshare, "-m", "sh", "-c", LATE_SHM_SCRIPT], env=env, timeout=110, check=True)
-    job, manager = (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
+    job, manager = run_with_private_mounts(tmp_path, LATE_SHM_SCRIPT, LATE_JOB, "no other case fills /dev/shm")
     assert "job rc 0" in job and "Traceback" not in job, job
     assert "claimed while full True" in job and "attached while full False" in job, job
     assert "tries again at its later reports" in job, job  # it said why, and what it does

@@ -19,6 +19,7 @@ from drbalance.manager.cli import main as manager_main
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
 from drbalance.manager.nvml import MemoryInfo
 from tests.conftest import leftovers, python_process, wait_for
+from tests.helpers.connections import HeldConnections
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 GIB = 1024 ** 3
@@ -320,34 +321,14 @@ def test_fifty_connections_held_open_leave_every_scrape_answered(capfd):
     (each opened again as soon as the server closes it) while 20 scrapes are made."""
     server = ManagerMetrics("ns7", "fair")
     host, port = server.serve("127.0.0.1", 0)
-    stop = threading.Event()
-    held: list[socket.socket] = []
-    reopened = []
-
-    def hold() -> None:
-        held.extend(socket.create_connection((host, port), timeout=30) for _ in range(50))
-        while not stop.is_set():
-            readable, _, _ = select.select(held, [], [], 0.1)
-            for connection in readable:
-                if connection.recv(1) == b"":  # closed by the server: open another
-                    connection.close()
-                    held[held.index(connection)] = socket.create_connection((host, port), timeout=30)
-                    reopened.append(1)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
     answered = []
     try:
-        wait_for(lambda: len(held) == 50)
-        for _ in range(20):
-            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
-                answered.append(reply.status == 200 and b"drbalance_apps" in reply.read())
-        assert holder.is_alive()  # the 50 were held all along
+        with HeldConnections(host, port, 50) as held:
+            for _ in range(20):
+                with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
+                    answered.append(reply.status == 200 and b"drbalance_apps" in reply.read())
+            assert held.holding()  # the 50 were held all along
     finally:
-        stop.set()
-        holder.join(timeout=30)
-        for connection in held:
-            connection.close()
         server.close()
     assert answered == [True] * 20
     assert "Traceback" not in capfd.readouterr().err

@@ -17,12 +17,18 @@ Each result is ``"ok"`` or the exception's class name and text.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import pwd
 import select
+import shutil
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -163,3 +169,35 @@ def _swap(first: str, second: str, stop: str, victim: str, every: float) -> int:
             except OSError:  # not there, or reached through the link: not hers to remove
                 pass
     return swaps
+
+
+@contextlib.contextmanager
+def swapped_folder(target: Path, victim: str, every: float = 0.5) -> Iterator[tuple[Path, list[str]]]:
+    """The second user's group-writable (setgid) folder in /tmp holding ``logs`` (a real folder)
+    and ``trap`` (her symbolic link to ``target``), and a thread in which she exchanges the two
+    names in a loop, removing ``logs/<victim>`` every ``every`` seconds, until the block ends.
+    Yields ``logs`` and a list that holds her result (``"ok N"``: N exchanges) once it ended."""
+    uid, gid, _ = second_user()
+    base = Path(tempfile.mkdtemp(prefix="drbalance-swap-"))  # in /tmp: she can reach it
+    shared, stop = base / "shared", base / "stop"
+    logs, trap = shared / "logs", shared / "trap"
+    result: list[str] = []
+    try:
+        os.chmod(base, 0o755)
+        shared.mkdir()
+        os.chown(shared, uid, gid)  # her folder, which the group may write (as docs allow for logs)
+        os.chmod(shared, 0o2775)
+        made = as_neighbour([["mkdir", str(logs), 0o2775], ["symlink", str(target), str(trap)]])
+        if made != ["ok", "ok"]:
+            raise RuntimeError(f"the neighbour could not set up her folder: {made}")
+        swapper = threading.Thread(target=lambda: result.extend(as_neighbour(
+            [["swap", str(logs), str(trap), str(stop), str(logs / victim), every]], timeout=600)))
+        swapper.start()
+        try:
+            yield logs, result
+        finally:
+            stop.touch()
+            swapper.join(timeout=600)
+    finally:
+        stop.touch()
+        shutil.rmtree(base, ignore_errors=True)
