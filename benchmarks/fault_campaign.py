@@ -1,16 +1,19 @@
 """Fault campaign (issue 10): real processes and real IPC, attacked and broken on purpose.
 
 Sections (each a dict in the result):
-1. ``kill9``: jobs killed with SIGKILL at several points of their life (idle after a report,
-   during the first status write, in the middle of notice exchanges, a real torch training job)
-   while a manager runs; and jobs killed while no manager runs, collected by the next one. Times
-   from the kill until the job's objects and claim are gone; leaks afterwards.
+1. ``kill9``: jobs killed with SIGKILL at several points of their life (right after creating its
+   name claim, before writing it; idle after a report; during the first status write; in the
+   middle of notice exchanges; a real torch training job) while a manager runs; and jobs killed
+   while no manager runs, collected by the next one. Times from the kill until the job's objects
+   and claim are gone; leaks afterwards.
 2. ``manager_kill9``: the manager killed under exchanging jobs: how long a job waits at most,
    and how fast a restarted manager adopts every job.
 3. ``flood``: N jobs sending notices back to back for S seconds: sent, answered, latency.
-4. ``corrupt``: random corruption of live jobs' records and random inbox messages while a job
-   exchanges: the manager's survival, what it logged, and that every DR it sent was valid.
-5. ``neighbour``: the attacks of issue 10 item 1-2, as a real second user (needs root).
+4. ``corrupt``: random corruption of live jobs' records, well-formed records naming another pid
+   or process start time, and random inbox messages while a job exchanges: the manager's
+   survival, what it logged, that every DR it sent was valid, and that no live job's objects went.
+5. ``neighbour``: the attacks of issue 10 items 1-2 and issue 59 items 1 and 4, as a real second
+   user (needs root).
 6. ``filesystem``: runtime directory removed, status file replaced by a folder, a full disk (a
    512 KiB tmpfs when mounting is allowed; else a file-size limit), segments truncated.
 
@@ -21,6 +24,7 @@ Writes benchmarks/results/fault_campaign.json; docs/reliability.md summarises it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -31,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +54,10 @@ from drbalance.ipc.layout import (
 )
 from drbalance.ipc.link import DEFAULT_EXCHANGE_TIMEOUT, PosixManagerLink
 from drbalance.ipc.names import SHM_DIR, IpcNames, new_token
-from drbalance.jsonlog import read_json_lines
+from drbalance.ipc.private import UnsafePath
+from drbalance.ipc.records import AppRecord
+from drbalance.jsonlog import JsonLinesWriter, read_json_lines
+from tests.helpers.connections import HeldConnections
 from tests.helpers.disk import fill_up, mount_small_tmpfs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,12 +177,15 @@ def campaign_kill9(scratch: Path, repeats: int) -> dict:
     names = IpcNames.current()
     manager = Manager(scratch, "kill9")
     manager.ready()
-    times: dict[str, list[float]] = {"idle after a report": [], "during its first status write": [],
-                                      "mid-exchange": [], "torch training job (Session)": []}
+    times: dict[str, list[float]] = {"right after creating its claim": [], "idle after a report": [],
+                                      "during its first status write": [], "mid-exchange": [],
+                                      "torch training job (Session)": []}
+    points = (("right after creating its claim", ("--empty-claim",)), ("idle after a report", ()),
+              ("during its first status write", ("--half",)))
     try:
         for index in range(repeats):
-            for label, flags in (("idle after a report", ()), ("during its first status write", ("--half",))):
-                name = f"k{index}{'h' if flags else 'i'}"
+            for point, (label, flags) in enumerate(points):
+                name = f"k{index}p{point}"
                 process, _ = idle_job(name, *flags)
                 time.sleep(random.uniform(0.0, 0.5))
                 kill9(process)
@@ -290,6 +301,23 @@ def corrupt_segment(path: Path, rng: random.Random) -> str:
         return f"skipped ({error})"
 
 
+def forge_status(names: IpcNames, app: str, token: str, dead_pid: bool) -> str:
+    """Write a well-formed status (seqlock and CRC right) that names another process into a live
+    job's record: a dead pid, or the job's pid with another start time; returns which."""
+    record = AppRecord.open(names, app, token)
+    try:
+        status = record.read_status()
+        if dead_pid:
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            record.write_status(dataclasses.replace(status, pid=gone.pid))
+            return "a dead pid"
+        record.write_status(dataclasses.replace(status, start_ticks=status.start_ticks + 7))
+        return "another start time"
+    finally:
+        record.close()
+
+
 def random_message(rng: random.Random) -> bytes:
     valid = Notice(NoticeKind.BOUNDARY, os.getpid(), rng.randrange(1 << 40), "ghost", time.time()).encode()
     kind = rng.randrange(4)
@@ -324,6 +352,10 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
             path = SHM_DIR / names.app_record(app, token).lstrip("/")
             done.append(corrupt_segment(path, rng))
             time.sleep(0.02)
+        forged = []
+        for index in range(max(2, records // 10)):  # live jobs whose records then name another process
+            victims.append(idle_job(f"w{index}"))
+            forged.append(forge_status(names, f"w{index}", victims[-1][1], index % 2 == 0))
         sent = 0
         for _ in range(messages):
             try:
@@ -338,6 +370,7 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
         time.sleep(1.0)
         still_answering = len([e for e in manager.events("decision") if e["app"] == "witness"]) > answered_before
     finally:
+        killed_wall = time.time()  # every app_removed of a victim before this removed a live job's objects
         kill9(witness)
         for process, _ in victims:
             kill9(process)
@@ -348,9 +381,9 @@ def campaign_corrupt(scratch: Path, records: int, messages: int, seed: int = 10)
         manager.stop()
     decisions = manager.events("decision")
     bad = [d for d in decisions if len(d["new_dr"]) != 4 or sum(d["new_dr"]) != d["dr_total"]]
-    removed_alive = [e for e in manager.events("app_removed") if e["app"].startswith("v")
-                     and e.get("reason") not in ("leftovers of a dead process", "process gone")]
-    return {"records_corrupted": len(done), "messages_sent": sent, "manager_alive": alive,
+    removed_alive = [e for e in manager.events("app_removed") if e["app"][0] in "vw" and e["t"] < killed_wall]
+    return {"records_corrupted": len(done), "well_formed_records_naming_another_process": forged,
+            "messages_sent": sent, "manager_alive": alive,
             "still_answering_a_good_job": still_answering, "decisions": len(decisions), "bad_dr_sent": len(bad),
             "invalid_logged": len(manager.events("invalid")), "live_records_removed": len(removed_alive),
             "examples": done[:8], "all_killed_jobs_collected_after_seconds": collected, "leaks_after": leaks(names)}
@@ -408,6 +441,8 @@ def campaign_neighbour(scratch: Path) -> dict:
             "target_mode": oct(target.stat().st_mode & 0o7777), "files_written_in_target": len(list(target.iterdir()))}
     finally:
         link.unlink()
+    outcomes["log folder swapped with her link in a loop (issue 59 item 1)"] = swapped_log_folder(scratch)
+    outcomes["connections held open to --metrics-port (issue 59 item 4)"] = held_metrics_connections(scratch)
     outcomes["leaks_after"] = leaks(names)
     for listed in names.listed():  # the neighbour's objects (root may remove them)
         if listed.entry.startswith("sem."):
@@ -415,6 +450,79 @@ def campaign_neighbour(scratch: Path) -> dict:
         else:
             objects.unlink_shared_memory("/" + listed.entry)
     return outcomes
+
+
+def swapped_log_folder(scratch: Path, seconds: float = 10.0) -> dict:
+    """A log folder in the neighbour's group-writable (setgid) folder, which she exchanges with her
+    symbolic link to a root-only folder in a loop (renameat2 RENAME_EXCHANGE), removing the
+    manager's log every 0.5 s, for ``seconds``: a manager runs with its log there meanwhile, and
+    SD logs are opened there one after the other. Files that reached the root-only folder, opens
+    done and refused."""
+    from tests.helpers.neighbour import swapped_folder
+
+    target = scratch / "root-only"
+    target.mkdir(mode=0o700)
+    opened = refused = 0
+    with swapped_folder(target, "manager.jsonl") as (logs, swaps):
+        manager, refused_starts = start_through_swaps(scratch, logs / "manager.jsonl")
+        try:
+            started, attempt = time.monotonic(), 0
+            while time.monotonic() - started < seconds:
+                attempt += 1
+                try:
+                    writer = JsonLinesWriter(logs / "job.sd.jsonl")
+                    writer.write({"attempt": attempt})
+                    writer.close()
+                    opened += 1
+                except UnsafePath:
+                    refused += 1
+            manager_alive = manager.alive()
+        finally:
+            manager.stop()
+    return {"neighbour": swaps[0] if swaps else "did not run", "manager_starts_refused": refused_starts,
+            "opened": opened, "refused": refused, "manager_alive": manager_alive,
+            "manager_log_reopened": manager.out.read_text().count("was removed or replaced"),
+            "files_in_root_only_folder": sorted(os.listdir(target))}
+
+
+def start_through_swaps(scratch: Path, log: Path, tries: int = 50) -> tuple[Manager, int]:
+    """A manager logging to ``log`` while a folder on its way is swapped with a link: a start that
+    meets the link is refused (exit 1, "symbolic link owned by"), so start again; the manager that
+    started and how many starts were refused."""
+    for refused in range(tries):
+        manager = Manager(scratch, f"swapped{refused}", "--log", str(log))
+        try:
+            manager.ready()
+            return manager, refused
+        except RuntimeError as error:
+            if "symbolic link owned by" not in str(error):
+                raise
+    raise RuntimeError(f"no manager started in {tries} tries")
+
+
+def held_metrics_connections(scratch: Path, held: int = 50, scrapes: int = 20) -> dict:
+    """``held`` connections to a manager's --metrics-port, each opened again as soon as it is
+    closed, while ``scrapes`` scrapes are made one after the other: how many were answered."""
+    manager = Manager(scratch, "metrics", "--metrics-port", "0")
+    manager.ready()
+    url = json.loads(manager.names.manager_status().read_text())["metrics"]
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    answered, seconds = 0, []
+    try:
+        with HeldConnections(host, int(port), held) as holder:
+            for _ in range(scrapes):  # over about 10 s: past REQUEST_SECONDS, the held ones are closed, opened again
+                time.sleep(0.5)
+                started = time.monotonic()
+                try:
+                    with urllib.request.urlopen(url, timeout=10) as reply:
+                        answered += reply.status == 200 and b"drbalance_apps" in reply.read()
+                except OSError:
+                    pass
+                seconds.append(time.monotonic() - started)
+    finally:
+        manager.stop()
+    return {"held": held, "scrapes": scrapes, "answered": answered, "reopened_by_the_holder": holder.reopened,
+            "scrape_seconds": summary(seconds)}
 
 
 # --- 6. file-system faults --------------------------------------------------------------------------
@@ -426,7 +534,7 @@ def campaign_filesystem(scratch: Path) -> dict:
     job = python("benchmarks.fault_campaign", "--role", "exchanger", "fsjob", "600", str(scratch / "fs.json"))
     try:
         wait(lambda: "fsjob" in names.listed_apps())
-        shutil.rmtree(names.runtime_dir().parent)
+        remove_tree(names.runtime_dir().parent)
         results["runtime dir removed: manager.json and lock restored after (s)"] = wait(
             lambda: names.manager_info().exists(), 30)
         results["runtime dir removed: job's claim restored after (s)"] = wait(
@@ -468,6 +576,20 @@ def campaign_filesystem(scratch: Path) -> dict:
     results["full disk (tmpfs)"] = full_disk(scratch)
     results["leaks_after"] = leaks(names)
     return results
+
+
+def remove_tree(path: Path, tries: int = 50) -> None:
+    """``rm -rf path``, again while a process that writes there (the manager's status file) makes a
+    new file in it meanwhile ("Directory not empty")."""
+    for _ in range(tries - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            continue
+    shutil.rmtree(path)
 
 
 def full_disk(scratch: Path) -> dict:

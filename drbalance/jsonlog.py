@@ -1,9 +1,11 @@
 """JSON Lines logs (SD logs, the manager log): one JSON object per line, appended.
 
 Files are created with mode 0600 and missing folders with 0700, whatever the umask; a log is
-never opened through a symbolic link nor appended to when it is another user's (see
-``drbalance.ipc.private``); a ``..`` in its path is the parent of the folder the kernel reached,
-not a name dropped as text (``kernel_path``). A full disk or a vanished folder does not raise from ``write``:
+never opened through a symbolic link nor appended to when it is another user's, and its folder
+is reached one descriptor at a time and kept open: the log is opened, rotated and removed in that
+folder, never by its path again (see ``drbalance.ipc.private``); a ``..`` in its path is the
+parent of the folder the kernel reached, not a name dropped as text (``kernel_path``). A full
+disk or a vanished folder does not raise from ``write``:
 lines wait in memory (at most ``MAX_PENDING_LINES``, the oldest dropped beyond that, counted)
 and are written when the fault goes away, after a ``log_gap`` record when any were lost.
 With ``max_bytes`` the file is rotated by size: ``x.jsonl`` becomes ``x.jsonl.1``, the older
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from drbalance.ipc.private import UnsafePath, make_dirs, open_private
+from drbalance.ipc.private import Folder, UnsafePath, open_folder
 
 MAX_PENDING_LINES = 10_000
 RETRY_SECONDS = 1.0  # after a failed write, wait this long before trying the file again
@@ -94,6 +96,7 @@ class JsonLinesWriter:
         self._retry_at = 0.0
         self._size = 0
         self._fd: int | None = None
+        self._folder: Folder | None = None  # the log's folder, open while the log is
         self._closed = False
         try:
             self._open()
@@ -105,9 +108,24 @@ class JsonLinesWriter:
             self.error, self._retry_at = error, time.monotonic() + RETRY_SECONDS
 
     def _open(self) -> None:
-        make_dirs(self.path.parent)
-        fd, _ = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        """Walk to the log's folder (made if missing) and open the log in it."""
+        folder = open_folder(self.path.parent, create=True)
+        try:
+            self._open_in(folder)
+        except BaseException:
+            folder.close()
+            raise
+        self._close_folder()
+        self._folder = folder
+
+    def _open_in(self, folder: Folder) -> None:
+        fd, _ = folder.open(self.path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self._fd, self._size = fd, os.fstat(fd).st_size
+
+    def _close_folder(self) -> None:
+        if self._folder is not None:
+            self._folder.close()
+            self._folder = None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._closed:
@@ -178,26 +196,28 @@ class JsonLinesWriter:
                     done = 0
 
     def _rotate(self) -> None:
-        """x.jsonl -> x.jsonl.1 -> ... -> x.jsonl.<keep>; the oldest beyond ``keep`` is removed."""
+        """x.jsonl -> x.jsonl.1 -> ... -> x.jsonl.<keep>; the oldest beyond ``keep`` is removed.
+        In the folder the log was opened in (its descriptor), as the new log is."""
         os.close(self._fd)
         self._fd = None
+        folder = self._folder
         if self.keep == 0:
-            os.unlink(self.path)
+            folder.remove(self.path.name)
         else:
-            for index in range(self._rotated_chain(), 0, -1):
-                os.replace(self._rotated(index), self._rotated(index + 1))
-            os.replace(self.path, self._rotated(1))
-        self._open()
+            for index in range(self._rotated_chain(folder), 0, -1):
+                folder.rename(self._rotated(index), self._rotated(index + 1))
+            folder.rename(self.path.name, self._rotated(1))
+        self._open_in(folder)
 
-    def _rotated(self, index: int) -> Path:
-        return self.path.with_name(f"{self.path.name}.{index}")
+    def _rotated(self, index: int) -> str:
+        return f"{self.path.name}.{index}"
 
-    def _rotated_chain(self) -> int:
+    def _rotated_chain(self, folder: Folder) -> int:
         """How many of x.jsonl.1, .2, ... exist in a row, at most ``keep - 1`` (the ones to shift
         up; a file at ``keep`` is replaced). Looks at existing files only, so a huge ``keep`` costs
         nothing."""
         count = 0
-        while count < self.keep - 1 and os.path.lexists(self._rotated(count + 1)):
+        while count < self.keep - 1 and folder.identity(self._rotated(count + 1)) is not None:
             count += 1
         return count
 
@@ -209,14 +229,15 @@ class JsonLinesWriter:
             return False
         held = os.fstat(self._fd)
         try:
-            on_disk = os.stat(self.path, follow_symlinks=False)
+            with open_folder(self.path.parent) as folder:  # a folder on the way swapped counts as replaced
+                on_disk = folder.identity(self.path.name)
         except OSError:
             on_disk = None
-        same = on_disk is not None and (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
-        if same:
+        if on_disk == (held.st_dev, held.st_ino):
             return False
         os.close(self._fd)
         self._fd, self._size = None, 0
+        self._close_folder()
         return True
 
     def close(self) -> int:
@@ -231,6 +252,7 @@ class JsonLinesWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._close_folder()
         return lost
 
 

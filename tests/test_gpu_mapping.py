@@ -192,9 +192,10 @@ def test_the_manager_steers_a_job_by_its_own_gpus_and_answers_in_its_slot_order(
     # the job runs on emulated GPUs 2 and 3 as its slots 0 and 1; the policy moves everything to GPU 3
     command, decision = run_decision(emu, tmp_path, ToOneGpu(3), device_ids=[2, 3])
     assert command.ratio == DataRatio([0, 10]) and command.branch == "to-one"
-    assert decision["old_dr"] == [0, 0, 1, 1] and decision["new_dr"] == [0, 0, 0, 10]  # the server's order
+    # the server's order, at the manager's DR total (the job's own [1, 1]/2 is [5, 5]/10 there)
+    assert decision["old_dr"] == [0, 0, 5, 5] and decision["new_dr"] == [0, 0, 0, 10]
     assert decision["details"]["app_dr"] == [0, 10]
-    # a DR on a GPU the job has no device on is never sent: the daemon keeps the job's DR
+    # a DR on a GPU the job has no device on is never sent: the daemon keeps the job's DR, as it has it
     command, decision = run_decision(emu, tmp_path, ToOneGpu(0), device_ids=[2, 3])
     assert command.ratio == DataRatio([1, 1], total=2) and command.branch == "policy-error"
     assert "which the app cannot use" in decision["details"]["error"]

@@ -24,7 +24,9 @@ from drbalance.ipc import discovery, objects
 from drbalance.ipc.layout import AREA_HEADER, SEGMENT_HEADER, STATUS_OFFSET, AppState, AppStatus
 from drbalance.ipc.names import SHM_DIR
 from drbalance.ipc.records import AppNameInUse, AppRecord
+from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.table import AppEntry
+from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import leftovers, python_process, wait_for
 from tests.helpers.processes import ManagerProcess, first_line, toy_app
 
@@ -110,11 +112,13 @@ def test_liveness_is_pid_and_start_time():
         ticks = status_ticks(other.pid)
         status = AppStatus(other.pid, "x", AppState.RUNNING, DataRatio([10]), 0, 1, 0, 10, 10, 0, None, None, 1.0,
                            0.0, 0.0, 0.0, start_ticks=ticks)
-        entry = AppEntry("x", None, status, 0.0)
+        entry = AppEntry("x", None, status, 0.0, owner_pid=other.pid, owner_ticks=ticks)
         assert entry.alive()
-        entry.status = dataclasses.replace(status, start_ticks=ticks + 1)  # the pid now names another process
+        entry.owner_ticks = ticks + 1  # the pid its claim named now names another process
         assert not entry.alive()
-        entry.status = dataclasses.replace(status, start_ticks=0)  # unknown (an old client): the pid decides
+        entry.owner_ticks = 0  # unknown (an old client): the pid decides
+        assert entry.alive()
+        entry.status = dataclasses.replace(status, pid=1, start_ticks=ticks + 1)  # a record's word changes nothing
         assert entry.alive()
     finally:
         kill(other)
@@ -154,23 +158,62 @@ def test_a_dead_job_whose_pid_was_reused_is_collected_not_kept(ipc_env, tmp_path
 
 
 def test_a_registered_job_whose_pid_is_reused_is_removed(ipc_env, tmp_path):
+    """The pid its claim named, once the job is registered, now names another process (its start
+    time differs): the manager's GC removes the job. The start time is the claim's, kept when the
+    job was admitted; a pid cannot be made to be reused here, so the kept one is changed."""
     reuser = subprocess.Popen(["sleep", "120"])
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
     try:
         ticks = status_ticks(reuser.pid)
-        token = plant_dead_app_with_a_reused_pid(ipc_env, "ghost", reuser.pid, ticks)  # alive, for now
-        manager = ManagerProcess(tmp_path, ipc_env)
-        try:
-            wait_for(lambda: manager.events("app_added"))
-            record = AppRecord.open(ipc_env, "ghost", token)  # the record now names another process
-            record.write_status(dataclasses.replace(record.read_status(), start_ticks=ticks + 7))
-            record.close()
-            removed = wait_for(lambda: manager.events("app_removed"))
-            wait_for(lambda: ipc_env.listed_apps() == [] and ipc_env.listed_signals() == [])
-        finally:
-            manager.stop()
-        assert removed[0]["reason"] == f"pid {reuser.pid} now belongs to another process"
+        plant_dead_app_with_a_reused_pid(ipc_env, "ghost", reuser.pid, ticks)  # alive, for now
+        manager.start()  # its first rescan adopts the job
+        entry = manager.table.get("ghost")
+        assert entry is not None and entry.alive()
+        entry.owner_ticks = ticks + 7  # what the kept start time is once another process has the pid
+        manager._collect_garbage(time.monotonic())
+        assert "ghost" not in manager.table
+        assert ipc_env.listed_apps() == [] and ipc_env.listed_signals() == []
     finally:
+        manager.stop()
         kill(reuser)
+    removed = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()
+               if '"event":"app_removed"' in line]
+    assert [(e["app"], e["reason"]) for e in removed] == [("ghost", f"pid {reuser.pid} now belongs to another process")]
+
+
+@pytest.mark.parametrize("forged", ["pid", "start time"])
+def test_a_well_formed_record_naming_another_process_is_invalid_never_a_reason_to_collect(ipc_env, tmp_path, forged):
+    """Issue 59, item 3. One CRC-correct write of a wrong pid or start time into a live job's record
+    (a process of the same user) made the manager remove the job's record and semaphore ("process
+    gone", "pid N now belongs to another process"). Liveness comes from the claim: the record is
+    invalid, logged, and the job stays, objects and all."""
+    manager = ManagerProcess(tmp_path, ipc_env)
+    process, token = idle_app("forged")  # publishes once, then sits still: nothing overwrites the forgery
+    try:
+        wait_for(lambda: manager.events("app_added"))
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a pid nobody has now
+        record = AppRecord.open(ipc_env, "forged", token)
+        status = record.read_status()
+        change = {"pid": gone.pid} if forged == "pid" else {"start_ticks": status.start_ticks + 7}
+        record.write_status(dataclasses.replace(status, **change))  # well-formed, checksum and all
+        record.close()
+        seen = wait_for(lambda: [e for e in manager.events() if e.get("app") == "forged"
+                                 and e["event"] in ("invalid", "app_removed")])
+        assert seen[0]["event"] == "invalid" and "the record is ignored, the app kept" in seen[0]["error"], seen
+        written = seen[0]["t"]
+        shown = wait_for(lambda: (status := json.loads(ipc_env.manager_status().read_text()))["updated"] > written + 2
+                         and status)  # GC passes after the forgery
+        assert [app["name"] for app in shown["apps"]] == ["forged"]
+        assert ipc_env.listed_apps() == ["forged"] and ipc_env.listed_signals() == ["forged"]
+        assert not manager.events("app_removed")
+    finally:
+        kill(process)
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
 
 
 def break_header(mapping, field_format: str, offset: int, value) -> None:
@@ -315,10 +358,10 @@ def test_what_the_manager_keeps_about_jobs_stays_bounded_as_jobs_come_and_go(ipc
     owner = subprocess.Popen(["sleep", "300"])  # the process the jobs' records name
     sizes = []
 
-    def die(name: str, token: str) -> None:  # its pid now belongs to another process
-        record = AppRecord.open(ipc_env, name, token)
-        record.write_status(dataclasses.replace(record.read_status(), start_ticks=ticks + 7))
-        record.close()
+    def die(name: str, token: str) -> None:  # the pid its claim named now belongs to another process
+        entry = manager.table.get(name)
+        assert entry.token == token
+        entry.owner_ticks = ticks + 7
 
     try:
         ticks = status_ticks(owner.pid)

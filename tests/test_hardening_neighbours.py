@@ -34,13 +34,13 @@ from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import AppChannel
 from drbalance.ipc.link import PosixManagerLink
 from drbalance.ipc.names import IpcNames, new_token
-from drbalance.ipc.private import UnsafePath, private_dir
+from drbalance.ipc.private import UnsafePath, private_dir, write_private
 from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.daemon import MAX_FOREIGN_LISTED, Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import ROOT, python_process, wait_for
-from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user
+from tests.helpers.neighbour import THIRD_UID, as_neighbour, needs_second_user, second_user, swapped_folder
 from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all, toy_app
 from tests.helpers.steered import SteeredModel
 
@@ -626,6 +626,11 @@ mount -t mqueue none "$OUT/mqueue"
 echo 4 > /proc/sys/fs/mqueue/queues_max
 cd "$ROOT"
 "$PY" -c "$JOB" > "$OUT/job.out" 2>&1
+echo '{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}' > "$OUT/util.json"
+DRBALANCE_RUNTIME_DIR="$OUT/run" DRBALANCE_NAMESPACE=rootq \
+  setpriv --inh-caps -sys_resource --bounding-set -sys_resource \
+  "$PY" -m drbalance.manager.cli --source scripted:"$OUT/util.json" --duration 1 > "$OUT/manager.out" 2>&1 \
+  && echo "manager rc 0" >> "$OUT/manager.out" || echo "manager rc $?" >> "$OUT/manager.out"
 """
 
 QUEUES_JOB = textwrap.dedent("""
@@ -655,7 +660,9 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
     """Any user can create fs.mqueue.queues_max (256) tiny queues, about 25 KiB of their budget; then
     no other unprivileged user can create one, and a manager cannot start. The error blamed the
     manager's own RLIMIT_MSGQUEUE ("this user's message-queue budget is probably used up"), and
-    raising it changes nothing. In a private IPC namespace whose count is 4."""
+    raising it changes nothing. Root is not exempt either, only CAP_SYS_RESOURCE is (many
+    containers drop it): a root manager without it exits 1 saying so. In a private IPC namespace
+    whose count is 4."""
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-i", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("a private IPC namespace needs CAP_SYS_ADMIN (unshare -i -m)")
@@ -667,6 +674,7 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         subprocess.run([unshare, "-i", "-m", "sh", "-c", QUEUES_SCRIPT], env=env, timeout=100, check=True)
         out = (out_dir / "job.out").read_text()
+        manager = (out_dir / "manager.out").read_text()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     _, _, who = second_user()
@@ -674,6 +682,9 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
     assert "budget is probably used up" not in out, out
     assert "fs.mqueue.queues_max" in out and "4 queues" in out and "system-wide" in out, out
     assert f"4 of {who}" in out, out  # who holds them, read from the mounted mqueue file system
+    assert "manager rc 1" in manager and "Traceback" not in manager, manager
+    assert "system-wide count of message queues is reached" in manager and f"4 of {who}" in manager, manager
+    assert "only processes with CAP_SYS_RESOURCE are exempt (root without it is not" in manager, manager
 
 
 # --- log folders: the user's choice, but never reached through a neighbour's link -------------------
@@ -699,6 +710,36 @@ def test_a_log_folder_reached_through_a_neighbours_link_is_refused_and_its_targe
         assert list(target.iterdir()) == []
     finally:
         link.unlink()
+
+
+@needs_second_user
+@pytest.mark.timeout(120)
+def test_a_folder_a_neighbour_swaps_with_her_link_never_takes_a_log_or_file_of_ours_elsewhere(tmp_path):
+    """Issue 59, item 1. A log folder may be shared (docs allow it: hers, group-writable, setgid).
+    She exchanges a folder on the way with her symbolic link in a loop (renameat2 RENAME_EXCHANGE)
+    and removes the log now and then, so that it is opened again: a log path checked, then opened
+    again by its name, made a root manager create its log in a root-only folder of her choice.
+    Every folder is now opened relative to the one before it, without following her link."""
+    target = tmp_path / "root-only"
+    target.mkdir(mode=0o700)
+    written, attempts, errors = 0, 0, []
+    with swapped_folder(target, "m.jsonl") as (logs, neighbour):
+        while attempts < 4000 and not any(target.iterdir()):
+            attempts += 1
+            try:
+                if attempts % 2:
+                    writer = JsonLinesWriter(logs / "m.jsonl")  # what the manager and jobs open their logs by
+                    writer.write({"attempt": attempts})
+                    assert writer.close() == 0
+                else:
+                    write_private(logs / "status.json", b"{}")  # status, run.json, reports
+                written += 1
+            except OSError as error:
+                errors.append(error)
+    assert neighbour and neighbour[0].startswith("ok ") and int(neighbour[0].split()[1]) > 0, neighbour
+    assert sorted(os.listdir(target)) == []  # nothing of ours in the folder of her choice
+    assert written and errors  # both faces of the swap were met: a real folder, and her link
+    assert all(isinstance(e, UnsafePath) and "symbolic link owned by" in str(e) for e in errors), errors[:5]
 
 
 def test_a_log_folder_every_user_may_write_is_refused_a_sticky_or_group_one_is_not(tmp_path):

@@ -95,16 +95,23 @@ def private_mounts(covered: str) -> str:
         pytest.skip(f"a private /dev/shm needs CAP_SYS_ADMIN (unshare -m was refused); {covered}")
     return unshare
 
+def run_with_private_mounts(tmp_path: Path, script: str, job: str, covered: str) -> tuple[str, str]:
+    """Run the shell ``script`` in a private mount namespace (``private_mounts``: skips where that
+    is not allowed, saying ``covered``) with ``$JOB`` = ``job`` and ``$OUT`` = ``tmp_path`` (which
+    holds a scripted utilisation file for 2 GPUs); what ``job.out`` and ``manager.out`` hold."""
+    unshare = private_mounts(covered)
+    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
+    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=job, OUT=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([unshare, "-m", "sh", "-c", script], env=env, timeout=110, check=True)
+    return (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
+
+
 def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
     """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
-    unshare = private_mounts("the backed-pages test covers it")
-    (tmp_path / "util.json").write_text('{"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}')
-    env = dict(os.environ, ROOT=str(ROOT), PY=sys.executable, JOB=JOB, OUT=str(tmp_path),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([unshare, "-m", "sh", "-c", FULL_SHM_SCRIPT], env=env, timeout=100, check=True)
-    job, manager = (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
-    assert "job rc 0" in job and "link DetachedLink" in job and "trained" in job, job
-    assert "No space left on device" in job  # the warning says why it trains without a manager
+    job, manager = run_with_private_mounts(tmp_path, FULL_SHM_SCRIPT, JOB, "the backed-pages test covers it")
+    assert "job rc 0" in job and "link PosixManagerLink" in job and "trained" in job, job
+    assert "No space left on device" in job and "tries again at its later reports" in job  # why, and what next
     assert "manager rc 1" in manager and "cannot create the manager's inbox queue and heartbeat" in manager, manager
     assert "Traceback" not in job + manager
 
@@ -164,8 +171,60 @@ def test_a_dev_shm_that_refuses_the_jobs_user_leaves_it_training_with_its_own_dr
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     job = (tmp_path / "job.out").read_text()
-    assert "job rc 0" in job and "link DetachedLink" in job and "trained" in job, job
+    assert "job rc 0" in job and "link PosixManagerLink" in job and "trained" in job, job
     assert "POSIX IPC unavailable" in job and "Traceback" not in job, job
+
+
+# A manager runs; a neighbour fills /dev/shm while a job starts, and frees it again 2.6 s later in
+# the campaign that found it (here: as soon as the job's Session() has returned).
+LATE_SHM_SCRIPT = r"""
+set -e
+mount -t tmpfs -o size=1m tmpfs /dev/shm
+cd "$ROOT"
+"$PY" -m drbalance.manager.cli --source scripted:"$OUT/util.json" --log "$OUT/m.jsonl" > "$OUT/manager.out" 2>&1 &
+manager=$!
+"$PY" -c "$JOB" > "$OUT/job.out" 2>&1 && echo "job rc 0" >> "$OUT/job.out" || echo "job rc $?" >> "$OUT/job.out"
+kill -TERM $manager
+wait $manager && echo "manager rc 0" >> "$OUT/manager.out" || echo "manager rc $?" >> "$OUT/manager.out"
+"""
+
+LATE_JOB = textwrap.dedent("""
+    import os, time
+    from drbalance.client.session import Session
+    from drbalance.ipc import discovery
+    from drbalance.ipc.names import IpcNames
+    from tests.conftest import wait_for
+    from tests.helpers.disk import fill_up
+    from tests.helpers.steered import SteeredModel
+    names = IpcNames.current()
+    wait_for(lambda: names.manager_status().exists(), timeout=60)  # the manager's heartbeat is made
+    fill_up("/dev/shm/filler")
+    session = Session(SteeredModel(), "late", 1, 100000, solo_time=10.0, sd_log=False, handle_sigterm=False)
+    claim = discovery.read_claim(names, "late")
+    print("claimed while full", claim is not None and claim.pid == os.getpid(), flush=True)
+    print("attached while full", session.attached, flush=True)
+    os.unlink("/dev/shm/filler")
+    deadline = time.monotonic() + 40
+    while not session.attached and time.monotonic() < deadline:
+        session.step()
+        time.sleep(0.02)
+    print("attached after", session.attached, flush=True)
+    session.close()
+""")
+
+
+def test_a_job_started_while_dev_shm_is_full_claims_its_name_and_is_managed_once_it_has_room(ipc_env, tmp_path):
+    """Issue 59, item 2. A job that started while a neighbour kept /dev/shm full ran its whole life
+    without a manager: it gave its name claim back and never tried again. It now keeps its claim,
+    and makes its record and semaphore at a later report, as it looks for an absent manager."""
+    job, manager = run_with_private_mounts(tmp_path, LATE_SHM_SCRIPT, LATE_JOB, "no other case fills /dev/shm")
+    assert "job rc 0" in job and "Traceback" not in job, job
+    assert "claimed while full True" in job and "attached while full False" in job, job
+    assert "tries again at its later reports" in job, job  # it said why, and what it does
+    assert "attached after True" in job, job
+    assert "manager rc 0" in manager and "Traceback" not in manager, manager
+    events = list(read_json_lines(tmp_path / "m.jsonl"))
+    assert [e["trigger"] for e in events if e["event"] == "decision" and e["app"] == "late"][:1] == ["register"]
 
 def test_an_sd_log_that_cannot_be_opened_keeps_its_lines_until_it_can(ipc_env, tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")
@@ -232,6 +291,9 @@ def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_pat
     finally:
         code, err = stop_all(manager, early, later)
     assert code == 0 and "Traceback" not in err, err
+    said = early.stderr.read()  # what happened, not a guess at who did it
+    assert "the record and semaphore of 'early' were removed from /dev/shm while the job ran" in said, said
+    assert "the semaphore of 'early' was removed from /dev/shm while the job ran" in said, said
 
 
 def test_a_replacing_endpoint_leaves_the_one_in_use_alone_until_it_exists(ipc_env):

@@ -30,7 +30,8 @@ def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tm
     assert code == 0, err
     decision = manager.events("decision")[0]
     assert decision["app"] == "solo" and decision["branch"] == "exclusive" and decision["trigger"] == "register"
-    assert decision["util"] == [90, 80, 20, 50] and decision["old_dr"] == [1, 1, 1, 1]  # as the app had it
+    # the app's own [1, 1, 1, 1]/4 as the policy sees it: at the manager's DR total
+    assert decision["util"] == [90, 80, 20, 50] and decision["old_dr"] == [3, 3, 2, 2] and decision["dr_total"] == 10
     assert [e["reason"] for e in manager.events("app_removed")] == ["finished"]
     assert leftovers(ipc_env) == []  # clean shutdown removed the inbox and heartbeat too
     assert not ipc_env.manager_status().exists()

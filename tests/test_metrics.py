@@ -19,7 +19,8 @@ from drbalance.cli import main as drbalance
 from drbalance.manager.cli import main as manager_main
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsServerError, MetricsSnapshot
 from drbalance.manager.nvml import MemoryInfo
-from tests.conftest import leftovers, wait_for
+from tests.conftest import leftovers, python_process, wait_for
+from tests.helpers.connections import HeldConnections
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 GIB = 1024 ** 3
@@ -67,7 +68,7 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     metrics.decision("fair", "move")
     metrics.decision("fair", "keep")
     metrics.exchange(0.003)
-    metrics.exchange(-1.0)  # a clock step: counted as 0, never a negative sum
+    metrics.exchange(-1.0)  # a clock step, or a send time written by hand: dropped, never a negative sum
     found = samples(prometheus_client.generate_latest(metrics.registry).decode())
     assert named(found, "drbalance_apps") == {(): 2}
     assert named(found, "drbalance_app_slowdown") == {(("app", "a"),): 1.25}  # b's SD is unknown: no sample
@@ -80,8 +81,9 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     assert named(found, "drbalance_gpu_memory_total_bytes") == {(("gpu", "0"),): 16 * GIB}
     assert named(found, "drbalance_decisions_total") == {(("branch", "keep"), ("policy", "fair")): 1,
                                                          (("branch", "move"), ("policy", "fair")): 2}
-    assert named(found, "drbalance_exchange_latency_seconds_count") == {(): 2}
+    assert named(found, "drbalance_exchange_latency_seconds_count") == {(): 1}
     assert named(found, "drbalance_exchange_latency_seconds_sum") == {(): pytest.approx(0.003)}
+    assert named(found, "drbalance_exchange_latency_dropped_total") == {(): 1}
     assert named(found, "drbalance_manager_info")[(("namespace", "ns1"), ("policy", "fair"),
                                                    ("version", __import__("drbalance").__version__))] == 1
     # a newer snapshot without app a: its series are gone
@@ -205,7 +207,7 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
     """Any local user can connect and send nothing: each connection held a server thread for ever."""
     from drbalance.manager import metrics as metrics_module
 
-    monkeypatch.setattr(metrics_module, "IDLE_CONNECTION_SECONDS", 0.5)
+    monkeypatch.setattr(metrics_module, "REQUEST_SECONDS", 0.5)
     server = ManagerMetrics("ns5", "fair")
     host, port = server.serve("127.0.0.1", 0)
     try:
@@ -221,18 +223,17 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
 
 
 @pytest.mark.timeout(60)
-def test_connections_that_trickle_bytes_hold_no_thread_for_long_nor_more_than_a_few(monkeypatch, capfd):
+def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_first(monkeypatch, capfd):
     """A client that sends a header line now and then is never idle: each such connection held a
-    server thread for as long as it went on, and any local user could open thousands of them
-    (threads count against the manager's user's process limit). At most MAX_CONNECTIONS are
-    served at once, and none for longer than CONNECTION_SECONDS."""
+    server thread for as long as it went on, and the server's thread limit then closed scrapes. A
+    connection now holds no thread, is closed ``REQUEST_SECONDS`` after it was accepted however it
+    trickles, and past ``MAX_OPEN_CONNECTIONS`` the oldest waiting one is closed to make room."""
     from drbalance.manager import metrics as metrics_module
 
-    # limits far apart from the 0.2 s between the test's header lines, so a test process stalled on a
-    # loaded machine for a second does not look idle to the server
-    monkeypatch.setattr(metrics_module, "IDLE_CONNECTION_SECONDS", 2.0)
-    monkeypatch.setattr(metrics_module, "MAX_CONNECTIONS", 4)
-    monkeypatch.setattr(metrics_module, "CONNECTION_SECONDS", 8.0)
+    # a limit far from the 0.2 s between the test's header lines, so a test process stalled on a
+    # loaded machine for a second does not change the outcome
+    monkeypatch.setattr(metrics_module, "REQUEST_SECONDS", 6.0)
+    monkeypatch.setattr(metrics_module, "MAX_OPEN_CONNECTIONS", 4)
     server = ManagerMetrics("ns6", "fair")
     host, port = server.serve("127.0.0.1", 0)
     threads_before = threading.active_count()
@@ -266,12 +267,12 @@ def test_connections_that_trickle_bytes_hold_no_thread_for_long_nor_more_than_a_
 
     try:
         first = [connect() for _ in range(4)]
-        extra = connect()
-        closed = trickle([*first, extra], 3.0)  # past the idle limit: they are not idle
-        assert set(closed) == {extra}  # a fifth is closed, not served: no thread for it
-        assert threading.active_count() - threads_before <= 4
-        closed = trickle(first, 12.0)
-        assert set(closed) == set(first)  # closed after CONNECTION_SECONDS, however they trickle
+        newest = connect()
+        closed = trickle([*first, newest], 2.0)
+        assert set(closed) == {first[0]}  # room made for the fifth: the oldest waiting one closed
+        assert threading.active_count() == threads_before  # no thread per connection
+        closed = trickle([*first[1:], newest], 20.0)
+        assert set(closed) == {*first[1:], newest}  # closed after REQUEST_SECONDS, however they trickle
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as reply:
             assert reply.status == 200 and b"drbalance" in reply.read()
     finally:
@@ -307,3 +308,57 @@ def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metri
             stop_app(app)
         code, err = manager.stop()
     assert code == 0, err
+
+
+@pytest.mark.timeout(120)
+def test_a_notice_with_an_absurd_send_time_leaves_the_latency_metric_as_it_was(ipc_env, tmp_path):
+    """Issue 59, item 5. The latency is the manager's answer time minus the send time a notice
+    carries; one well-formed notice sent at -1e300 set the histogram's sum to 1e+300 for the
+    manager's life, and one from the future recorded a negative latency. Such send times are
+    dropped and counted."""
+    from drbalance.ipc import discovery, objects
+    from drbalance.ipc.layout import Notice, NoticeKind
+
+    manager = ManagerProcess(tmp_path, ipc_env, (10, 20, 30, 40), "--metrics-port", "0")
+    job = python_process("tests.helpers.idle_app", "sender")  # publishes once, then sits still
+    try:
+        assert job.stdout.readline().startswith("ready ")
+        url = json.loads(ipc_env.manager_status().read_text())["metrics"]
+        inbox = objects.open_queue(ipc_env.inbox(discovery.read_manager(ipc_env).inbox))
+        try:  # what any process of the job's user can send in its name
+            for seq, sent in enumerate((-1e300, 1e300, time.time()), start=1):
+                inbox.send(Notice(NoticeKind.BOUNDARY, job.pid, seq, "sender", sent).encode(), timeout=10)
+        finally:
+            inbox.close()
+        wait_for(lambda: len([e for e in manager.events("decision") if e["app"] == "sender"]) >= 3)
+        found = scrape_until(url, lambda f: named(f, "drbalance_exchange_latency_seconds_count").get((), 0)
+                             + named(f, "drbalance_exchange_latency_dropped_total").get((), 0) >= 3, timeout=30)
+    finally:
+        job.kill()
+        job.wait()
+        code, err = manager.stop()
+    assert code == 0 and "Traceback" not in err, err
+    assert 0 <= named(found, "drbalance_exchange_latency_seconds_sum")[()] < 60  # it was 1e+300
+    assert named(found, "drbalance_exchange_latency_seconds_count") == {(): 1}  # the notice sent now
+    assert named(found, "drbalance_exchange_latency_dropped_total") == {(): 2}
+
+
+@pytest.mark.timeout(120)
+def test_fifty_connections_held_open_leave_every_scrape_answered(capfd):
+    """Issue 59, item 4. Twenty connections held open to --metrics-port left 1 scrape of 36
+    answered: each held one of 16 server threads, and a scrape past them was closed unanswered.
+    A connection now costs a descriptor, not a thread, until its request; here 50 are held open
+    (each opened again as soon as the server closes it) while 20 scrapes are made."""
+    server = ManagerMetrics("ns7", "fair")
+    host, port = server.serve("127.0.0.1", 0)
+    answered = []
+    try:
+        with HeldConnections(host, port, 50) as held:
+            for _ in range(20):
+                with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
+                    answered.append(reply.status == 200 and b"drbalance_apps" in reply.read())
+            assert held.holding()  # the 50 were held all along
+    finally:
+        server.close()
+    assert answered == [True] * 20
+    assert "Traceback" not in capfd.readouterr().err

@@ -388,3 +388,57 @@ def test_a_restarted_manager_takes_the_dr_its_predecessor_sent_not_the_older_one
         session.close()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_job_takes_no_dr_at_another_total_and_the_manager_decides_at_its_own(ipc_env, tmp_path):
+    """Issue 59, item 6. A pushed [7, 0, 0, 0]/7, written into a job's record by another process
+    of the user, was applied, and the manager then decided at total 7 for good, never returning
+    to its --dr-total 10. A job now takes a command only at its manager's total (or one that
+    keeps the DR it has), and the manager decides at its own total whatever a record says."""
+    import dataclasses
+    import signal
+    import time
+
+    from drbalance.ipc import discovery
+    from drbalance.ipc.endpoint import AppChannel
+    from drbalance.ipc.layout import AppCommand, Notice, NoticeKind
+    from drbalance.jsonlog import read_json_lines
+    from tests.conftest import wait_for
+    from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all
+
+    manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "observe")  # a DR is always kept
+    job = long_app("victim")
+    try:
+        assert first_line(job)["attached"]
+        wait_for(lambda: decisions_for(manager, "victim") >= 2)
+        os.kill(job.pid, signal.SIGSTOP)  # what it reads next is what is written now
+        try:
+            time.sleep(0.5)  # an answer under way lands first
+            channel = AppChannel(ipc_env, "victim")
+            status = channel.read_status()
+            forged = DataRatio([7, 0, 0, 0], total=7)
+            channel.record.write_status(dataclasses.replace(status, ratio=forged, updated_wall=time.time(),
+                                                            updated_mono=time.monotonic()))  # a record at total 7
+            inbox = objects.open_queue(ipc_env.inbox(discovery.read_manager(ipc_env).inbox))
+            inbox.send(Notice(NoticeKind.BOUNDARY, job.pid, status.notice_seq + 1000, "victim", time.time()).encode())
+            inbox.close()
+            forged_decision = wait_for(lambda: [e for e in manager.events("decision")
+                                                if e["generation"] == status.notice_seq + 1000])[0]
+            # then a push at total 7, as the job's next step reads it (after that decision's answer)
+            channel.answer(AppCommand(discovery.read_manager(ipc_env).pid, status.notice_seq, forged, "forged",
+                                      time.time(), pushed=True))
+            channel.close()
+        finally:
+            os.kill(job.pid, signal.SIGCONT)
+        served = decisions_for(manager, "victim")
+        wait_for(lambda: decisions_for(manager, "victim") >= served + 3)  # the job's own boundaries go on
+    finally:
+        code, err = stop_all(manager, job)
+    assert code == 0 and "Traceback" not in err, err
+    assert forged_decision["dr_total"] == 10 and forged_decision["old_dr"] == [10, 0, 0, 0], forged_decision
+    assert {e["dr_total"] for e in manager.events("decision")} == {10}
+    sd_log = list(read_json_lines(tmp_path / "logs" / "victim.sd.jsonl"))
+    assert {e["dr_total"] for e in sd_log} == {4}  # its own [1, 1, 1, 1]/4, kept by the observing manager
+    assert not [e for e in sd_log if e["event"] == "update"]  # nothing applied
+    assert "ignored a command for DR [7, 0, 0, 0]/7" in job.stderr.read()

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from drbalance.client import BalancedDataParallel, Session
+from drbalance.ipc.private import UnsafePath
 from drbalance.jsonlog import read_json_lines
 from tests.conftest import ROOT, leftovers
 from tests.test_manager_daemon import ManagerProcess, toy_app
@@ -167,6 +168,23 @@ def test_a_session_that_cannot_start_leaves_no_ipc_object_and_frees_its_name(ipc
     assert leftovers(ipc_env) == []
 
 
+def test_an_sd_log_below_a_folder_every_user_may_write_is_a_clear_error_and_leaves_nothing(ipc_env, tmp_path):
+    """Issue 59: a log folder under a world-writable, non-sticky folder (anyone could swap what lies
+    below it) stopped the job at Session() with a message naming only that folder. The error now
+    names the SD log too and what to do; the job's name and objects are left free."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    log = open_dir / "logs" / "job.sd.jsonl"
+    with pytest.raises(UnsafePath) as refused:
+        Session(model(), "unsafe", epochs=1, iterations_per_epoch=2, solo_time=1.0, sd_log=log)
+    message = str(refused.value)
+    assert message.startswith(f"{open_dir}: is writable by others (mode 0777) and not sticky"), message
+    assert f"The SD log {log} is not written there" in message and "DRBALANCE_LOG_DIR" in message, message
+    assert os.listdir(open_dir) == []  # nothing made below it
+    assert leftovers(ipc_env) == [] and not list(ipc_env.runtime_dir().glob("**/*.claim"))
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, "0.5", True])
 def test_session_timeouts_must_be_finite_seconds(alone, value):
     for option in ("exchange_timeout", "send_timeout"):
@@ -180,6 +198,7 @@ import resource, signal, sys
 import torch
 from torch import nn
 from drbalance.client import BalancedDataParallel, Session
+from drbalance.ipc.private import UnsafePath
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
 resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.RLIM_INFINITY))  # room for a few lines only
 model = BalancedDataParallel(nn.Linear(2, 1), device_ids=[0, 1])

@@ -59,6 +59,7 @@ from drbalance.ipc.link import (
     PosixManagerLink,
 )
 from drbalance.ipc.names import IpcNames, check_app_name
+from drbalance.ipc.private import UnsafePath
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
@@ -294,7 +295,11 @@ class Session:
         if sd_log is False:
             return None
         path = Path(sd_log) if isinstance(sd_log, (str, Path)) else env.log_dir() / f"{self.app}.sd.jsonl"
-        writer = JsonLinesWriter(path, flush_every=64, flush_seconds=SD_LOG_FLUSH_SECONDS, open_later=True)
+        try:
+            writer = JsonLinesWriter(path, flush_every=64, flush_seconds=SD_LOG_FLUSH_SECONDS, open_later=True)
+        except UnsafePath as error:  # another user could choose where it goes: refused, saying what to do
+            raise UnsafePath(error.path, f"{error.reason}. The SD log {path} is not written there: give another "
+                             f"path (Session(sd_log=...) or DRBALANCE_LOG_DIR), or sd_log=False") from None
         if writer.error is not None:  # e.g. a full disk: training goes on, the lines wait in memory
             self._warned_log = True
             logger.warning("drbalance: cannot open the SD log %s (%s); its lines are kept in memory and written "

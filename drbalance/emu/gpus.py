@@ -49,7 +49,7 @@ from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
 from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
 from drbalance.ipc.names import IpcNames, assign_emulated_token
-from drbalance.ipc.private import open_private
+from drbalance.ipc.private import open_private, remove_private
 from drbalance.ipc.records import RecordEmpty, Segment
 from drbalance.manager.nvml import MemoryInfo
 from drbalance.workload.models import CO_LOCATION_CAPACITY
@@ -169,12 +169,13 @@ class EmulatedGpu:
         objects.ensure_private_dir(lock_path.parent.parent)
         objects.ensure_private_dir(lock_path.parent)
         with _namespace_guard(names, exclusive=False):  # not removed while we open its files and map it
-            self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT)  # no link, ours, 0600
+            self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT, private=True)  # no link, ours, 0600
             segment = None
             try:
                 segment, created = _open_or_create_owned(names, index, self._lock_fd)
                 _agree_on_memory(segment, names, index, self.memory_bytes, created)
-                self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT)
+                self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT,
+                                                private=True)
             except BaseException:
                 os.close(self._lock_fd)
                 if segment is not None:
@@ -541,7 +542,7 @@ def _remove_gpu(names: IpcNames, index: int, ignored: type[OSError]) -> None:
     objects.unlink_semaphore(names.emulated_waiters(index))
     for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
         try:
-            path.unlink()
+            remove_private(path, private=True)  # False when it is gone already
         except ignored:
             pass
 

@@ -3,7 +3,8 @@
 Object names in /dev/shm are visible to every user, and any user may create a name there first.
 So every object name ends in a random token (see ``names``), and the tokens are published only
 in files of this user's private runtime directory (``<runtime>/<namespace>``, mode 0700, owner
-checked, never reached through another user's link: see ``private``):
+checked, never reached through another user's link, every file opened relative to the checked
+folder's descriptor: see ``private``):
 
 - ``manager.json``: the live manager's pid, process start time and token (which name its inbox
   and heartbeat). Written atomically by the manager while it holds ``manager.lock``, *before* it
@@ -29,7 +30,16 @@ from typing import Any
 
 from drbalance.ipc import objects
 from drbalance.ipc.names import IpcNames, check_app_name, check_token, new_token
-from drbalance.ipc.private import open_private, private_dir, read_private, write_private
+from drbalance.ipc.private import (
+    entry_stat,
+    is_open_file,
+    open_folder,
+    open_private,
+    private_dir,
+    read_private,
+    remove_private,
+    write_private,
+)
 
 INFO_VERSION = 1
 CLAIM_ATTEMPTS = 25
@@ -156,7 +166,7 @@ def this_process(token: str, inbox_token: str = "") -> ManagerInfo:
 def publish_manager(names: IpcNames, info: ManagerInfo) -> None:
     """Write ``manager.json`` (atomically). Call only while holding the namespace's manager lock."""
     names.private_runtime_dir()
-    write_private(names.manager_info(), info.encode())
+    write_private(names.manager_info(), info.encode(), private=True)
 
 
 def read_manager(names: IpcNames) -> ManagerInfo | None:
@@ -167,7 +177,7 @@ def read_manager(names: IpcNames) -> ManagerInfo | None:
     """
     path = names.manager_info()
     try:
-        raw = read_private(path, limit=4096)
+        raw = read_private(path, limit=4096, private=True)
     except (FileNotFoundError, NotADirectoryError):
         return None
     return ManagerInfo.decode(raw, path)
@@ -181,7 +191,7 @@ def withdraw_manager(names: IpcNames, token: str) -> None:
         return
     if current is not None and current.token == token:
         try:
-            os.unlink(names.manager_info())
+            remove_private(names.manager_info(), private=True)
         except OSError:
             pass
 
@@ -247,13 +257,8 @@ def _read_fd(fd: int, where: Path) -> ClaimInfo | None:
 
 
 def _same_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced meanwhile)."""
-    try:
-        current = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    info = os.fstat(fd)
-    return (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino)
+    """Whether the claim ``path`` still names the file open as ``fd`` (not removed or replaced meanwhile)."""
+    return is_open_file(fd, path, private=True)
 
 
 class AppClaim:
@@ -288,7 +293,7 @@ class AppClaim:
         path = names.app_claim(app)
         holder: ClaimInfo | None = None
         for _ in range(max(1, attempts)):
-            fd, _created = open_private(path, os.O_RDWR | os.O_CREAT)
+            fd, _created = open_private(path, os.O_RDWR | os.O_CREAT, private=True)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -352,7 +357,7 @@ class AppClaim:
         try:
             self.names.private_runtime_dir()
             private_dir(self.names.claims_dir())
-            fd, _ = open_private(self.path, os.O_RDWR | os.O_CREAT)
+            fd, _ = open_private(self.path, os.O_RDWR | os.O_CREAT, private=True)
         except OSError:
             return False
         try:
@@ -366,8 +371,10 @@ class AppClaim:
         try:
             _write_fd(fd, self.info)
         except OSError:  # e.g. a full disk: an empty claim would hide the job for good; try again later
-            if _same_file(fd, self.path):
-                os.unlink(self.path)  # still locked by us: nobody else is using it
+            try:
+                remove_private(self.path, private=True, open_as=fd)  # still locked by us: nobody else uses it
+            except OSError:
+                pass
             os.close(fd)
             return False
         old, self.fd = self.fd, fd
@@ -380,8 +387,7 @@ class AppClaim:
             return
         fd, self.fd = self.fd, None
         try:
-            if _same_file(fd, self.path):
-                os.unlink(self.path)
+            remove_private(self.path, private=True, open_as=fd)
         except OSError:
             pass
         finally:
@@ -396,7 +402,8 @@ def _placeholder(app: str) -> ClaimInfo:
 def claimed_apps(names: IpcNames) -> list[str]:
     """Names of the apps with a claim file (held or left over by a dead app)."""
     try:
-        entries = os.listdir(names.claims_dir())
+        with open_folder(names.claims_dir(), private=True) as claims:
+            entries = os.listdir(claims.fd)
     except OSError:
         return []
     apps = []
@@ -414,7 +421,7 @@ def read_claim(names: IpcNames, app: str) -> ClaimInfo | None:
     malformed, ``UnsafePath`` if it is not this user's private file."""
     path = names.app_claim(app)
     try:
-        raw = read_private(path, limit=4096)
+        raw = read_private(path, limit=4096, private=True)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if not raw:
@@ -424,10 +431,8 @@ def read_claim(names: IpcNames, app: str) -> ClaimInfo | None:
 
 def claim_age(names: IpcNames, app: str) -> float:
     """Seconds since ``app``'s claim file last changed (infinity if it is missing)."""
-    try:
-        return time.time() - os.stat(names.app_claim(app), follow_symlinks=False).st_mtime
-    except OSError:
-        return float("inf")
+    info = entry_stat(names.app_claim(app), private=True)
+    return float("inf") if info is None else time.time() - info.st_mtime
 
 
 def collect_claim(names: IpcNames, app: str, expected_token: str | None = None) -> ClaimInfo | None:
@@ -438,7 +443,7 @@ def collect_claim(names: IpcNames, app: str, expected_token: str | None = None) 
     """
     path = names.app_claim(app)
     try:
-        fd, _ = open_private(path, os.O_RDWR)
+        fd, _ = open_private(path, os.O_RDWR, private=True)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -455,7 +460,7 @@ def collect_claim(names: IpcNames, app: str, expected_token: str | None = None) 
             if expected_token is not None and info.token != expected_token:
                 return None
             remove_app_objects(names, app, info.token, info.signal)
-        os.unlink(path)
+        remove_private(path, private=True, open_as=fd)
         return info or _placeholder(app)
     finally:
         os.close(fd)

@@ -22,10 +22,12 @@ import posix_ipc
 
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import objects
-from drbalance.ipc.discovery import AppClaim, DiscoveryError, ManagerInfo, read_manager
+from drbalance.ipc.discovery import AppClaim, AppNameInUse, DiscoveryError, ManagerInfo, read_manager
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice, RecordError
 from drbalance.ipc.names import IpcNames, new_token
+from drbalance.ipc.private import entry_stat
 from drbalance.ipc.records import AppRecord, ManagerRecord, SegmentTruncated
+from drbalance.ratio import DataRatio
 
 logger = logging.getLogger("drbalance.client")
 
@@ -91,10 +93,11 @@ class PosixManagerLink:
 
     Creating it takes the app's name (``discovery.AppClaim``: ``AppNameInUse`` if a live
     process holds it; a dead holder's leftovers are removed) and creates the record and the
-    semaphore under a fresh token. The manager is found through ``manager.json`` in the private
-    runtime directory; its heartbeat and inbox are opened only if they are this user's. A
-    foreign or unreadable object is reported once (by name and owner) and treated as "no
-    manager": the app trains on with its own DR.
+    semaphore under a fresh token; what cannot be made yet (a full /dev/shm) is made at a later
+    look for the manager, and the job trains meanwhile as without a manager. The manager is
+    found through ``manager.json`` in the private runtime directory; its heartbeat and inbox are
+    opened only if they are this user's. A foreign or unreadable object is reported once (by
+    name and owner) and treated as "no manager": the app trains on with its own DR.
     """
 
     def __init__(self, names: IpcNames, app: str, clock: Clock | None = None, stale_after: float = 5.0) -> None:
@@ -102,33 +105,63 @@ class PosixManagerLink:
         self.app = app
         self.clock = clock or SystemClock()
         self.stale_after = stale_after
-        self.claim = AppClaim.take(names, app)
-        self.token = self.claim.token  # the record's
-        self.signal_token = self.claim.signal_token  # the semaphore's: not to be guessed from the record's name
-        try:
-            self.record = AppRecord.create(names, app, self.token)
-        except BaseException:
-            self.claim.release()
-            raise
-        try:
-            self.signal = objects.create_semaphore(names.app_signal(app, self.signal_token))
-        except BaseException:
-            self.record.close()
-            objects.unlink_shared_memory(names.app_record(app, self.token))
-            self.claim.release()
-            raise
+        self.claim: AppClaim | None = None
+        self.token = ""  # the record's
+        self.signal_token = ""  # the semaphore's: not to be guessed from the record's name
+        self.record: AppRecord | None = None
+        self.signal: posix_ipc.Semaphore | None = None
         self._view: _ManagerObjects | None = None
         self._info: ManagerInfo | None = None
         self._info_stamp: tuple[int, int, int] | None = None
         self._reported: set[str] = set()
         self.problem = "none is running"  # why manager() last found no manager
         self._closed = False
+        self._set_up_failed = False
+        self._dr_total: int | None = None  # the DR total of the manager last found (commands: see _command_for)
+        self._published: DataRatio | None = None  # the DR of the status last published
+        try:
+            self._set_up(first=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, first: bool = False) -> bool:
+        """Take the app's name and make its record and semaphore, whichever is not done yet;
+        whether all are there. A fault (a full /dev/shm, a runtime directory that cannot be used
+        now) is said once and tried again at the next call: ``manager()``, which a session calls
+        at its later reports, as when no manager runs. The name is claimed as soon as it can be,
+        also while the objects cannot be made. ``AppNameInUse`` at the first call (later: another
+        process took the name meanwhile, said once)."""
+        try:
+            if self.claim is None:
+                self.claim = AppClaim.take(self.names, self.app)
+                self.token, self.signal_token = self.claim.token, self.claim.signal_token
+            if self.record is None:
+                self.record, self.signal = self._make_objects()
+        except (OSError, posix_ipc.Error, AppNameInUse) as error:
+            if first and isinstance(error, AppNameInUse):
+                raise
+            self._set_up_failed = True
+            self.problem = f"its record and semaphore cannot be made yet ({error})"
+            self._report(f"setup:{type(error).__name__}", "drbalance: POSIX IPC unavailable for %r (%s); it trains "
+                         "with its own DR and tries again at its later reports", self.app, error)
+            return False
+        if self._set_up_failed:
+            self._set_up_failed = False
+            self._reported = {key for key in self._reported if not key.startswith("setup:")}
+            logger.warning("drbalance: %r made its record %s; a manager can reach it now", self.app, self.record.name)
+        return True
 
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:
-        if (objects.unlinked_fd(self.record.segment.memory.fd)
-                or not objects.semaphore_listed(self.names.app_signal(self.app, self.signal_token))):
-            self._restore_objects()
+        self._published = status.ratio
+        if self.record is None:  # not made yet (see _set_up): this status goes nowhere
+            return
+        record_gone = objects.unlinked_fd(self.record.segment.memory.fd)
+        signal_gone = not objects.semaphore_listed(self.names.app_signal(self.app, self.signal_token))
+        if record_gone or signal_gone:
+            self._restore_objects(" and ".join(what for what, gone in (("record", record_gone),
+                                                                       ("semaphore", signal_gone)) if gone))
         try:
             if self.record.segment.repair():  # truncated, or its header overwritten: a manager refuses it
                 self._report(f"record:{self.record.name}", "drbalance: the record %s was damaged (truncated or "
@@ -149,15 +182,15 @@ class PosixManagerLink:
             self._report(f"record:{self.record.name}", "drbalance: %s; restored it", error)
             self.record.write_status(status)
 
-    def _restore_objects(self) -> None:
-        """Create the record and the semaphore again when either was removed while open: by
-        systemd-logind's ``RemoveIPC=yes`` when the user's last session ends, or a cleanup of
-        /dev/shm. Both, so that a manager sees the record go and reopens the pair (a semaphore
-        alone it could not tell from the one it holds). Under the same names while nobody else
-        holds them; their names were visible in /dev/shm, so where another user created one first,
-        under a new token, named in the claim first (``AppClaim.move_to``): a manager follows the
-        claim, and the other user's objects are left alone. Until then this app's status reaches
-        nobody."""
+    def _restore_objects(self, removed: str) -> None:
+        """Create the record and the semaphore again when either (``removed`` says which) was
+        removed while open: by systemd-logind's ``RemoveIPC=yes`` when the user's last session
+        ends, a cleanup of /dev/shm, or any process of this user or root. Both, so that a manager
+        sees the record go and reopens the pair (a semaphore alone it could not tell from the one
+        it holds). Under the same names while nobody else holds them; their names were visible in
+        /dev/shm, so where another user created one first, under a new token, named in the claim
+        first (``AppClaim.move_to``): a manager follows the claim, and the other user's objects are
+        left alone. Until then this app's status reaches nobody."""
         me = os.geteuid()
         record_name = self.names.app_record(self.app, self.token)
         signal_name = self.names.app_signal(self.app, self.signal_token)
@@ -166,17 +199,7 @@ class PosixManagerLink:
         if objects.listed_owner(signal_name, "semaphore") == me:
             objects.unlink_semaphore(signal_name)  # another user's name is left to them (root could remove it)
         try:
-            for attempt in range(2):
-                if attempt or self._names_taken(self.token, self.signal_token):
-                    token, signal_token = new_token(), new_token()
-                    self.claim.move_to(token, signal_token)  # before the objects: each can be traced to its owner
-                    self.token, self.signal_token = token, signal_token
-                try:
-                    record, signal = self._create_objects(self.token, self.signal_token)
-                    break
-                except posix_ipc.ExistentialError:  # another user took a name meanwhile
-                    if attempt:
-                        raise
+            record, signal = self._make_objects()
         except (posix_ipc.Error, OSError) as error:  # e.g. /dev/shm full; tried again at the next publish
             self._report(f"restore:{self.app}", "drbalance: the record %s of %r was removed and cannot be created "
                          "again (%s); no manager sees this job until it can", self.record.name, self.app, error)
@@ -187,9 +210,28 @@ class PosixManagerLink:
             except posix_ipc.Error:
                 pass
         self.record, self.signal = record, signal
-        logger.warning("drbalance: the record of %r was removed from /dev/shm (e.g. by RemoveIPC); created it "
-                       "again as %s", self.app, record.name)
+        logger.warning("drbalance: the %s of %r %s removed from /dev/shm while the job ran, by a process of this "
+                       "user or root (which one cannot be told: a cleanup of /dev/shm, systemd-logind's RemoveIPC=yes "
+                       "when the user's last session ended, ...); made its record and semaphore again as %s",
+                       removed, self.app, "were" if " and " in removed else "was", record.name)
         self._reported.discard(f"restore:{self.app}")
+
+    def _make_objects(self) -> tuple[AppRecord, posix_ipc.Semaphore]:
+        """A new record and semaphore under the claim's tokens, or, where another user holds one
+        of their names (they were visible in /dev/shm), under new tokens named in the claim first
+        (``AppClaim.move_to``: each object can be traced to its owner)."""
+        if self._names_taken(self.token, self.signal_token):
+            self._move_to_new_tokens()
+        try:
+            return self._create_objects(self.token, self.signal_token)
+        except posix_ipc.ExistentialError:  # another user took a name meanwhile
+            self._move_to_new_tokens()
+            return self._create_objects(self.token, self.signal_token)
+
+    def _move_to_new_tokens(self) -> None:
+        token, signal_token = new_token(), new_token()
+        self.claim.move_to(token, signal_token)
+        self.token, self.signal_token = token, signal_token
 
     def _names_taken(self, token: str, signal_token: str) -> bool:
         """Whether another user holds the record's name under ``token`` or the semaphore's under
@@ -211,6 +253,8 @@ class PosixManagerLink:
 
     # --- the manager --------------------------------------------------------------------------
     def manager(self) -> ManagerBeat | None:
+        if not self._set_up():
+            return self._absent(self.problem)
         if not self.claim.renew():
             self._report("claim", "drbalance: the name claim %s of app %r was removed and cannot be put back "
                          "(its folder is not usable, or another process took the name); a manager may not find "
@@ -232,14 +276,14 @@ class PosixManagerLink:
         if self.clock.monotonic() - beat.beat_mono >= self.stale_after:
             return self._absent(f"its heartbeat is older than {self.stale_after:g} s")
         self.problem = ""
+        self._dr_total = beat.dr_total
         return beat
 
     def _discover(self) -> ManagerInfo | None:
         """``manager.json``, re-read only when the file changed."""
         path = self.names.manager_info()
-        try:
-            info = os.stat(path, follow_symlinks=False)
-        except OSError:
+        info = entry_stat(path, private=True)
+        if info is None:
             self._info, self._info_stamp = None, None
             return None
         stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
@@ -299,6 +343,8 @@ class PosixManagerLink:
 
     # --- the manager's answer ----------------------------------------------------------------
     def await_command(self, generation: int, timeout: float) -> AppCommand | None:
+        if self.signal is None:
+            return None
         deadline = time.monotonic() + timeout
         while True:
             command = self._command_for(generation)
@@ -320,6 +366,8 @@ class PosixManagerLink:
 
     def command_signalled(self) -> bool:
         """One non-blocking ``sem_trywait`` on the app's signal (about a microsecond)."""
+        if self.signal is None:
+            return False
         try:
             self.signal.acquire(0)
         except posix_ipc.Error:  # BusyError: nothing posted
@@ -327,16 +375,24 @@ class PosixManagerLink:
         return True
 
     def _command_for(self, generation: int) -> AppCommand | None:
+        if self.record is None:
+            return None
         try:
             command = self.record.read_command()
         except RecordError:
             return None  # a half-written, corrupt or truncated command is never applied
         if command is None or command.generation != generation:
             return None  # none yet, or a stale answer to an older notice
+        if command.ratio.total != self._dr_total and command.ratio != self._published:
+            # a manager sends a new DR at its own total (a kept one as the job has it): not the manager's
+            self._report(f"total:{command.ratio.total}:{self._dr_total}", "drbalance: %r ignored a command for DR "
+                         "%s: its manager decides at DR total %s", self.app, command.ratio,
+                         self._dr_total if self._dr_total is not None else "(none found yet)")
+            return None
         return command
 
     def _drain_signal(self) -> None:
-        while True:
+        while self.signal is not None:
             try:
                 self.signal.acquire(0)
             except (posix_ipc.BusyError, posix_ipc.SignalError):
@@ -353,14 +409,17 @@ class PosixManagerLink:
             return
         self._closed = True
         self._close_view()
-        try:
-            self.signal.close()
-        except posix_ipc.Error:
-            pass
-        objects.unlink_semaphore(self.names.app_signal(self.app, self.signal_token))
-        self.record.close()
-        objects.unlink_shared_memory(self.names.app_record(self.app, self.token))
-        self.claim.release()
+        if self.signal is not None:
+            try:
+                self.signal.close()
+            except posix_ipc.Error:
+                pass
+            objects.unlink_semaphore(self.names.app_signal(self.app, self.signal_token))
+        if self.record is not None:
+            self.record.close()
+            objects.unlink_shared_memory(self.names.app_record(self.app, self.token))
+        if self.claim is not None:
+            self.claim.release()
 
 
 class _ManagerObjects:

@@ -212,7 +212,7 @@ def listed_object(entry: str, rest: str, owner: int) -> ListedObject:
 def _read_token(path: Path) -> str | None:
     """The token in an emulated GPU's lock file, or None (no file, no token, not a private file)."""
     try:
-        raw = read_private(path, limit=64)
+        raw = read_private(path, limit=64, private=True)
     except OSError:
         return None
     token = raw.decode("ascii", "replace").strip()

@@ -262,8 +262,9 @@ class QueueLimitError(OSError):
         elif _system_count_reached(cause):
             detail = (f"the system-wide count of message queues is reached: at most {limits['queues_max']} queues "
                       f"may exist (sysctl fs.mqueue.queues_max) and the queues of every user count, so another "
-                      f"user's queues can keep this one from being made{_queue_holders()}; processes with "
-                      f"CAP_SYS_RESOURCE (root) are exempt. Raise it with sysctl -w fs.mqueue.queues_max=N (as root), "
+                      f"user's queues can keep this one from being made{_queue_holders()}; only processes with "
+                      f"CAP_SYS_RESOURCE are exempt (root without it is not, as in many containers). Raise it with "
+                      f"sysctl -w fs.mqueue.queues_max=N (as root), "
                       f"or have stale queues removed (mount -t mqueue none /dev/mqueue lists them with their owners); "
                       f"this user's RLIMIT_MSGQUEUE is not the limit")
         else:

@@ -8,8 +8,9 @@ IPC objects are removed), adoption of live apps found through their claims (e.g.
 manager restart), the check of the runtime directory, and the status file read by
 ``drbalance status``.
 
-Liveness is decided by the process alone: an app is dead when its pid is gone or now belongs to
-a process with another start time. An app that is alive but has not updated its record for
+Liveness is decided by the process alone: an app is dead when the pid its claim names is gone
+or now belongs to a process with another start time (a record may say anything: one that names
+another process than its claim is invalid, logged and ignored). An app that is alive but has not updated its record for
 ``quiet_after`` seconds (a long evaluation, a checkpoint) is shown as quiet, never removed.
 Objects are removed only when their owner is dead. Objects under this namespace's prefix that
 belong to another user are never opened for use; they are reported by name and owner.
@@ -40,7 +41,15 @@ from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint, other_live_manager
 from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames, ListedObject
-from drbalance.ipc.private import UnsafePath, open_private, read_private, user_name, write_private
+from drbalance.ipc.private import (
+    UnsafePath,
+    is_open_file,
+    open_private,
+    read_private,
+    remove_private,
+    user_name,
+    write_private,
+)
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.listing import ShmLister, ShmListing
@@ -174,7 +183,7 @@ class ManagerLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd, _ = open_private(path, os.O_RDWR | os.O_CREAT)
+        fd, _ = open_private(path, os.O_RDWR | os.O_CREAT, private=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -194,14 +203,7 @@ class ManagerLock:
 
     def held(self) -> bool:
         """Whether ``path`` still names the file we hold locked (not removed with its folder)."""
-        if self.fd is None:
-            return False
-        try:
-            current = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            return False
-        info = os.fstat(self.fd)
-        return (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino)
+        return self.fd is not None and is_open_file(self.fd, self.path, private=True)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -371,9 +373,9 @@ class Manager:
     def _remove_own_status(self) -> None:
         path = self.names.manager_status()
         try:
-            status = json.loads(read_private(path))
+            status = json.loads(read_private(path, private=True))
             if isinstance(status, dict) and status.get("pid") == os.getpid():
-                os.unlink(path)
+                remove_private(path, private=True)
         except (OSError, ValueError):
             pass  # gone, or not ours (a successor's): leave it
 
@@ -485,11 +487,11 @@ class Manager:
         now = self.clock.monotonic()
         entry = self.table.get(notice.app)
         if notice.kind == NoticeKind.FINISH:
-            if entry is not None and entry.status.pid == notice.pid:
+            if entry is not None and entry.owner_pid == notice.pid:
                 self.table.remove(notice.app, unlink=False)  # the app removes its own objects
                 self.log("app_removed", app=notice.app, pid=notice.pid, reason="finished")
             return
-        if entry is not None and entry.status.pid != notice.pid:
+        if entry is not None and entry.owner_pid != notice.pid:
             if not self._replaced(entry, notice):
                 return
             entry = None
@@ -516,10 +518,10 @@ class Manager:
         if claim is not None and claim.pid == notice.pid and claim.token != entry.token:
             dead = not entry.alive()
             self.table.remove(entry.name, unlink=dead)
-            self.log("app_removed", app=entry.name, pid=entry.status.pid,
+            self.log("app_removed", app=entry.name, pid=entry.owner_pid,
                      reason=f"its name was taken by pid {notice.pid}" + (" after it died" if dead else ""))
             return True
-        error = (f"notice from pid {notice.pid} for app {notice.app!r}, which pid {entry.status.pid} runs "
+        error = (f"notice from pid {notice.pid} for app {notice.app!r}, which pid {entry.owner_pid} runs "
                  f"(claim: {'pid ' + str(claim.pid) if claim else 'none'}); ignored")
         self.log("invalid", what="notice", app=notice.app, error=error)
         logger.warning("drbalance-manager: %s", error)
@@ -529,8 +531,10 @@ class Manager:
         """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
 
         Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
-        the command goes back in the app's own order. An app whose GPUs this manager does not
-        see keeps its DR.
+        the command goes back in the app's own order. Policies see every DR at the manager's DR
+        total, whatever total the app's record carries, and a new DR is sent at that total; a DR
+        kept is sent as the app has it (a job takes a command only at its manager's total, or
+        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR.
         """
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         app_old = entry.effective_ratio()
@@ -552,7 +556,7 @@ class Manager:
                 ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
                 next_boundary = decision.next_boundary
                 self._check_ratio(ratio, old, view)
-                sent = entry.to_app_ratio(ratio, self.server)
+                sent = app_old if ratio == old else entry.to_app_ratio(ratio, self.server)
                 pushes = dict(decision.others)
             except Exception as error:  # a policy bug must never crash the daemon or reach the app
                 logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
@@ -591,7 +595,7 @@ class Manager:
                 raise TypeError(f"policy pushed {ratio!r}, not a DataRatio")
             view = snapshot.app(name)
             self._check_ratio(ratio, view.ratio, view)
-            sent = entry.to_app_ratio(ratio, self.server)
+            sent = entry.effective_ratio() if ratio == view.ratio else entry.to_app_ratio(ratio, self.server)
         except Exception as error:  # one bad push is refused and logged; the decision's other pushes go on
             shown = ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
             self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))
@@ -712,12 +716,12 @@ class Manager:
         for entry in list(self.table.entries.values()):
             status = entry.status
             if not entry.alive():
-                reason = "process gone" if not objects.pid_alive(status.pid) else \
-                    f"pid {status.pid} now belongs to another process"
+                pid = entry.owner_pid
+                reason = "process gone" if not objects.pid_alive(pid) else f"pid {pid} now belongs to another process"
                 self.table.remove(entry.name, unlink=True)  # the objects of this token are the dead app's
                 if discovery.collect_claim(self.names, entry.name, entry.token) is None:
                     self._claims_left.add((entry.name, entry.token))  # a later rescan collects it, quietly
-                self.log("app_removed", app=entry.name, pid=status.pid, reason=reason)
+                self.log("app_removed", app=entry.name, pid=pid, reason=reason)
                 logger.info("drbalance-manager: removed %r (%s)", entry.name, reason)
             elif status.state == AppState.FINISHED:
                 self.table.remove(entry.name, unlink=False)  # its FINISH notice was lost; it cleans up itself
@@ -1031,7 +1035,7 @@ class Manager:
             claim = discovery.read_claim(self.names, entry.name)
         except (OSError, discovery.DiscoveryError):
             claim = None
-        if claim is not None and claim.pid == entry.status.pid:
+        if claim is not None and claim.pid == entry.owner_pid:
             token = claim.token
         try:
             channel = AppChannel(self.names, entry.name, token)
@@ -1088,7 +1092,7 @@ class Manager:
             "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
             "metrics": self.metrics.url() if self.metrics is not None else None,
         }
-        write_private(self.names.manager_status(), json.dumps(status).encode())
+        write_private(self.names.manager_status(), json.dumps(status).encode(), private=True)
 
     def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
         """The app's DR by the manager's GPU index (as in the manager log and the metrics), and

@@ -11,14 +11,16 @@ The series (every name starts with ``drbalance_``; docs/operations.md explains e
 - ``drbalance_app_iteration_seconds{app}`` (gauge): the app's mean iteration time, seconds.
 - ``drbalance_decisions_total{policy,branch}`` (counter): DR decisions by the policy branch taken.
 - ``drbalance_exchange_latency_seconds`` (histogram): from an app's notice (its send time) to the
-  manager's answer, seconds.
+  manager's answer, seconds; a latency outside 0..``MAX_EXCHANGE_LATENCY`` (a send time that
+  cannot be right) is not observed but counted in ``drbalance_exchange_latency_dropped_total``.
 - ``drbalance_gpu_utilization_ratio{gpu}`` (gauge): smoothed utilisation (0-1), as the policy sees it.
 - ``drbalance_gpu_memory_used_bytes{gpu}`` / ``drbalance_gpu_memory_total_bytes{gpu}`` (gauges).
 - ``drbalance_manager_info{version,namespace,policy}`` (gauge, always 1).
 
 Per-app and per-GPU series come from a :class:`MetricsSnapshot` that the manager's loop builds
 and swaps in whole (one reference assignment): a scrape, served from another thread, sees one
-consistent state, and an app that left is simply not in the next snapshot. Readings that are
+consistent state, and an app that left is simply not in the next snapshot. The endpoint is an
+asyncio server in a thread of its own that answers with prometheus-client's WSGI application. Readings that are
 unknown (an SD before the first iteration time, a GPU NVML could not read) are left out, never
 exported as NaN. The registry belongs to the :class:`ManagerMetrics` object; nothing is
 registered in ``prometheus_client``'s global default registry.
@@ -26,39 +28,48 @@ registered in ``prometheus_client``'s global default registry.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import http.client
+import io
 import socket
-import sys
 import threading
-import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from drbalance import __version__
 from drbalance.manager.nvml import MemoryInfo
 
-IDLE_CONNECTION_SECONDS = 10.0
-"""A connection to the metrics endpoint that sends no request for this long is closed. The server
-runs a thread per connection: without a limit, idle connections that any local user can open
-(1,000 of them made 127 threads in 18 s) would hold threads, which count against the manager's
-user's process limit, for ever."""
+REQUEST_SECONDS = 5.0
+"""A connection to the metrics endpoint must deliver its whole request (line and headers) within
+this many seconds of being accepted, and take the answer within as long again, or it is closed
+(a scrape takes milliseconds). An idle or trickling connection costs a file descriptor for that
+long, never a thread."""
 
-MAX_CONNECTIONS = 16
-"""Connections served at once; one more is closed as soon as it is accepted. A client that sends
-a byte now and then is never idle: without a limit, 40 of them held 40 threads."""
+MAX_OPEN_CONNECTIONS = 64
+"""Connections open at once. One more makes room by closing the oldest that has not delivered its
+request yet, so connections that any local user holds open (each a descriptor of the manager's,
+1,024 by default) cannot keep a scrape from being answered."""
 
-CONNECTION_SECONDS = 30.0
-"""A connection still open this long after it was accepted is closed, however it trickles bytes
-(a scrape takes milliseconds; the server answers one request per connection)."""
+MAX_REQUEST_BYTES = 8192
+"""The most a request's line and headers may take; a longer request is closed."""
 
 EXCHANGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets of the exchange latency, seconds: sub-millisecond (an idle manager) to the
 clients' exchange timeout range (a flooded or stalled one)."""
+
+MAX_EXCHANGE_LATENCY = 60.0
+"""Seconds: the longest exchange latency observed. The latency is the manager's wall clock at its
+answer minus the send time the notice carries, both from this host's clock; a notice does not wait
+that long in an answering manager's inbox of 10, so a latency above this, or below 0, comes from a
+send time that cannot be right (a notice written by hand, a clock step) and is dropped and counted:
+one notice with a send time of -1e300 used to set the histogram's sum to 1e+300 for the manager's life."""
 
 
 PORT_HINT = "choose another --metrics-port, or 0 for any free one"
@@ -159,8 +170,10 @@ class ManagerMetrics:
         self._exchange = Histogram("drbalance_exchange_latency_seconds",
                                    "From an app's notice (its send time) to the manager's answer, seconds",
                                    buckets=EXCHANGE_BUCKETS, registry=self.registry)
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._dropped = Counter("drbalance_exchange_latency_dropped",
+                                f"Exchanges whose latency (from the notice's send time) was outside 0.."
+                                f"{MAX_EXCHANGE_LATENCY:g} s: not observed", registry=self.registry)
+        self._endpoint: _Endpoint | None = None
         self.address: tuple[str, int] | None = None
 
     # --- hooks -------------------------------------------------------------------------------
@@ -168,8 +181,11 @@ class ManagerMetrics:
         self._decisions.labels(policy=policy, branch=branch).inc()
 
     def exchange(self, seconds: float) -> None:
-        """One exchange's latency; a negative value (clocks stepped) counts as 0."""
-        self._exchange.observe(max(0.0, seconds))
+        """One exchange's latency; one outside 0..``MAX_EXCHANGE_LATENCY`` (or NaN) is dropped and counted."""
+        if 0.0 <= seconds <= MAX_EXCHANGE_LATENCY:
+            self._exchange.observe(seconds)
+        else:
+            self._dropped.inc()
 
     def update(self, snapshot: MetricsSnapshot) -> None:
         self._state.snapshot = snapshot
@@ -187,7 +203,7 @@ class ManagerMetrics:
         if not 0 <= port <= 65535:
             raise MetricsServerError(f"metrics port {port} is not in 0..65535")
         try:
-            server, thread = start_http_server(port, addr=address, registry=self.registry)
+            endpoint = _Endpoint(self.registry, address, port)
         except OSError as error:
             reason = error.strerror or str(error)
             port_fault = not isinstance(error, socket.gaierror) and error.errno in (errno.EADDRINUSE, errno.EACCES)
@@ -196,10 +212,8 @@ class ManagerMetrics:
         except ValueError as error:  # e.g. UnicodeError from the resolver: '127.0.0..1', a 64-character label
             raise MetricsServerError(f"cannot serve metrics on {_host(address)}:{port}: not a host name or "
                                      f"address ({error})", ADDRESS_HINT) from None
-        _close_idle_connections(server)
-        _limit_connections(server)
-        self._server, self._thread = server, thread
-        self.address = (address, server.server_address[1])
+        self._endpoint = endpoint
+        self.address = (address, endpoint.port)
         return self.address
 
     def url(self) -> str | None:
@@ -209,76 +223,108 @@ class ManagerMetrics:
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            endpoint.close()
 
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
-def _close_idle_connections(server: Any) -> None:
-    """Give every connection of ``server`` (a socketserver) a socket timeout of
-    ``IDLE_CONNECTION_SECONDS``, and drop the timed-out ones without the traceback socketserver
-    would print to the manager's stderr for each."""
-    handler = server.RequestHandlerClass
-    server.RequestHandlerClass = type("IdleClosingHandler", (handler,), {"timeout": IDLE_CONNECTION_SECONDS})
-    report = server.handle_error
+class _Endpoint:
+    """``/metrics`` (prometheus-client's WSGI application) served by an asyncio server running in a
+    daemon thread of its own. A connection costs a descriptor, not a thread, while it waits for
+    its request: connections held open by anyone cannot keep a scrape waiting (see
+    ``REQUEST_SECONDS`` and ``MAX_OPEN_CONNECTIONS``). One request per connection."""
 
-    def handle_error(request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a timeout, a client gone or closed by _limit_connections
-            report(request, client_address)
-
-    server.handle_error = handle_error
-
-
-def _limit_connections(server: Any) -> None:
-    """Serve at most ``MAX_CONNECTIONS`` connections of ``server`` (a threading socketserver) at
-    once, closing any more at once, and shut down any still open ``CONNECTION_SECONDS`` after it
-    was accepted (checked by the server's loop every half second: no thread of its own)."""
-    lock = threading.Lock()
-    accepted: dict[Any, float] = {}  # open connection -> monotonic time it was accepted
-    process_request, process_request_thread = server.process_request, server.process_request_thread
-    service_actions = server.service_actions
-
-    def limited_process_request(request: Any, client_address: Any) -> None:
-        with lock:
-            full = len(accepted) >= MAX_CONNECTIONS
-            if not full:
-                accepted[request] = time.monotonic()
-        if full:
-            server.shutdown_request(request)
-            return
+    def __init__(self, registry: CollectorRegistry, address: str, port: int) -> None:
+        self._app = make_wsgi_app(registry)
+        self._waiting: dict[asyncio.StreamWriter, None] = {}  # open and still waiting for a request, oldest first
+        self._open: set[asyncio.StreamWriter] = set()  # open, less those closed to make room
+        self._tasks: set[asyncio.Task] = set()  # one per connection, until it has ended
+        self._loop = asyncio.new_event_loop()
         try:
-            process_request(request, client_address)  # starts the connection's thread
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, address, port, limit=MAX_REQUEST_BYTES))
         except BaseException:
-            with lock:
-                accepted.pop(request, None)
+            self._loop.close()
             raise
+        self._thread = threading.Thread(target=self._loop.run_forever, name="drbalance-metrics", daemon=True)
+        self._thread.start()
 
-    def tracked_process_request_thread(request: Any, client_address: Any) -> None:
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._make_room()
+        self._waiting[writer] = None
+        self._open.add(writer)
+        task = asyncio.current_task()
+        self._tasks.add(task)
         try:
-            process_request_thread(request, client_address)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_SECONDS)
+            self._waiting.pop(writer, None)
+            writer.write(self._answer(head))
+            await asyncio.wait_for(writer.drain(), REQUEST_SECONDS)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass  # idle, too slow, cut off, too long or closed to make room: closed, nothing to report
         finally:
-            with lock:
-                accepted.pop(request, None)
+            self._waiting.pop(writer, None)
+            self._open.discard(writer)
+            self._tasks.discard(task)
+            writer.transport.abort()
 
-    def close_overdue() -> None:
-        service_actions()
-        now = time.monotonic()
-        with lock:
-            overdue = [request for request, since in accepted.items() if now - since > CONNECTION_SECONDS]
-        for request in overdue:
-            try:
-                request.shutdown(socket.SHUT_RDWR)  # its thread's read or write ends at once
-            except OSError:  # closed meanwhile by its thread
-                pass
+    def _make_room(self) -> None:
+        """Close the oldest connections still waiting for their request while ``MAX_OPEN_CONNECTIONS``
+        are open (those being answered finish within ``REQUEST_SECONDS``)."""
+        while len(self._open) >= MAX_OPEN_CONNECTIONS and self._waiting:
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            self._open.discard(oldest)
+            oldest.transport.abort()  # its reader ends at its next turn
 
-    server.process_request = limited_process_request
-    server.process_request_thread = tracked_process_request_thread
-    server.service_actions = close_overdue
+    def _answer(self, head: bytes) -> bytes:
+        """The HTTP response to a request's line and headers, from prometheus-client's application."""
+        line, _, rest = head.partition(b"\r\n")
+        parts = line.decode("latin-1").split()
+        try:
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                raise ValueError("not an HTTP request line")
+            headers = http.client.parse_headers(io.BytesIO(rest))
+        except (ValueError, http.client.HTTPException):
+            return _response("400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n")
+        target = urllib.parse.urlsplit(parts[1])
+        environ = {"REQUEST_METHOD": parts[0], "PATH_INFO": urllib.parse.unquote(target.path),
+                   "QUERY_STRING": target.query, "HTTP_ACCEPT": headers.get("Accept"),
+                   "HTTP_ACCEPT_ENCODING": headers.get("Accept-Encoding")}
+        replied: dict[str, Any] = {}
+
+        def start_response(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            replied["status"], replied["headers"] = status, response_headers
+
+        body = b"".join(self._app(environ, start_response))
+        return _response(replied["status"], replied["headers"], body)
+
+    def close(self) -> None:
+        """Stop listening, close every connection, end the thread."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._shut_down(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    async def _shut_down(self) -> None:
+        self._server.close()
+        for writer in list(self._open):
+            writer.transport.abort()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    lines = [f"HTTP/1.1 {status}", *(f"{name}: {value}" for name, value in headers),
+             f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + body

@@ -50,7 +50,7 @@ def read_status(names: IpcNames) -> dict[str, Any]:
     """The manager's status file, checked; ``StatusError`` (a RuntimeError) if no live manager wrote it."""
     path = names.manager_status()
     try:
-        raw = read_private(path)
+        raw = read_private(path, private=True)
     except (FileNotFoundError, NotADirectoryError):
         raise StatusError(f"no drbalance-manager is running in namespace {names.namespace!r} "
                           f"(no status file {path})") from None

@@ -68,9 +68,13 @@ class ServerGpus:
 class AppEntry:
     """One live app: its channel, its last valid status, and the DR last sent to it.
 
-    Liveness: ``token`` names the app's objects (from its claim); ``quiet_since`` is the manager's
-    monotonic time since when the app has not updated its record for the quiet period (None =
-    active). A quiet app whose process runs is shown as quiet, never removed.
+    Liveness: ``token`` names the app's objects (from its claim); ``owner_pid`` and
+    ``owner_ticks`` are the process (pid, start time in clock ticks; 0 = unknown) its claim named
+    when it was admitted, or its first valid record when no claim named it: a record can carry
+    any pid, so one that names another process is invalid (``AppTable.refresh``), never a reason
+    to think the app dead. ``quiet_since`` is the manager's monotonic time since when the app has
+    not updated its record for the quiet period (None = active). A quiet app whose process runs
+    is shown as quiet, never removed.
     """
 
     name: str
@@ -83,6 +87,8 @@ class AppEntry:
     token: str = ""
     quiet_since: float | None = None
     full_batch: int = 0  # the largest batch the app has published (samples per iteration)
+    owner_pid: int = 0
+    owner_ticks: int = 0
 
     def __post_init__(self) -> None:
         self.note_batch()
@@ -93,8 +99,8 @@ class AppEntry:
         self.full_batch = max(self.full_batch, self.status.batch)
 
     def alive(self) -> bool:
-        """Whether the app's process runs: its pid, and its start time when the record has one."""
-        return objects.process_alive(self.status.pid, self.status.start_ticks)
+        """Whether the app's process runs: the pid and start time its claim named (never its record's)."""
+        return objects.process_alive(self.owner_pid, self.owner_ticks)
 
     def effective_ratio(self) -> DataRatio:
         """The DR the app uses now: the one just sent, until the app publishes a newer status (or
@@ -108,14 +114,16 @@ class AppEntry:
     def view(self, dr_total: int | None = None, server: ServerGpus | None = None) -> AppView:
         """The app as a policy sees it, per server GPU.
 
-        ``dr_total`` is the manager's DR granularity, in which the minimum share and the memory
-        caps are expressed. ``server``: the manager's GPUs; with it, slots are mapped by UUID
+        ``dr_total`` is the manager's DR granularity, in which the DR (whatever total the record
+        carries: the manager decides at its own), the minimum share and the memory caps are
+        expressed. ``server``: the manager's GPUs; with it, slots are mapped by UUID
         (:class:`Unmapped` if that cannot be done); without it, slot g of the app is GPU g.
         """
         status = self.status
         slots = status.slots
         total = dr_total or status.ratio.total
         app_ratio = self.effective_ratio()
+        ratio = app_ratio.rescale(total)
         common = dict(
             name=self.name, slowdown=status.slowdown, pid=status.pid, epoch=status.epoch,
             iteration=status.iteration, iterations_total=status.iterations_total,
@@ -124,7 +132,7 @@ class AppEntry:
         )
         if server is None:
             return AppView(
-                ratio=app_ratio, **common,
+                ratio=ratio, **common,
                 chunk_seconds=tuple(slot.chunk_seconds for slot in slots) if slots else None,
                 chunk_samples=tuple(slot.chunk_samples for slot in slots) if slots else None,
             )
@@ -132,10 +140,10 @@ class AppEntry:
         shares = [0] * server.count
         for slot, gpu in enumerate(mapping):
             if gpu is not None:
-                shares[gpu] = app_ratio[slot]
+                shares[gpu] = ratio[slot]
         allowed = tuple(sorted(gpu for gpu in mapping if gpu is not None))
         return AppView(
-            ratio=DataRatio(shares, app_ratio.total), **common,
+            ratio=DataRatio(shares, total), **common,
             allowed=None if len(allowed) == server.count else allowed,
             max_share=self._max_share(mapping, server, total, app_ratio),
             chunk_seconds=_per_gpu(mapping, server.count, [s.chunk_seconds for s in slots], None) if slots else None,
@@ -206,6 +214,17 @@ class AppEntry:
         return tuple(caps) if any(cap is not None for cap in caps) else None
 
 
+def _check_owner(name: str, status: AppStatus, pid: int, ticks: int) -> None:
+    """RecordError when ``status`` names another process than (``pid``, start time ``ticks``; 0 =
+    unknown), the one that holds the app's claim."""
+    if status.pid != pid:
+        raise RecordError(f"app {name!r} is claimed by pid {pid}, but its record names pid {status.pid}: the "
+                          f"record is ignored, the app kept")
+    if ticks and status.start_ticks and status.start_ticks != ticks:
+        raise RecordError(f"app {name!r}: its record's process start time {status.start_ticks} is not its "
+                          f"claim's ({ticks}): the record is ignored, the app kept")
+
+
 def max_share_for(max_samples: int, batch: int, total: int, keeps: int = 0) -> int:
     """The largest share of ``total`` whose chunk of a ``batch``-sample batch is at most
     ``max_samples`` samples, and at least ``keeps`` (a share the app already holds within the limit).
@@ -254,22 +273,23 @@ class AppTable:
             raise RecordError(f"app {name!r} has no record in namespace {self.names.namespace!r}") from None
         try:
             status = channel.read_status()
-            if expected_pid is not None and status.pid != expected_pid:
-                raise RecordError(f"app {name!r} is claimed by pid {expected_pid}, but its record belongs to "
-                                  f"pid {status.pid}")
-            if expected_ticks and status.start_ticks and status.start_ticks != expected_ticks:
-                raise RecordError(f"app {name!r}: its record's process start time {status.start_ticks} is not "
-                                  f"its claim's ({expected_ticks})")
+            if expected_pid is None:  # no claim names it: its first valid record says who it is
+                expected_pid, expected_ticks = status.pid, status.start_ticks
+            _check_owner(name, status, expected_pid, expected_ticks)
         except Exception:
             channel.close()
             raise
-        entry = AppEntry(name, channel, status, now, token=channel.token)
+        entry = AppEntry(name, channel, status, now, token=channel.token, owner_pid=expected_pid,
+                         owner_ticks=expected_ticks)
         self.entries[name] = entry
         return entry
 
     def refresh(self, entry: AppEntry) -> None:
-        """Re-read the record (RecordError leaves the last valid status in place)."""
-        entry.status = entry.channel.read_status()
+        """Re-read the record. RecordError leaves the last valid status in place: a record that
+        cannot be read, or one that names another process than the app's claim."""
+        status = entry.channel.read_status()
+        _check_owner(entry.name, status, entry.owner_pid, entry.owner_ticks)
+        entry.status = status
         entry.note_batch()
 
     def remove(self, name: str, unlink: bool) -> AppEntry | None:

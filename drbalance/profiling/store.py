@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from drbalance import env
-from drbalance.ipc.private import make_dirs, open_private, write_private
+from drbalance.ipc.private import open_folder
 from drbalance.jsonlog import finite_number
 
 PROFILES_VERSION = 1
@@ -138,16 +138,16 @@ def _load_profile(name: str, path: Path | None, hint: str = "") -> Profile:
 def save_profile(profile: Profile, path: Path | None = None) -> Path:
     """Add or replace ``profile`` in the store (locked, atomically replaced)."""
     path = path or env.profiles_path()
-    make_dirs(path.parent)  # missing folders get mode 0700, whatever the umask
-    lock, _ = open_private(_lock_path(path), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _read_store(path)
-        data["profiles"][profile.name] = asdict(profile)
-        data["version"] = PROFILES_VERSION
-        write_private(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-    finally:
-        os.close(lock)  # releases the flock
+    with open_folder(path.parent, create=True) as folder:  # missing folders get mode 0700, whatever the umask
+        lock, _ = folder.open(_lock_path(path).name, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read_store(path)
+            data["profiles"][profile.name] = asdict(profile)
+            data["version"] = PROFILES_VERSION
+            folder.write(path.name, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+        finally:
+            os.close(lock)  # releases the flock
     return path
 
 
@@ -157,8 +157,8 @@ def check_store(path: Path | None = None) -> Path:
     permission) and an existing file must be a readable profiles file (``ValueError`` otherwise),
     so that a measurement is never taken only to be lost."""
     path = path or env.profiles_path()
-    make_dirs(path.parent)
-    os.close(open_private(_lock_path(path), os.O_RDWR | os.O_CREAT)[0])
+    with open_folder(path.parent, create=True) as folder:
+        os.close(folder.open(_lock_path(path).name, os.O_RDWR | os.O_CREAT)[0])
     _read_store(path)
     return path
 

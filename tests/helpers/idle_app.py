@@ -1,13 +1,17 @@
 """A torch-free app that takes its name, publishes one status and then sits still (until killed).
 
 With ``--half`` it is "killed during its first status write": it sets the status seqlock counter
-odd (a write in progress) instead of publishing. It prints ``ready TOKEN`` when its objects exist.
+odd (a write in progress) instead of publishing. With ``--empty-claim`` it is "killed right after
+creating its name claim": it creates and locks its claim file, writes nothing in it and makes no
+object (it prints ``ready -``). Otherwise it prints ``ready TOKEN`` when its objects exist.
 
-Usage: python -m tests.helpers.idle_app APP [--half] (namespace and runtime dir from the environment).
+Usage: python -m tests.helpers.idle_app APP [--half | --empty-claim] (namespace and runtime dir from
+the environment).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import time
@@ -17,6 +21,7 @@ from drbalance.ipc import objects
 from drbalance.ipc.layout import AppState, AppStatus
 from drbalance.ipc.link import PosixManagerLink
 from drbalance.ipc.names import IpcNames
+from drbalance.ipc.private import open_private, private_dir
 
 
 def status(app: str) -> AppStatus:
@@ -27,7 +32,15 @@ def status(app: str) -> AppStatus:
 
 def main() -> None:
     app = sys.argv[1]
-    link = PosixManagerLink(IpcNames.current(), app)
+    names = IpcNames.current()
+    if "--empty-claim" in sys.argv:
+        names.private_runtime_dir()
+        private_dir(names.claims_dir())
+        claim, _ = open_private(names.app_claim(app), os.O_RDWR | os.O_CREAT, private=True)
+        fcntl.flock(claim, fcntl.LOCK_EX)  # held until the process dies, as AppClaim.take holds it
+        print("ready -", flush=True)
+        time.sleep(3600)
+    link = PosixManagerLink(names, app)
     if "--half" in sys.argv:
         area = link.record.status_area
         area.words[area.counter_index] = 1  # the first write started and never finished

@@ -8,17 +8,27 @@ the suite does not run as root (CI runs it as root).
 Actions (JSON lists): ``["shm", NAME, MODE]`` create shared memory (4096 bytes, mode exactly
 MODE); ``["sem", NAME, MODE]``; ``["mq", NAME, MODE]``; ``["open_shm", NAME]`` / ``["open_sem",
 NAME]`` / ``["open_mq", NAME]`` try to open an existing object; ``["send_mq", NAME]`` try to send
-a message; ``["symlink", TARGET, LINK]``; ``["mkdir", PATH, MODE]``; ``["write", PATH, TEXT]``.
+a message; ``["symlink", TARGET, LINK]``; ``["mkdir", PATH, MODE]``; ``["write", PATH, TEXT]``;
+``["swap", A, B, STOP, VICTIM, EVERY]``: exchange the names A and B (``renameat2``'s
+RENAME_EXCHANGE) over and over until the file STOP exists, removing the file VICTIM every EVERY
+seconds (its result: ``"ok N"``, N exchanges made).
 Each result is ``"ok"`` or the exception's class name and text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import pwd
 import select
+import shutil
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -129,8 +139,65 @@ def _run(action: list) -> str:
         elif kind == "write":
             with open(args[0], "w") as out:
                 out.write(args[1])
+        elif kind == "swap":
+            return f"ok {_swap(*args)}"
         else:
             return f"ValueError: unknown action {kind}"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "ok"
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _swap(first: str, second: str, stop: str, victim: str, every: float) -> int:
+    """Exchange the names ``first`` and ``second`` until ``stop`` exists, removing ``victim`` every
+    ``every`` seconds; the number of exchanges."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_cwd = -100  # AT_FDCWD
+    names = (first.encode(), second.encode())
+    swaps, removed_at = 0, time.monotonic()
+    while not os.path.exists(stop):
+        if libc.renameat2(at_cwd, names[0], at_cwd, names[1], RENAME_EXCHANGE) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), first)
+        swaps += 1
+        if time.monotonic() - removed_at >= every:
+            removed_at = time.monotonic()
+            try:
+                os.unlink(victim)
+            except OSError:  # not there, or reached through the link: not hers to remove
+                pass
+    return swaps
+
+
+@contextlib.contextmanager
+def swapped_folder(target: Path, victim: str, every: float = 0.5) -> Iterator[tuple[Path, list[str]]]:
+    """The second user's group-writable (setgid) folder in /tmp holding ``logs`` (a real folder)
+    and ``trap`` (her symbolic link to ``target``), and a thread in which she exchanges the two
+    names in a loop, removing ``logs/<victim>`` every ``every`` seconds, until the block ends.
+    Yields ``logs`` and a list that holds her result (``"ok N"``: N exchanges) once it ended."""
+    uid, gid, _ = second_user()
+    base = Path(tempfile.mkdtemp(prefix="drbalance-swap-"))  # in /tmp: she can reach it
+    shared, stop = base / "shared", base / "stop"
+    logs, trap = shared / "logs", shared / "trap"
+    result: list[str] = []
+    try:
+        os.chmod(base, 0o755)
+        shared.mkdir()
+        os.chown(shared, uid, gid)  # her folder, which the group may write (as docs allow for logs)
+        os.chmod(shared, 0o2775)
+        made = as_neighbour([["mkdir", str(logs), 0o2775], ["symlink", str(target), str(trap)]])
+        if made != ["ok", "ok"]:
+            raise RuntimeError(f"the neighbour could not set up her folder: {made}")
+        swapper = threading.Thread(target=lambda: result.extend(as_neighbour(
+            [["swap", str(logs), str(trap), str(stop), str(logs / victim), every]], timeout=600)))
+        swapper.start()
+        try:
+            yield logs, result
+        finally:
+            stop.touch()
+            swapper.join(timeout=600)
+    finally:
+        stop.touch()
+        shutil.rmtree(base, ignore_errors=True)
