@@ -206,7 +206,9 @@ def trainer_plan(trainer: Any) -> JobPlan | None:
 def planned_epochs(max_epochs: int | None, max_steps: int, accumulate: int, batches_per_epoch: int) -> int | None:
     """Epochs ``fit`` will run: ``max_epochs``, or the epochs ``max_steps`` optimizer steps of
     ``accumulate`` batches each take if fewer; None when neither bounds training (-1 / None)."""
-    by_steps = math.ceil(max_steps * accumulate / batches_per_epoch) if max_steps is not None and max_steps > 0 else None
+    by_steps = None
+    if max_steps is not None and max_steps > 0:
+        by_steps = math.ceil(max_steps * accumulate / batches_per_epoch)
     if max_epochs is not None and max_epochs > 0:
         return max_epochs if by_steps is None else min(max_epochs, by_steps)
     return by_steps
