@@ -6,25 +6,23 @@ is the real daemon (in this process, with a scripted policy, or as its command-l
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from drbalance.jsonlog import read_json_lines
-from drbalance.manager.daemon import Manager, ManagerSettings
-from drbalance.manager.utilization import ScriptedSource
-from tests.conftest import leftovers, python_process, torchrun_args, wait_for
+from tests.conftest import leftovers, python_process, torchrun_args
 from tests.helpers.integration_checks import (
+    applied_ratios,
     check_each_sample_once_per_epoch,
     check_global_mean_gradients,
     expected_counts,
+    finished,
+    kill_a_rank_and_check_the_manager,
+    read_manager_events,
+    read_sd_log,
+    scripted_manager,
 )
-from tests.test_ddp import ManagerProcess, ScriptPolicy, read_ready
+from tests.test_ddp import ManagerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,28 +30,6 @@ pytestmark = pytest.mark.timeout(300)
 def lightning_job(tmp_path: Path, *args: str):
     return python_process("torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                           "-m", "tests.helpers.lightning_job", "--out", str(tmp_path), *args)
-
-
-def finished(job, tmp_path: Path) -> list[dict]:
-    out, err = job.communicate(timeout=240)
-    assert job.returncode == 0, err[-4000:]
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-def scripted_manager(tmp_path: Path, app: str, ratios: list[list[int]]) -> tuple[Manager, threading.Thread]:
-    util = tmp_path / "util.json"
-    util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}))
-    manager = Manager(ManagerSettings(log_path=tmp_path / "manager.jsonl", sample_period=0.2), ScriptedSource(util),
-                      policy=ScriptPolicy(app, ratios))
-    manager.start()
-    loop = threading.Thread(target=manager.run, daemon=True)
-    loop.start()
-    return manager, loop
-
-
-def applied_ratios(app: str) -> list[tuple[int, list[int]]]:
-    sd_log = read_json_lines(Path(os.environ["DRBALANCE_LOG_DIR"]) / f"{app}.sd.jsonl")
-    return [(event["from_batch"], event["applied_dr"]) for event in sd_log if event["event"] == "applied"]
 
 
 def test_every_rank_gets_the_global_batch_gradient_for_an_uneven_ratio_and_after_a_manager_change(ipc_env, tmp_path):
@@ -77,7 +53,7 @@ def test_every_rank_gets_the_global_batch_gradient_for_an_uneven_ratio_and_after
     # every rank split every global batch by the DR the schedule holds for it, switching at the same batch
     assert [step["counts"] for step in steps[0]] == expected_counts([3, 7], applied, 12, 10)
     assert [3, 7] in [step["counts"] for step in steps[0]] and [6, 4] in [step["counts"] for step in steps[0]]
-    events = list(read_json_lines(tmp_path / "manager.jsonl"))
+    events = read_manager_events(tmp_path)
     assert [e["app"] for e in events if e["event"] == "app_added"] == ["ltjob"]
     assert [e["reason"] for e in events if e["event"] == "app_removed"] == ["finished"]
     assert leftovers(ipc_env) == []
@@ -103,8 +79,7 @@ def test_equal_shares_train_as_lightnings_ddp_with_accumulation_limits_validatio
         assert ours["val"] + ours["resumed_val"] == pytest.approx(theirs["val"] + theirs["resumed_val"], abs=1e-6)
         assert ours["resumed_from"] == "DrBalanceStrategy"
     # the resumed fit's session starts at epoch 2 of 3, 4 batches per epoch (limit_train_batches)
-    starts = [e for e in read_json_lines(Path(os.environ["DRBALANCE_LOG_DIR"]) / "ltjob.sd.jsonl")
-              if e["event"] == "start"]
+    starts = [e for e in read_sd_log("ltjob") if e["event"] == "start"]
     assert [(e["epochs"], e["iterations_per_epoch"], e["start_epoch"]) for e in starts] == [(2, 4, 0), (3, 4, 2)]
     assert leftovers(ipc_env) == []
 
@@ -112,25 +87,5 @@ def test_equal_shares_train_as_lightnings_ddp_with_accumulation_limits_validatio
 def test_a_rank_killed_mid_fit_leaves_the_manager_free_for_other_jobs(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     job = lightning_job(tmp_path, "--epochs", "50", "--sleep", "0.05", "--decide-every", "2")
-    neighbour = None
-    try:
-        pids = read_ready(job, 2, timeout=120)
-        wait_for(lambda: [e for e in manager.events("app_added") if e["app"] == "ltjob"], 60)
-        os.kill(pids[1], signal.SIGKILL)
-        killed = time.time()
-        job.communicate(timeout=120)  # rank 0's next collective fails, or torchrun stops it
-        assert job.returncode != 0
-        removed = wait_for(lambda: [e for e in manager.events("app_removed") if e["app"] == "ltjob"], 60)
-        assert removed[0]["reason"] in {"finished", "process gone"}
-        neighbour = python_process("tests.helpers.toy_app", "--app", "neighbour", "--gpus", "2", "--epochs", "3",
-                                   "--iterations", "2", "--sleep", "0.05")
-        wait_for(lambda: [e for e in manager.events("decision") if e["app"] == "neighbour" and e["t"] > killed], 60)
-        _, err = neighbour.communicate(timeout=120)
-        assert neighbour.returncode == 0, err[-2000:]
-    finally:
-        for process in (job, neighbour):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.communicate(timeout=30)
-        assert manager.stop() == 0
+    kill_a_rank_and_check_the_manager(job, manager, "ltjob", victim=1)
     assert leftovers(ipc_env) == []
