@@ -39,7 +39,6 @@ than DDP over CPUs or CUDA GPUs (FSDP, DeepSpeed, XLA, ...) is refused: use ``Ac
 
 from __future__ import annotations
 
-import logging
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -50,15 +49,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from drbalance.client.distributed import BalancedDistributedDataParallel
 from drbalance.client.loader import balanced_loader, carried_settings
 from drbalance.client.session import Session
-from drbalance.integrations.job import (
-    JobPlan,
-    JobSettings,
-    app_name_from,
-    emulated_device_options,
-    emulated_rank_device,
-    missing_extra,
-    open_job_session,
-)
+from drbalance.integrations import job
 from drbalance.ratio import DataRatio
 
 try:
@@ -67,9 +58,9 @@ try:
     from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list
     from accelerate.utils.dataclasses import DDPCommunicationHookType
 except ImportError as error:
-    raise missing_extra("accelerate", "Hugging Face Accelerate", error) from error
+    raise job.missing_extra("accelerate", "Hugging Face Accelerate", error) from error
 
-logger = logging.getLogger("drbalance.integrations")
+logger = job.logger
 
 BALANCED_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 """Accelerate's distributed types where it builds DDP, so drbalance can build its own instead."""
@@ -102,11 +93,11 @@ class BalancedAccelerator(Accelerator):
         if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1:
             raise ValueError(f"epochs (the epochs this script trains: the session's plan) must be a positive "
                              f"integer; got {epochs!r}")
-        job = JobSettings(app, solo_time, session_options or {})
+        settings = job.JobSettings(app, solo_time, session_options or {})
         super().__init__(*args, **kwargs)
         self.balancing = self._check_supported()
         self.epochs = int(epochs)
-        self._job = job
+        self._job = settings
         self._balance_options = {"ratio": ratio, "exchange_every": exchange_every, "loss_reduction": loss_reduction}
         self._job_model: BalancedDistributedDataParallel | None = None
         self._session: Session | None = None
@@ -164,12 +155,12 @@ class BalancedAccelerator(Accelerator):
         if not any(parameter.requires_grad for parameter in placed.parameters()):
             return placed  # nothing to reduce: Accelerate does not wrap it either
         if self._emulated is None:
-            self._emulated = emulated_rank_device(self.device, self.local_process_index)
+            self._emulated = job.emulated_rank_device(self.device, self.local_process_index)
             if self._emulated is not None:
                 self._emulated.attach(placed)
         device_ids = [self.local_process_index] if self.device.type == "cuda" else None
         ddp_options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
-        options = {**self._balance_options, **emulated_device_options(self._emulated), **ddp_options}
+        options = {**self._balance_options, **job.emulated_device_options(self._emulated), **ddp_options}
         output_device = None if device_ids is None else device_ids[0]
         wrapped = BalancedDistributedDataParallel(placed, device_ids=device_ids, output_device=output_device, **options)
         self._models[self._models.index(placed)] = wrapped
@@ -211,8 +202,8 @@ class BalancedAccelerator(Accelerator):
                            start, self.epochs)
             return
         model = self._job_model
-        plan = JobPlan(self.epochs, len(loader), start)
-        self._session = open_job_session(model, plan, self._job, default_app_name(), self._broadcast)
+        plan = job.JobPlan(self.epochs, len(loader), start)
+        self._session = job.open_job_session(model, plan, self._job, default_app_name(), self._broadcast)
 
     def _batch_taken(self, loader: BalancedLoaderShard) -> None:
         """A batch of ``loader`` was handed out: the one before it has finished."""
@@ -276,7 +267,7 @@ def default_app_name() -> str:
     import __main__
 
     path = getattr(__main__, "__file__", None) or "accelerate"
-    return app_name_from(path.rsplit("/", 1)[-1].rsplit(".", 1)[0])
+    return job.app_name_from(path.rsplit("/", 1)[-1].rsplit(".", 1)[0])
 
 
 __all__ = ["BalancedAccelerator", "BalancedLoaderShard", "default_app_name", "shuffles"]

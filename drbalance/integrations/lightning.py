@@ -28,7 +28,6 @@ Needs ``pip install 'drbalance[lightning]'`` (the ``lightning`` package); see do
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -40,23 +39,15 @@ from torch.utils.data import DataLoader
 from drbalance.client.distributed import BalancedDistributedDataParallel
 from drbalance.client.loader import balanced_loader
 from drbalance.client.session import Session
-from drbalance.integrations.job import (
-    JobPlan,
-    JobSettings,
-    app_name_from,
-    emulated_device_options,
-    emulated_rank_device,
-    missing_extra,
-    open_job_session,
-)
+from drbalance.integrations import job
 from drbalance.ratio import DataRatio
 
 try:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 except ImportError as error:
-    raise missing_extra("lightning", "PyTorch Lightning (the 'lightning' package)", error) from error
+    raise job.missing_extra("lightning", "PyTorch Lightning (the 'lightning' package)", error) from error
 
-logger = logging.getLogger("drbalance.integrations")
+logger = job.logger
 
 STRATEGY_NAME = "drbalance"
 
@@ -93,7 +84,7 @@ class DrBalanceStrategy(DDPStrategy):
             raise ValueError(f"DrBalanceStrategy does not take {refused}: drbalance's sample weighting is the DDP "
                              f"communication hook (docs/integrations.md)")
         super().__init__(**kwargs)
-        self._job = JobSettings(app, solo_time, session_options or {})
+        self._job = job.JobSettings(app, solo_time, session_options or {})
         self._balance_options = {"ratio": ratio, "exchange_every": exchange_every, "loss_reduction": loss_reduction}
         self._session: Session | None = None
         self._batch_open = False  # a training batch has started whose session.step() is still due
@@ -113,10 +104,10 @@ class DrBalanceStrategy(DDPStrategy):
     # --- the model and the loader --------------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> BalancedDistributedDataParallel:
         device_ids = self.determine_ddp_device_ids()
-        self._emulated = emulated_rank_device(self.root_device, self.local_rank)
+        self._emulated = job.emulated_rank_device(self.root_device, self.local_rank)
         if self._emulated is not None:
             self._emulated_hook = self._emulated.attach(model)
-        options = {**self._balance_options, **emulated_device_options(self._emulated), **self._ddp_kwargs}
+        options = {**self._balance_options, **job.emulated_device_options(self._emulated), **self._ddp_kwargs}
         stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with stream:  # as DDPStrategy does: https://pytorch.org/docs/stable/notes/cuda.html#id5
             return BalancedDistributedDataParallel(module=model, device_ids=device_ids, **options)
@@ -139,7 +130,7 @@ class DrBalanceStrategy(DDPStrategy):
         plan = trainer_plan(trainer)
         if plan is None:
             return
-        self._session = open_job_session(model, plan, self._job, default_app_name(trainer), self.broadcast)
+        self._session = job.open_job_session(model, plan, self._job, default_app_name(trainer), self.broadcast)
         self._batch_open = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -182,7 +173,7 @@ class DrBalanceStrategy(DDPStrategy):
         return None if module is None else module._trainer
 
 
-def trainer_plan(trainer: Any) -> JobPlan | None:
+def trainer_plan(trainer: Any) -> job.JobPlan | None:
     """The session's plan from what the Trainer knows; None when nothing is left to train.
 
     Epochs: ``max_epochs``, or fewer when ``max_steps`` (optimizer steps, each of
@@ -200,7 +191,7 @@ def trainer_plan(trainer: Any) -> JobPlan | None:
         epochs = trainer.current_epoch + 1
     if trainer.current_epoch >= epochs:
         return None
-    return JobPlan(epochs, batches, trainer.current_epoch)
+    return job.JobPlan(epochs, batches, trainer.current_epoch)
 
 
 def planned_epochs(max_epochs: int | None, max_steps: int, accumulate: int, batches_per_epoch: int) -> int | None:
@@ -220,7 +211,7 @@ def default_app_name(trainer: Any) -> str:
     if found is None or not getattr(found, "name", None):
         return "lightning"
     version = getattr(found, "version", None)
-    return app_name_from(found.name if version is None else f"{found.name}-{version}")
+    return job.app_name_from(found.name if version is None else f"{found.name}-{version}")
 
 
 if STRATEGY_NAME not in StrategyRegistry:
