@@ -11,6 +11,9 @@ ROOT = Path(__file__).parent
 VERSION = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "drbalance" / "__init__.py").read_text(encoding="utf-8"),
                     re.MULTILINE).group(1)
 
+LIGHTNING = "lightning>=2.6"  # drbalance.integrations.lightning
+ACCELERATE = "accelerate>=1.16"  # drbalance.integrations.accelerate
+
 setup(
     name="drbalance",
     version=VERSION,
@@ -21,10 +24,13 @@ setup(
     package_data={"drbalance.sim": ["gavel_pairs.json", "gavel_rates.json"]},
     python_requires=">=3.10",
     install_requires=["torch", "posix-ipc>=1.1", "nvidia-ml-py", "prometheus-client>=0.17", "tqdm", "numpy", "scipy"],
+    # lightning and accelerate: the versions the integrations were built and tested with (docs/integrations.md)
     extras_require={
         "examples": ["torchvision", "matplotlib"],
+        "lightning": [LIGHTNING],
+        "accelerate": [ACCELERATE],
         "test": ["pytest", "pytest-xdist", "numpy", "pytest-timeout", "hypothesis", "torchvision", "matplotlib",
-                 "ruff"],
+                 "ruff", LIGHTNING, ACCELERATE],
     },
     entry_points={
         "console_scripts": [

@@ -356,6 +356,30 @@ def test_a_forward_after_a_ranks_emulated_gpu_was_closed_is_a_clear_error(ipc_en
         module(torch.randn(3, 4))
 
 
+@pytest.mark.timeout(60)
+def test_a_ranks_emulated_gpu_without_a_cost_table_estimates_one_from_its_first_forward(ipc_env):
+    """What the Lightning and Accelerate integrations use: they know no model name to look up."""
+    from torch import nn
+
+    from drbalance.client.costs import rough_features
+    from drbalance.client.emulated_rank import EmulatedRankDevice
+    from drbalance.workload.models import estimate_costs
+
+    device = EmulatedRankDevice(0, None, time_scale=0.001, namespace=ipc_env.namespace)
+    module = nn.Linear(4, 2)
+    device.attach(module)
+    module(torch.randn(0, 4))  # no samples: nothing to estimate from yet
+    assert device.costs is None
+    inputs = torch.randn(3, 4)
+    output = module(inputs)
+    assert device.costs == estimate_costs("Linear", rough_features(module, (inputs,), output, 3))
+    assert device.costs.per_sample > 0
+    first = device.costs
+    module(torch.randn(5, 4)).sum().backward()
+    assert device.costs is first  # estimated once
+    device.close()
+
+
 class ReturnsItsScale(nn.Module):
     """Returns a parameter of its own (a learned temperature) before the logits."""
 

@@ -103,7 +103,7 @@ def test_an_example_refuses_a_solo_time_that_is_neither_seconds_nor_a_profile_na
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
+@pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py", "lightning_train.py", "accelerate_train.py"])
 @pytest.mark.parametrize("option, value, message", [
     ("--image-size", "0", "argument --image-size: must be an integer >= 1; got 0"),
     ("--image-size", "-3", "argument --image-size: must be an integer >= 1; got -3"),

@@ -9,6 +9,9 @@ towards it) and (2) occupies the rank's emulated GPU for the model's *device tim
 overhead (no scatter, replicate or gather); the gradient all-reduce is real (gloo), so a rank
 slowed by a crowded emulated GPU holds up every rank of its job, as a straggler does on real GPUs.
 Times are multiplied by ``time_scale``; each real sample counts as ``sample_scale`` modelled ones.
+Without a cost table (``costs=None``, as the Lightning and Accelerate integrations use it) the
+costs are estimated roughly from the first forward with samples (``drbalance.client.costs.rough_features``:
+the module's parameters and the forward's input and output bytes; an order of magnitude, not a calibration).
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from drbalance.client.costs import rough_features
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.emu.gpus import EmulatedGpu, release_at_exit, release_emulated_gpu
 from drbalance.ipc.names import IpcNames
-from drbalance.workload.models import ModelCosts
+from drbalance.workload.models import ModelCosts, estimate_costs
 
 
 class EmulatedRankDevice:
     """Emulated GPU ``index`` of the namespace, as one DDP rank's device."""
 
-    def __init__(self, index: int, costs: ModelCosts, time_scale: float = 1.0, sample_scale: float = 1.0,
+    def __init__(self, index: int, costs: ModelCosts | None, time_scale: float = 1.0, sample_scale: float = 1.0,
                  namespace: str | None = None, memory_bytes: int | None = None) -> None:
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
@@ -58,9 +62,12 @@ class EmulatedRankDevice:
         return module.register_forward_hook(self._after_forward, with_kwargs=True)
 
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        samples = (batch_size_of(args, kwargs, 0) or 0) * self.sample_scale
+        batch = batch_size_of(args, kwargs, 0) or 0
+        samples = batch * self.sample_scale
         if samples <= 0:
             return
+        if self.costs is None:
+            self.costs = estimate_costs(type(module).__name__, rough_features(module, args, output, batch))
         if self.gpu.closed:  # its lock descriptors are closed, and their numbers may be another file's now
             raise RuntimeError(f"drbalance: a forward on emulated GPU {self.label} after its EmulatedRankDevice was "
                                f"closed; close it after the rank's last forward")

@@ -110,10 +110,15 @@ def balanced_loader(loader: DataLoader, model: Any, *, global_batch_size: int | 
         seed=order["seed"] if seed is None else seed,
         drop_last=order["drop_last"] if drop_last is None else drop_last,
     )
+    return BalancedDataLoader(loader.dataset, batches, **carried_settings(loader))
+
+
+def carried_settings(loader: DataLoader) -> dict[str, Any]:
+    """The ``DataLoader`` keyword arguments of ``loader`` that a balanced loader keeps (:data:`CARRIED_SETTINGS`)."""
     settings = {name: getattr(loader, name) for name in CARRIED_SETTINGS if hasattr(loader, name)}
     if not settings.get("num_workers"):
         settings.pop("prefetch_factor", None)  # DataLoader refuses one without workers
-    return BalancedDataLoader(loader.dataset, batches, **settings)
+    return settings
 
 
 def _world_size(model: Any) -> int:
