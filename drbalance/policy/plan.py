@@ -4,7 +4,8 @@ Every ``plan_period`` seconds and at every arrival or departure (``plan``), the 
 the apps' records (``drbalance.policy.model``), predicts every app's SD at finish in the layout
 now (SD0_i), and solves one integer programme with SciPy's HiGHS. Each app j picks one DR from
 its options r (``options``: its DR now, whole on each GPU it may use, half or all of one GPU's
-share moved to another); ``x_jr`` is 1 for the pick. ``G_i,jr`` is the change of app i's
+share moved to another, another app's DR), or two apps exchange DRs (a swap: one column for the
+pair, ``Programme``); ``x_jr`` is 1 for the pick. ``G_i,jr`` is the change of app i's
 predicted SD at finish if j alone took option r: for j itself, its iteration time with the
 others' duties as they are, over its remaining run plus the cost of the change
 (``change_cost`` iterations, for a new DR); for an app i sharing a GPU with j, the stretch of its
