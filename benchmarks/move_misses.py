@@ -78,7 +78,10 @@ def run(job: tuple[str, str, float | None], by_branch: bool = False) -> dict[str
     if step is not None:
         config = replace(config, predictor=replace(config.predictor, replica_penalty_step=step))
     policy = MissLog(config)
-    sim = SimConfig(policy="fair", placement="round-robin", record=False, contention=make_interference(interference))
+    # no DR change cost (SimConfig.change_cost): what is measured is the predictor's own miss, which
+    # a change's slower first iteration would add to
+    sim = SimConfig(policy="fair", placement="round-robin", record=False, contention=make_interference(interference),
+                    change_cost=0.0)
     Simulation(scenario_named(name), sim, policy=policy).run()
     if by_branch:
         return dict(policy.by_branch)

@@ -18,10 +18,11 @@ def test_moves_are_told_apart_by_their_replica_counts():
 def test_without_the_replica_penalty_splits_miss_their_predictions_more_than_one_gpu_moves():
     misses = run(("c", "calibrated", 0.0))  # docs/policy.md: the reason the penalty exists
     assert len(misses["split"]) >= 5 and len(misses["one GPU"]) >= 5
-    # splits ran slower than predicted, and by more than moves from one GPU to another (which
-    # looked faster than predicted, under 1, until a swap's mover was predicted with its partner gone)
+    # splits ran slower than predicted, and by more than moves from one GPU to another; since a job's
+    # measurement windows restart at a DR change (no window mixes two DRs) by about 2% (1.019 against
+    # 1.002), where mixed windows made it 5% and more
     assert statistics.median(misses["split"]) > 1.0
-    assert statistics.median(misses["split"]) > statistics.median(misses["one GPU"]) + 0.05
+    assert statistics.median(misses["split"]) > statistics.median(misses["one GPU"])
     learned = run(("c", "calibrated", None))  # with it, the policy splits less
     assert len(learned.get("split", [])) < len(misses["split"])
 
