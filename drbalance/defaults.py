@@ -16,8 +16,9 @@ UTIL_THRESHOLD = 20.0
 # --- what a DR change costs a job (the simulator charges it; fair's plans count it) -----------------
 CHANGE_COST_ITERATIONS = 0.15
 """Iterations' worth of time a job loses at a DR change: its first step under a new DR is this
-much of a step longer (new chunk shapes; a replica's first use of a device). Measured by
-``python -m benchmarks.change_cost`` on the CPU and emulated-GPU paths (docs/policy.md)."""
+much of a step longer (new chunk shapes; a replica's first use of a device). Above the largest
+that ``python -m benchmarks.change_cost`` measures on the CPU and emulated-GPU paths (0.05-0.13;
+docs/simulator.md); on a GPU with ``cudnn.benchmark`` it is not measured yet."""
 
 # --- the simulator's noise (its config and the commands that set it) --------------------------------
 MAX_JITTER = 2.0

@@ -121,6 +121,7 @@ class Model:
         self.kappa: dict[tuple[str, str], float] = {}
         self.misses: deque = deque(maxlen=64)  # relative misses of predicted iteration times
         self.expected: dict[str, tuple[tuple[int, ...], float]] = {}  # per app: GPUs, predicted seconds
+        self._speed_logs: dict[str, dict[int, list[float]]] = {}  # per app: its alone windows' logs per GPU
 
     @property
     def error(self) -> float:
@@ -133,6 +134,7 @@ class Model:
         names = {view.name for view in views}
         for gone in [name for name in self.apps if name not in names]:
             del self.apps[gone]
+            self._speed_logs.pop(gone, None)
         self.kappa = {pair: k for pair, k in self.kappa.items() if pair[0] in names and pair[1] in names}
         duties = {view.name: _duties(view) for view in views}
         users: dict[int, set[str]] = {}
@@ -171,6 +173,7 @@ class Model:
         if fit is None or fit.solo != solo or fit.batch != batch:
             host = self.config.host_prior * solo
             fit = self.apps[view.name] = AppFit(solo, batch, host, self.config.fixed_prior * (solo - host))
+            self._speed_logs.pop(view.name, None)  # its windows of before are gone with its old fit
         return fit
 
     def _fit_host(self, name: str, fit: AppFit) -> None:
@@ -194,13 +197,19 @@ class Model:
         fit.fixed = min(fit.device, max(0.0, total / weight))
 
     def _fit_speeds(self, name: str) -> None:
-        """Each GPU that ``name`` used alone: the mean log of (w n) / c over every app's such windows."""
+        """Every GPU some app used alone with its whole batch: the mean log of (u - h) / c over all such
+        windows (each app's logs kept from its last fit: only ``name``'s have changed)."""
+        fit = self.apps[name]
+        mine: dict[int, list[float]] = {}
+        for window in fit.windows:
+            for gpu, samples, seconds, others in window.chunks:
+                if others == () and seconds > 0 and samples >= fit.batch:  # the whole batch, alone
+                    mine.setdefault(gpu, []).append(math.log(fit.alone(samples) / seconds))
+        self._speed_logs[name] = mine
         logs: dict[int, list[float]] = {}
-        for fit in self.apps.values():
-            for window in fit.windows:
-                for gpu, samples, seconds, others in window.chunks:
-                    if others == () and seconds > 0 and samples >= fit.batch:  # the whole batch, alone
-                        logs.setdefault(gpu, []).append(math.log(fit.alone(samples) / seconds))
+        for app in self.apps:
+            for gpu, values in self._speed_logs.get(app, {}).items():
+                logs.setdefault(gpu, []).extend(values)
         for gpu, values in logs.items():
             self.speed[gpu] = math.exp(sum(values) / (self.config.prior_weight + len(values)))  # the prior: log 1
 
@@ -234,24 +243,35 @@ class Model:
         found = self.kappa.get((name, other))
         return found if found is not None else self.prior(name, other)
 
-    def prior(self, name: str, other: str) -> float:
+    def prior(self, name: str, other: str, means: tuple | None = None) -> float:
         """The prior of a pair: how much ``name`` suffers beside the others it was measured with, times
-        how much ``other`` makes its company suffer, relative to all pairs (``kappa_prior`` without any)."""
-        overall = self.config.kappa_prior
-        suffers = causes = []
-        if self.kappa:
-            values = list(self.kappa.values())
-            overall = sum(values) / len(values)
-            suffers = [k for (a, _), k in self.kappa.items() if a == name]
-            causes = [k for (_, b), k in self.kappa.items() if b == other]
-        sensitivity = sum(suffers) / len(suffers) if suffers else overall
-        aggressiveness = sum(causes) / len(causes) if causes else overall
+        how much ``other`` makes its company suffer, relative to all pairs (``kappa_prior`` without any).
+        ``means``: ``_means()``, if the caller has it."""
+        overall, suffers, causes = means or self._means()
+        sensitivity = suffers.get(name, overall)
+        aggressiveness = causes.get(other, overall)
         return sensitivity * aggressiveness / overall if overall > 0 else 0.0
+
+    def _means(self) -> tuple[float, dict[str, float], dict[str, float]]:
+        """The mean kappa of all measured pairs, and per app over the pairs it suffers in and causes."""
+        if not self.kappa:
+            return self.config.kappa_prior, {}, {}
+        suffers: dict[str, list[float]] = {}
+        causes: dict[str, list[float]] = {}
+        for (a, b), k in self.kappa.items():
+            suffers.setdefault(a, []).append(k)
+            causes.setdefault(b, []).append(k)
+        values = list(self.kappa.values())
+        return (sum(values) / len(values), {a: sum(ks) / len(ks) for a, ks in suffers.items()},
+                {b: sum(ks) / len(ks) for b, ks in causes.items()})
 
     def arrays(self, names: Sequence[str]) -> tuple[np.ndarray, ...]:
         """(h, o, f, w, kappa with a zero diagonal) for ``names`` in that order."""
         fits = [self.apps[name] for name in names]
-        kappa = np.array([[0.0 if a == b else self.pair(a, b) for b in names] for a in names])
+        means = self._means()
+        learned = self.kappa
+        kappa = np.array([[0.0 if a == b else learned[a, b] if (a, b) in learned else self.prior(a, b, means)
+                           for b in names] for a in names])
         kappa = kappa.reshape(len(names), len(names))
         return (np.array([f.host for f in fits]), np.array([f.replica for f in fits]),
                 np.array([f.fixed for f in fits]), np.array([f.per_sample for f in fits]), kappa)
