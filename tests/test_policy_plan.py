@@ -117,7 +117,7 @@ def test_the_solve_equals_brute_force_on_every_layout_of_3_apps_on_2_gpus(gpus_o
                for view, ratio in zip(plan_layout.views, plan_layout.ratios)]
     programme = Programme.build(plan_layout, choices)
     best = min(value for value in (programme.value(columns) for columns in _covers(programme)) if value is not None)
-    solved = programme.value(programme.solve(seconds=5.0))
+    solved = programme.value(programme.solve(nodes=100_000, seconds=60.0))
     assert solved is not None and solved == pytest.approx(best, abs=1e-9)
 
 

@@ -20,7 +20,8 @@ chunk there by j's change of duty (kappa_ij x delta d_jg)::
 
 The changes' effects add up, which holds while no two of them meet on a GPU: hence the last
 constraint, at most one app adding load to each GPU per plan. If HiGHS has no integer answer
-within ``solve_seconds``, the programme's LP relaxation is solved and each app takes its largest
+within ``solve_nodes`` branch-and-bound nodes (a tenth of the plan period at most), the
+programme's LP relaxation is solved and each app takes its largest
 ``x_jr``. The plan is then predicted in full (``Model.times``: the duties' fixed point) against the
 layout now, and applied only if it lowers the largest predicted SD or the mean by more than the
 model's own measured error (``Model.error``) on the part of the SDs still to come, without raising
@@ -47,6 +48,10 @@ from drbalance.ratio import DataRatio
 
 MEAN_WEIGHT = 0.1
 """The mean SD's weight against the largest in the objective: the largest first, then the mean."""
+SOLVE_SHARE = 0.1
+"""The most of a plan period a solve may take (seconds = this x ``plan_period``): a guard for large
+servers; the node limit, not the clock, ends the solves of small ones, so a run is the same on any
+machine."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,14 @@ class PlanConfig:
 
     plan_period: float = 10.0  # seconds between plans (besides arrivals and departures)
     change_cost: float = defaults.CHANGE_COST_ITERATIONS  # iterations' worth an app loses per DR change
-    solve_seconds: float = 0.1  # HiGHS's time limit for the integer programme (then its LP relaxation)
+    solve_nodes: int = 200  # HiGHS's branch-and-bound nodes for the integer programme (then its LP relaxation)
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
-        for name in ("plan_period", "solve_seconds"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a positive number of seconds; got {getattr(self, name)!r}")
+        if not 0 < self.plan_period < math.inf:
+            raise ValueError(f"plan_period must be a positive number of seconds; got {self.plan_period!r}")
+        if isinstance(self.solve_nodes, bool) or not isinstance(self.solve_nodes, int) or self.solve_nodes < 1:
+            raise ValueError(f"solve_nodes must be a positive number of nodes; got {self.solve_nodes!r}")
         if not 0 <= self.change_cost < math.inf:
             raise ValueError(f"change_cost must be a number of iterations >= 0; got {self.change_cost!r}")
 
@@ -200,7 +206,7 @@ class Programme:
             return None
         return float((self.sd + change).max() + MEAN_WEIGHT * change.sum() / len(self.sd))
 
-    def solve(self, seconds: float) -> list[int]:
+    def solve(self, nodes: int, seconds: float) -> list[int]:
         """The columns HiGHS takes within ``seconds`` (an integer answer), else those of its LP
         relaxation (each app's largest, whole)."""
         count, gpus, top = len(self.sd), len(self.adds), len(self.movers)
@@ -215,7 +221,7 @@ class Programme:
         cost = np.append(MEAN_WEIGHT * mean / count, 1.0)
         bounds = Bounds(np.append(np.zeros(top), -np.inf), np.append(np.ones(top), np.inf))
         result = milp(cost, constraints=constraint, integrality=np.append(np.ones(top), 0), bounds=bounds,
-                      options={"time_limit": seconds})
+                      options={"node_limit": nodes, "time_limit": seconds})
         if result.x is None:
             result = milp(cost, constraints=constraint, bounds=bounds)
         if result.x is None:
@@ -275,7 +281,8 @@ class PlanPolicy:
     def solve(self, layout: Layout, choices: list[list[DataRatio]]) -> list[DataRatio]:
         """Each app's DR in the plan the programme of the module docstring picks."""
         programme = Programme.build(layout, choices)
-        return programme.ratios(programme.solve(self.config.solve_seconds), layout.ratios)
+        columns = programme.solve(self.config.solve_nodes, SOLVE_SHARE * self.plan_period)
+        return programme.ratios(columns, layout.ratios)
 
     def _judge(self, layout: Layout, chosen: list[DataRatio], trigger: str) -> Plan:
         """The plan in full against the layout now: kept if it pays beyond the model's error."""
