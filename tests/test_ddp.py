@@ -25,6 +25,7 @@ from drbalance.policy.base import Decision
 from drbalance.ratio import DataRatio
 from tests.conftest import leftovers, python_process, torchrun_args
 from tests.helpers import ddp_workers
+from tests.helpers.processes import kill_running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -291,10 +292,7 @@ def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(i
         assert late, "the manager did not answer the other job after the kill"
         assert json_lines(out)[-1]["done"]
     finally:
-        for process in (job, neighbour):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.communicate(timeout=30)
+        kill_running(job, neighbour)
         assert manager.stop() == 0
     assert leftovers(ipc_env) == []
 

@@ -23,6 +23,7 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from drbalance.ratio import DataRatio
 from tests.conftest import python_process, wait_for
+from tests.helpers.processes import kill_running
 from tests.test_ddp import ScriptPolicy, read_ready
 
 
@@ -125,8 +126,5 @@ def kill_a_rank_and_check_the_manager(job, manager, app: str, victim: int) -> No
         _, err = neighbour.communicate(timeout=120)
         assert neighbour.returncode == 0, err[-2000:]
     finally:
-        for process in (job, neighbour):
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.communicate(timeout=30)
+        kill_running(job, neighbour)
         assert manager.stop() == 0

@@ -135,3 +135,11 @@ def drain(process: subprocess.Popen) -> threading.Thread:
 
 def first_line(process: subprocess.Popen) -> dict:
     return json.loads(process.stdout.readline())
+
+
+def kill_running(*processes: subprocess.Popen | None) -> None:
+    """Kill (SIGKILL) each of ``processes`` that still runs, and reap it."""
+    for process in processes:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.communicate(timeout=30)
