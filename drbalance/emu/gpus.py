@@ -573,11 +573,6 @@ def emulated_spec(argument: str | None = None) -> EmulatedSpec:
     return EmulatedSpec(count, memory)
 
 
-def emulated_gpu_count(argument: str | None = None) -> int:
-    """The number of emulated GPUs: ``argument`` (e.g. from ``emulated:4``) or DRBALANCE_EMULATED_GPUS."""
-    return emulated_spec(argument).count
-
-
 class EmulatedSource:
     """Utilisation of emulated GPUs: percent of each sample period during which one was occupied.
 

@@ -198,20 +198,6 @@ def _owned_listing(listed: Path, name: str) -> os.stat_result | None:
     return info
 
 
-def create_or_open_semaphore(name: str) -> posix_ipc.Semaphore:
-    """This user's semaphore ``name``, created (value 0, mode 0600) if missing."""
-    for _ in range(10):
-        try:
-            return create_semaphore(name)
-        except posix_ipc.ExistentialError:
-            pass
-        try:
-            return open_semaphore(name)
-        except posix_ipc.ExistentialError:
-            continue  # removed between the two calls: create it again
-    raise RuntimeError(f"semaphore {name} keeps appearing and disappearing")
-
-
 # --- message queues ----------------------------------------------------------------------------
 def create_queue(name: str, max_messages: int, max_message_size: int) -> posix_ipc.MessageQueue:
     """Create a new message queue (fails if it exists), mode 0600.
