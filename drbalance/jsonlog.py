@@ -91,7 +91,6 @@ class JsonLinesWriter:
         self._flushed_at = time.monotonic()  # the last flush (or the opening)
         self._pending: deque[bytes] = deque()
         self.dropped = 0  # lines lost since the last successful write (reported in a log_gap record)
-        self.dropped_total = 0
         self.error: OSError | None = None
         self._retry_at = 0.0
         self._size = 0
@@ -134,7 +133,6 @@ class JsonLinesWriter:
         if len(self._pending) > MAX_PENDING_LINES:
             self._pending.popleft()
             self.dropped += 1
-            self.dropped_total += 1
         if len(self._pending) >= self._flush_every or (
                 self._flush_seconds is not None and time.monotonic() - self._flushed_at >= self._flush_seconds):
             self.flush()

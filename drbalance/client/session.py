@@ -414,7 +414,7 @@ class Session:
             now = self.clock.monotonic()
             if self._state != AppState.FINISHED:
                 self._state = AppState.FINISHED
-                self._exchange(NoticeKind.FINISH, now, leaving=True)
+                self._exchange(NoticeKind.FINISH, now)
             self.link.close()
             self._log_reverts(now)  # one survived since the last report would otherwise be lost
             self._write_log("closed", now)
@@ -588,7 +588,7 @@ class Session:
         self._state = AppState.RUNNING
         self._exchange(NoticeKind.REGISTER, now)
 
-    def _exchange(self, kind: NoticeKind, now: float, leaving: bool = False) -> None:
+    def _exchange(self, kind: NoticeKind, now: float) -> None:
         """Publish, notify, and (except for FINISH) wait a bounded time for the new DR."""
         self._last_manager_look = now
         beat = self.link.manager()

@@ -36,11 +36,6 @@ class ShmListing:
     foreign_counts: Mapping[int, int] = field(default_factory=dict)  # per owner uid: how many entries
     seconds: float = 0.0
 
-    @property
-    def foreign_total(self) -> int:
-        """How many entries other users own."""
-        return sum(self.foreign_counts.values())
-
 
 def list_namespace(names: IpcNames, keep: int, me: int | None = None) -> ShmListing:
     """List ``names``'s entries in /dev/shm: this user's (``me``, default the effective uid) parsed,

@@ -16,7 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 from drbalance import defaults
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
-TRIGGERS = ("register", "boundary")
 PLAN_TRIGGERS = ("period", "arrival", "departure")
 
 

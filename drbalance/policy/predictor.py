@@ -136,10 +136,6 @@ one sample of difference between the chunks makes 2%, and real windows are noisi
 simulator's (emulated GPUs on a loaded CPU); GPUs of different models differ by more."""
 
 
-Placement = Mapping[str, Sequence[int]]
-"""Samples per GPU of each app's mini-batch."""
-
-
 def samples(ratio: DataRatio, batch: int) -> tuple[int, ...]:
     """Samples per GPU of a batch split by the DR."""
     return _split(ratio.shares, ratio.total, batch)
