@@ -648,7 +648,7 @@ class _Search:
             if name not in terms:
                 terms[name] = _eq2_terms(self.views[name])
             found = terms[name]
-            if found is not None:  # as predicted_slowdown computes it
+            if found is not None:  # Eq. 2 at finish, every iteration left taking `seconds`
                 elapsed, left, solo = found
                 sds[name] = (elapsed + left * seconds) / solo
         return sds
@@ -979,8 +979,9 @@ class _Search:
 
 
 def _eq2_terms(view: AppView) -> tuple[float, int, float] | None:
-    """What ``predicted_slowdown`` computes from the app's record alone: the time elapsed at
-    finish but for the iterations left, those iterations, the solo-run time."""
+    """The terms of Eq. 2 at finish that the app's record alone gives: the time elapsed at finish
+    but for the iterations left, those iterations, the solo-run time. With every iteration left
+    taking t seconds the predicted SD is (elapsed + left * t) / solo."""
     if view.slowdown is None or view.iteration_time is None:
         return None
     left = max(0, view.iterations_total - view.iteration)

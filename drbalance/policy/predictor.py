@@ -1017,15 +1017,6 @@ def _used(shares: tuple[int, ...], total: int, batch: int) -> tuple[int, ...]:
     return tuple(gpu for gpu, size in enumerate(_split(shares, total, batch)) if size)
 
 
-def predicted_slowdown(view: AppView, iteration_time: float) -> float | None:
-    """Eq. 2 at finish if the app ran every remaining iteration in ``iteration_time`` seconds."""
-    if view.slowdown is None or view.iteration_time is None:
-        return None
-    left = max(0, view.iterations_total - view.iteration)
-    elapsed = view.slowdown * view.solo_time - left * view.iteration_time
-    return (elapsed + left * iteration_time) / view.solo_time
-
-
 def _full_batch(view: AppView, model: AppModel | None) -> int:
     """The app's mini-batch (samples), as its window's chunks ran it.
 

@@ -105,14 +105,10 @@ def _read_store(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_profile(name: str, path: Path | None = None) -> Profile:
-    """The stored profile ``name``; ``ProfileNotFound`` lists the names that exist."""
-    return _load_profile(name, path)
-
-
-def _load_profile(name: str, path: Path | None, hint: str = "") -> Profile:
-    """``load_profile``; ``hint`` (a clause ending in "; ") goes into a ``ProfileNotFound``'s
-    message before the command that creates the profile, which ends the message."""
+def load_profile(name: str, path: Path | None = None, hint: str = "") -> Profile:
+    """The stored profile ``name``; ``ProfileNotFound`` lists the names that exist. ``hint`` (a
+    clause ending in "; ") goes into its message before the command that creates the profile,
+    which ends the message."""
     path = path or env.profiles_path()
     profiles = _read_store(path)["profiles"]
     if name not in profiles:
@@ -179,7 +175,7 @@ def resolve_solo_time(solo_time: float | str, iterations: int) -> SoloTime:
         hint = ""
         if _reads_as_seconds(solo_time):
             hint = f"for {solo_time} seconds, give the number ({solo_time}), not a string; "
-        profile = _load_profile(solo_time, None, hint)
+        profile = load_profile(solo_time, None, hint)
         return SoloTime(profile.solo_time(iterations), "profile", profile, iterations)
     if isinstance(solo_time, bool) or not isinstance(solo_time, numbers.Real):
         raise ValueError(f"solo_time must be the solo-run time in seconds (a number) or the name of a stored "
