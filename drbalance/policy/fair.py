@@ -376,8 +376,8 @@ class FairPolicy:
         iteration-time predictions times the part of the SD still to come (iterations left x
         predicted iteration time / solo-run time), averaged over the apps a change affects.
         Errors up to ``error_floor`` count as none: a predictor that good gains more from acting on
-        its predictions than from doubting them (in the simulator, a margin from a 5% error kept
-        (c) from round-robin at a spread of 0.15 instead of 0.05). Noisy windows (emulated GPUs
+        its predictions than from doubting them (in the simulator, a margin from a 5% error leaves
+        (c) from round-robin at a spread of 0.15, against 0.05 without one). Noisy windows (emulated GPUs
         on a starved CPU: misses of 50% and more) and long remaining runs call for larger gains.
 
         A ``novel`` change (it puts an app beside a stranger: an app whose kappa with it was never

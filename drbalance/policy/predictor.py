@@ -31,9 +31,8 @@ The model of one iteration of app i whose DR puts n_g samples on GPU g (k GPUs u
   that: learned from the policy's own moves that changed an app's replica count
   (``learn_move``). The mean-field stretch above is the expected stretch of each chunk, but an
   iteration waits for its slowest chunk, and with chunks on several shared GPUs that one is
-  usually stretched more than on average. In the simulator, before rho, moves that added a
-  replica were measured 4-30% slower than predicted in 9 of 10 runs (median per run and
-  interference model; docs/policy.md).
+  usually stretched more than on average, so a split runs slower than the stretch predicts;
+  rho takes up that difference.
 - A per-app correction factor (measured / predicted iteration time for the configuration the
   app was measured in) absorbs what the model misses.
 
@@ -120,9 +119,9 @@ iterations can be any positive float, or round to 0); every time the model deriv
 
 SPEED_BOUNDS = (1e-3, 1e3)
 """The range of a speed learned from one window (relative to the solo run's GPU). A chunk time that
-is tiny or huge against the app's work (a legal record: any finite time >= 0) made a GPU's speed,
-which every app's predictions divide by, infinite or zero: a ZeroDivisionError in every later
-decision, or kappas driven to their cap."""
+is tiny or huge against the app's work (a legal record: any finite time >= 0) would make a GPU's
+speed, which every app's predictions divide by, infinite or zero: a ZeroDivisionError in every
+later decision, or kappas driven to their cap."""
 
 
 SAME_CHUNK_SAMPLES = 1
@@ -339,8 +338,8 @@ class Predictor:
     def _learn_gpus(self, view: AppView, model: AppModel, placement: Sequence[int],
                     co_runners: Mapping[int, Mapping[str, float]], quiet: frozenset[int] = frozenset()) -> None:
         """GPU speeds and kappas from the window's chunk times, normalised by the app's work. No
-        speed from a host-bound app: on emulated GPUs on a starved CPU that took every GPU's speed
-        to 0.07-0.13, and every prediction with them."""
+        speed from a host-bound app: on emulated GPUs on a starved CPU its chunks put every GPU's
+        speed at 0.07-0.13, and every prediction with them."""
         config = self.config
         work = model.work(config)
         used = list(co_runners)
@@ -375,18 +374,17 @@ class Predictor:
         same number of samples (within ``SAME_CHUNK_SAMPLES``) take times inversely proportional to
         their GPUs' speeds, whatever the app's work and the size factor's ``phi``. Only GPUs on which
         no other app arrived or left during the window (``quiet``: a chunk stretched by an app that
-        has since left made a GPU of a uniform server look 14% slower) and that no other app's DR
+        has since left can make a GPU of a uniform server look 14% slower) and that no other app's DR
         uses now, and the first time only where the chunks show the two GPUs' speeds apart by more
         than ``SPEED_TOLERANCE`` (a speed measured alone carries the error of the app's host-time
         estimate, up to 13% in a uniform server: GPUs shown to be alike keep what they had rather
         than take on the reference's error). Once compared, every such window counts (blended), so
         a speed learned from one bad window moves back.
 
-        Until 2026-11-28 speeds were learned only from apps alone on a GPU with their whole batch:
-        a job split 5:5 over a full-speed and a half-speed GPU measured its iteration 31% slower
-        than predicted, the per-app correction took the miss for the whole app, and the policy
-        then predicted the single GPU it had left 25% slower than measured there and kept the
-        split to the end (random mix 165, docs/policy-experiments.md)."""
+        Without this, a GPU that no app has alone is never learned: a job split 5:5 over a
+        full-speed and a half-speed GPU runs 31% slower than predicted, the per-app correction
+        takes the miss for the whole app, the single GPU it could consolidate onto is predicted
+        25% slower than it is, and the split stays to the end."""
         alone = [gpu for gpu, others in co_runners.items()  # no other app measured there
                  if not others and gpu in quiet and view.chunk_seconds[gpu] and placement[gpu] > 0]
         if len(alone) < 2:  # most split windows in a crowd; before the claims, a pass over every app
@@ -480,9 +478,9 @@ class Predictor:
         alone there (``crowd`` False) or with a third app (True).
 
         The additive model is not exact, so kappas are learned apart in the two contexts: in
-        scenario (a) from spread, kappas learned with all six apps on every GPU were about 0.9
-        where the same pairs alone together measured 0.6, and predicting pairs from the crowd's
-        values kept every swap out of reach. What a pair showed alone together is the best
+        scenario (a) from spread, kappas learned with all six apps on every GPU are about 0.9
+        where the same pairs alone together measure 0.6, and pairs predicted from the crowd's
+        values put every swap out of reach. What a pair showed alone together is the best
         knowledge of it in either context; a kappa learned in a crowd comes next for a crowd, and
         for a pair only after an estimate from the kappas learned in pairs. An estimate for a
         pair never seen together is the app's mean sensitivity times the other's mean
@@ -1022,8 +1020,8 @@ def _full_batch(view: AppView, model: AppModel | None) -> int:
 
     The record's ``batch`` is the samples of the app's last forward: at an epoch's end without
     ``drop_last`` that is the epoch's partial last batch, while its chunk means are over a window of
-    full batches. Taken as the batch, it made each chunk look several times the batch (a 31.2-sample
-    chunk of a batch of 8) and the GPU as many times faster, for every app. So a batch smaller than
+    full batches. Taken as the batch, it would make each chunk look several times the batch (a
+    31.2-sample chunk of a batch of 8) and the GPU as many times faster, for every app. So a batch smaller than
     the one known for the app, with a window of more samples, is a partial one (the known batch
     stands), and no batch is smaller than a chunk of the window (a chunk is never larger than its
     batch). A window's chunks within the record's batch leave it as it is.
