@@ -59,8 +59,8 @@ def chosen_command(argv: list[str]) -> str | None:
 def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     """``profile``'s own arguments and the program's command line after its ``--``. For every other
     subcommand ``--`` keeps argparse's meaning (the options end there), so what follows it is
-    parsed, or refused as an unrecognised argument, never dropped without a word: cut off for all,
-    ``launch s.json -- --policy observe`` ran the default policy and exited 0."""
+    parsed, or refused as an unrecognised argument, never dropped without a word (dropped,
+    ``launch s.json -- --policy observe`` would run the default policy and exit 0)."""
     if chosen_command(argv) == "profile" and "--" in argv:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1:]
@@ -141,7 +141,7 @@ class _Sigterm:
 
 def raise_if_terminated() -> None:
     """Raise ``Terminated`` if SIGTERM arrived (for polling loops: its first raise may have been
-    swallowed; seen once in a launch under load, which then ran on and exited 0)."""
+    swallowed, and the command would run on and exit 0)."""
     if _Sigterm.received:
         raise Terminated()
 
@@ -164,10 +164,10 @@ def _stop_on_sigterm() -> signal.Handlers | None:
 
 def _inside_logging(frame: FrameType | None) -> bool:
     """Whether the signal interrupted the ``logging`` module itself: ``Terminated`` is then left to
-    the next :func:`raise_if_terminated`. Raised there, it came out of logging's lock release run
-    as an at-fork hook while ``subprocess`` started a child (a launch stopped under load printed
-    "Exception ignored in: <function _releaseLock>" and a traceback), where it is dropped, and a
-    release cut short leaves the lock held: every later log line would wait for it."""
+    the next :func:`raise_if_terminated`. Raised there, it comes out of logging's lock release run
+    as an at-fork hook while ``subprocess`` starts a child, where Python drops it (it prints
+    "Exception ignored in: <function _releaseLock>" and a traceback), and a release cut short
+    leaves the lock held: every later log line would wait for it."""
     return frame is not None and frame.f_globals.get("__name__") == "logging"
 
 

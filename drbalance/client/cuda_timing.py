@@ -3,7 +3,7 @@
 The manager's predictor reads a replica's chunk time as the GPU work of that chunk for one
 iteration, forward and backward (docs/policy.md), as the emulated GPUs measure it. Events
 around the replica's call time the forward only, and the backward is about two thirds of a
-training step's device work (0.325 of a ResNet-50 step was the forward on an H200), so on CUDA
+training step's device work (0.325 of a ResNet-50 step is the forward on an H200), so on CUDA
 the backward is timed too, by two events on the replica's stream:
 
 - one when the gradient of the replica's output arrives (a hook on each output tensor that
@@ -19,7 +19,7 @@ share one backward (a Siamese step, say), a timed forward's backward time is div
 forwards made from it up to that backward (right when the timed forward is the first of them).
 
 Hooks and events cost host time in every step they are on (``benchmarks/bench_parallel.py``: +3%
-of a 7 ms ResNet-18 step when every step was timed), so the backward is timed on one training
+of a 7 ms ResNet-18 step when every step is timed), so the backward is timed on one training
 forward in ``backward_every`` (the backend's choice, default :data:`BACKWARD_EVERY`; not the
 first forward, which pays for the GPU's warm-up); on the others a replica's chunk time is its
 forward times (1 + the backward's share measured last on its slot, :class:`BackwardShares`).

@@ -26,9 +26,8 @@ backward):
   device tensor, stream-ordered after the first bucket's reduction, and the host reads the counts
   at the next synchronising forward (the NCCL path has not been run on a GPU).
 - **Control exchanges** (step 0, then every K-th synchronising step, the same steps on every
-  rank): the exchange of issue 12's first version, a small float64 all-reduce over a gloo group of
-  the job's ranks (:class:`_StepExchange`), started at the forward and awaited by the hook before
-  the first bucket. It carries every rank's count, every rank's compute seconds of the step
+  rank): a small float64 all-reduce over a gloo group of the job's ranks (:class:`_StepExchange`),
+  started at the forward and awaited by the hook before the first bucket. It carries every rank's count, every rank's compute seconds of the step
   before, every rank's sampler position (``next_batch``) and rank 0's DR proposal, and rank 0's
   measured step time and exchange latency, from which every rank derives the same next K
   (:func:`exchange_interval`: the exchange may cost about ``EXCHANGE_BUDGET`` of the step time,
@@ -79,9 +78,9 @@ EXCHANGE_BUDGET = 0.005
 MAX_EXCHANGE_INTERVAL = 256
 """The most synchronising steps between two control exchanges (bounds the delay of a DR change).
 
-At 64, the exchange alone still cost about 2% of a 4 ms step on the loaded 2-core test machine
-(an exchange there takes 2-5 ms); 256 steps of 4 ms are about a second, the delay a DR change
-then waits at most."""
+At 64, the exchange alone still costs about 2% of a 4 ms step on a loaded 2-core machine (an
+exchange there takes 2-5 ms); 256 steps of 4 ms are about a second, the delay a DR change then
+waits at most."""
 
 COUNT_DTYPES = (torch.float32, torch.float64)
 """Gradient bucket dtypes that hold sample counts exactly (half precision does not)."""
@@ -643,7 +642,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
     - ``device_label`` / ``device_uuid``: name and GPU UUID of this rank's device, when the
       module's device does not say it (e.g. emulated GPUs); default: from CUDA, or ``"cpu"``.
     - ``exchange_every``: K, synchronising steps from one control exchange to the next (1 = every
-      step, as issue 12's first version). Default None: agreed at every exchange from rank 0's
+      step). Default None: agreed at every exchange from rank 0's
       measured step time and exchange latency (:func:`exchange_interval`; 1 for steps of a second,
       up to ``MAX_EXCHANGE_INTERVAL`` for steps of a few milliseconds). The same on every rank
       (checked). Half-precision gradient buckets exchange at every step whatever it says.
