@@ -45,8 +45,8 @@ EXIT_GRACE_SECONDS = 60.0
 EMULATED_TIME_SCALE = 10.0
 """Emulated GPUs: how many times slower than the modelled GPU (so that a small machine keeps up)."""
 MAX_TIME_SCALE = 10_000.0
-"""The largest ``--time-scale``: a scenario of minutes then takes weeks. A larger one was accepted
-and ended in an ``OverflowError`` traceback when the launcher slept until an app's arrival."""
+"""The largest ``--time-scale``: a scenario of minutes then takes weeks. A larger one would end in
+an ``OverflowError`` when the launcher sleeps until an app's arrival."""
 MAX_WATCH_INTERVAL = 86_400.0
 """Seconds: the longest pause between two frames of ``drbalance status --watch`` (a day)."""
 EMULATED_REAL_BATCH = 4

@@ -940,8 +940,8 @@ def _control_group(group: Any) -> Any:
     waits for a stuck rank as long as ``group`` does (``init_process_group``'s ``timeout``, e.g.
     train_ddp.py's ``--timeout``), not ``new_group``'s default of 30 minutes. One such group
     per ``group``, made by the first model wrapped over it and reused by later ones (as a gloo
-    ``group`` itself is): a new one per model kept a gloo group, its threads and its connections
-    until ``destroy_process_group``, for every model ever wrapped.
+    ``group`` itself is): a new one per model would keep a gloo group, its threads and its
+    connections until ``destroy_process_group``, for every model ever wrapped.
     """
     if dist.get_backend(group) == "gloo":
         return group

@@ -312,9 +312,9 @@ class EmulatedBackend(CpuBackend):
             ends = _results(futures)
         except BaseException:
             # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
-            # after the current slice, as a dead process's kernels stop. Their threads used to
-            # serve every chunk to its end, and the job exited only then (minutes at a large
-            # time scale; the interpreter waits for the pool's threads at exit).
+            # after the current slice, as a dead process's kernels stop. Otherwise their threads
+            # would serve every chunk to its end, and the job would exit only then (minutes at a
+            # large time scale; the interpreter waits for the pool's threads at exit).
             cancel.set()
             raise
         self._last_device_end = time.monotonic()
@@ -376,7 +376,7 @@ def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int],
 
 # How often (seconds) the main thread wakes while it waits for the device phase: a signal whose
 # C handler ran while it slept (in another thread, or just before its wait began) raises at the next
-# wake. An untimed wait slept on until the chunks ended (1000 s in tests/test_emulated.py).
+# wake. An untimed wait would sleep on until the chunks end (minutes at a large time scale).
 SIGNAL_CHECK_INTERVAL = 0.05
 
 
@@ -387,7 +387,7 @@ def _results(futures: Sequence[Future]) -> list[Any]:
     thread between bytecodes; an untimed lock wait is woken for them only when the signal itself
     interrupts that wait. Linux gives a process's SIGINT to any of its threads that does not block
     it, and one handled just before the wait began interrupts nothing: ``future.result()`` then
-    slept until the chunks were served to the end. The timed waits return to Python often enough."""
+    sleeps until the chunks are served to the end. The timed waits return to Python often enough."""
     pending = set(futures)
     while pending:
         _done, pending = wait(pending, timeout=SIGNAL_CHECK_INTERVAL)

@@ -86,7 +86,8 @@ LATE_ANSWERS_BEFORE_SHORT_WAITS = 3
 (it is alive, its heartbeat fresh, but slow: overloaded, or stopped with SIGSTOP for up to 5 s),
 a session waits only ``SHORT_WAIT_SHARE`` of it at each boundary, until an answer comes within
 that again. A late answer is applied when it arrives either way: only the time the job spends
-waiting changes (0.5 s per boundary before, from a slow manager that answered every notice)."""
+waiting changes (with full waits, a slow manager that answers every notice late costs the job
+``exchange_timeout``, 0.5 s, at every boundary)."""
 
 SHORT_WAIT_SHARE = 0.1
 """The share of ``exchange_timeout`` a session waits while its manager is slow (see above)."""

@@ -107,8 +107,9 @@ class Termination:
 
 # Registered when drbalance's client is imported, before any of its exit hooks (atexit runs them
 # last first): a session's ``close``, and the release of the emulated GPUs of a backend, which a
-# script builds before its session. Registered when the first session armed it, the hook re-raised
-# SIGTERM before that release ran: a job stopped with SIGTERM left its emulated GPU in /dev/shm.
+# script builds before its session. Registered later (when the first session arms it), the hook
+# would re-raise SIGTERM before that release runs, and a job stopped with SIGTERM would leave its
+# emulated GPU in /dev/shm.
 atexit.register(Termination.die_if_pending)
 
 

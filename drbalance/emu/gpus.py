@@ -2,8 +2,8 @@
 
 An emulated GPU is a lock file, a small shared-memory segment and a second lock file on which
 waiting jobs hold a shared ``flock`` (the holder tries an exclusive one to see whether anyone
-waits; the kernel drops a dead waiter's lock, where a semaphore count stayed one too high after a
-``kill -9``). A replica *occupies* it for a device time: it takes an exclusive ``flock`` on the lock
+waits; the kernel drops a dead waiter's lock, where a semaphore's count would stay one too high
+after a ``kill -9``). A replica *occupies* it for a device time: it takes an exclusive ``flock`` on the lock
 file (waiting while another process holds it), sleeps, and releases it. The time is served in
 slices (``DEFAULT_QUANTUM``): when another job waits, the holder steps aside after each slice,
 so co-located jobs take turns as on a time-sliced GPU; while shared, a slice serves
@@ -354,8 +354,8 @@ def _close_inherited() -> None:
     """In a forked child (a data-loader worker): close the emulated GPUs inherited from the parent.
 
     The child's copy of a mapping shows in /proc as a user of the GPU, so the parent, releasing
-    its GPUs at exit while a worker still lived, left them to a process that never removes them
-    (``release_at_exit``): every run with data-loader workers left its GPUs in /dev/shm. Closing
+    its GPUs at exit while a worker still lives, would leave them to a process that never removes
+    them (``release_at_exit``): every run with data-loader workers would leave its GPUs in /dev/shm. Closing
     drops only the child's copies: ``flock``s stay with the parent, whose descriptors remain open.
     """
     for gpu in list(_OPEN):
@@ -397,10 +397,11 @@ def _agree_on_memory(segment: Segment, names: IpcNames, index: int, memory_bytes
     """Make every process of the namespace use one memory size (bytes) for emulated GPU ``index``.
 
     Its creator records its size in the segment; a process that asks for another size while
-    another process maps the GPU gets a ``ValueError`` naming both (each process used to apply its
-    own: a manager capped shares by one size while its jobs reserved up to another). A GPU that
+    another process maps the GPU gets a ``ValueError`` naming both (with a size per process, a manager
+    would cap shares by one size while its jobs reserve up to another). A GPU that
     nobody else maps (left behind by a killed job), or that no creator has sized yet within
-    ``SPEC_PATIENCE`` seconds (one of a release before 2026-11-25), takes this process's size.
+    ``SPEC_PATIENCE`` seconds (one made by a release that records no size), takes this process's
+    size.
     Call with the namespace guard held (shared), so that no remover runs meanwhile.
     """
     area = segment.area(SPEC_OFFSET, SPEC.size, f"emulated GPU {index} memory size")
@@ -412,7 +413,7 @@ def _agree_on_memory(segment: Segment, names: IpcNames, index: int, memory_bytes
         try:
             recorded = SPEC.unpack(area.read())[0]
             break
-        except RecordError:  # its creator has not written it yet (or never will: an older release)
+        except RecordError:  # its creator has not written it yet (or never will: a release that records no size)
             if time.monotonic() >= deadline:
                 recorded = None
                 break
@@ -491,7 +492,7 @@ def open_emulated_gpus(names: IpcNames, indices: Sequence[int], clock: Clock | N
     """Open emulated GPUs ``indices`` of a namespace (``memory_bytes`` each), all or none: when one
     cannot be opened (another process uses it with another memory size, an unsafe file), those
     opened before it are released (``release_emulated_gpus``: removed unless another process
-    uses them) and the error is raised. They used to stay in /dev/shm, their lock files open."""
+    uses them) and the error is raised."""
     opened: list[EmulatedGpu] = []
     try:
         for index in indices:
@@ -537,7 +538,7 @@ def remove_emulated_gpus(names: IpcNames, count: int) -> None:
 
 def _remove_gpu(names: IpcNames, index: int, ignored: type[OSError]) -> None:
     """Unlink emulated GPU ``index``'s segment, lock file and wait file (and the waiter semaphore
-    of releases before 2026-11-22); a file that cannot be removed for an ``ignored`` reason stays."""
+    that older releases made); a file that cannot be removed for an ``ignored`` reason stays."""
     objects.unlink_shared_memory(names.emulated_gpu(index))
     objects.unlink_semaphore(names.emulated_waiters(index))
     for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
