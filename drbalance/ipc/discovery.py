@@ -55,8 +55,8 @@ class AppNameInUse(RuntimeError):
 
 
 MAX_PID = 2**31 - 1
-"""The largest pid a discovery or claim file may name (``pid_t``: a larger one made ``os.kill``
-raise ``OverflowError`` in the reader)."""
+"""The largest pid a discovery or claim file may name (``pid_t``: a larger one would make
+``os.kill`` raise ``OverflowError`` in the reader)."""
 MAX_TICKS = 2**63 - 1
 """The largest process start time (clock ticks) a discovery or claim file may hold."""
 
@@ -74,8 +74,8 @@ def _process(data: dict[str, Any], where: Path) -> tuple[int, int]:
 
 
 def _seconds(data: dict[str, Any], key: str, where: Path) -> float:
-    """``data[key]``: a wall-clock time in seconds, a finite number (a 400-digit integer overflowed
-    ``float`` and crashed the reader)."""
+    """``data[key]``: a wall-clock time in seconds, a finite number (a 400-digit integer would
+    overflow ``float`` and crash the reader)."""
     value = data.get(key)
     try:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
@@ -122,7 +122,7 @@ class ManagerInfo:
     ``token`` names its heartbeat, ``inbox_token`` its inbox. Two tokens, because a name is public
     the moment it exists (the inbox in /dev/mqueue where that is mounted): with one, a neighbour who
     saw the inbox appear could create the heartbeat's name first. ``inbox_token`` "" (files of
-    releases before 2026-11-25): ``token``."""
+    older releases, which name one token): ``token``."""
 
     pid: int
     start_ticks: int
@@ -202,7 +202,8 @@ class ClaimInfo:
     """Who holds an app name: pid, process start time, the token of its record and that of its
     signal semaphore (``claimed``: wall s). Two tokens, because a name in /dev/shm is public the
     moment it exists: with one, a neighbour who saw the record appear could create the semaphore's
-    name before the app did. ``signal_token`` "" (claims of releases before 2026-11-25): ``token``."""
+    name before the app did. ``signal_token`` "" (claims of older releases, which name one token):
+    ``token``."""
 
     app: str
     pid: int

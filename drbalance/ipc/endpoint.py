@@ -198,7 +198,7 @@ class AppChannel:
 def _claimed_signal_token(names: IpcNames, app: str, token: str) -> str:
     """The token of the semaphore of ``app``'s record made with ``token``, as its claim names it:
     ``token`` itself where the claim names another record, none, or is unreadable (claims of
-    releases before 2026-11-25 name one token for both)."""
+    older releases name one token for both)."""
     try:
         claim = discovery.read_claim(names, app)
     except (OSError, discovery.DiscoveryError):

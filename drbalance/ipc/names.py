@@ -98,8 +98,8 @@ class IpcNames:
         """Shared memory with the busy-time accounting of emulated GPU ``index``:
         ``emu.<index>.<token>``, the token kept in the GPU's lock file in the private runtime
         directory (``assign_emulated_token``). Where that file holds none (the GPU was never opened,
-        or was removed with its files): ``emu.<index>``, the name of releases before 2026-11-25,
-        which only a cleanup looks for."""
+        or was removed with its files): ``emu.<index>``, the name older releases used, which only a
+        cleanup looks for."""
         token = _read_token(self.emulated_lock(index))
         return self.prefix + f"emu.{index}" + (f".{token}" if token is not None else "")
 
@@ -225,7 +225,7 @@ def assign_emulated_token(names: IpcNames, index: int, lock_fd: int) -> str:
     or when the name it gives is another user's object in /dev/shm.
 
     Any user sees a segment's name in /dev/shm and may create a name there first: without a token
-    a neighbour's ``emu.<index>`` stopped every job on that GPU and a manager reading it. The token
+    a neighbour's ``emu.<index>`` would stop every job on that GPU and a manager reading it. The token
     is chosen when the GPU's files are made and is known only from the private lock file; a name
     that another user took after its segment was removed (by RemoveIPC: the lock file stays) is
     never used again. Only a new token is written under the file's exclusive ``flock`` (the GPU's

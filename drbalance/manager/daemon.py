@@ -82,8 +82,8 @@ is reported again."""
 MAX_REPORTED = 10_000
 """Distinct problems (kind, app, reason) the manager keeps so as to name each once on stderr; past
 that a new one is only counted, and the count said in one line a minute (the manager log still
-records every one). Notices for 188,000 made-up app names in 30 s (a process of the same user)
-used to write as many warnings and hold 85 MB of them for a minute."""
+records every one). Without that cap, notices for 188,000 made-up app names in 30 s (a process
+of the same user) would write as many warnings and hold 85 MB of them for a minute."""
 UNREPORTED_SAID_SECONDS = 60.0
 """How often (seconds, at most) the count of problems not named on stderr is said."""
 MAX_FOREIGN_LISTED = 20
