@@ -27,11 +27,12 @@ backward):
   at the next synchronising forward (the NCCL path has not been run on a GPU).
 - **Control exchanges** (step 0, then every K-th synchronising step, the same steps on every
   rank): a small float64 all-reduce over a gloo group of the job's ranks (:class:`_StepExchange`),
-  started at the forward and awaited by the hook before the first bucket. It carries every rank's count, every rank's compute seconds of the step
-  before, every rank's sampler position (``next_batch``) and rank 0's DR proposal, and rank 0's
-  measured step time and exchange latency, from which every rank derives the same next K
-  (:func:`exchange_interval`: the exchange may cost about ``EXCHANGE_BUDGET`` of the step time,
-  K at most ``MAX_EXCHANGE_INTERVAL``; ``exchange_every=`` pins K instead).
+  started at the forward and awaited by the hook before the first bucket. It carries every rank's
+  count, every rank's compute seconds of the step before, every rank's sampler position
+  (``next_batch``) and rank 0's DR proposal, and rank 0's measured step time and exchange latency,
+  from which every rank derives the same next K (:func:`exchange_interval`: the exchange may cost
+  about ``EXCHANGE_BUDGET`` of the step time, K at most ``MAX_EXCHANGE_INTERVAL``;
+  ``exchange_every=`` pins K instead).
 
 Counts ride only in float32/float64 buckets: half-precision buckets (fp16/bf16 parameters or
 DDP's ``mixed_precision``) cannot hold them exactly, and such a model exchanges at every step.

@@ -2,10 +2,10 @@
 
 Every rescan the manager lists the /dev/shm entries under its namespace's prefix: this user's
 records and semaphores left by dead jobs are collected, and other users' entries reported. Any
-local user can create names there, and empty entries cost no space: 300,000 of them took the
-listing 7 s on the manager's only thread (a ``stat`` and a parse each), at every rescan, so the
-manager sent no heartbeat and answered no notice, and every job lost it (a fault review of
-2026-12-02). Now a thread lists, and the manager's loop takes the finished listing:
+local user can create names there, and empty entries cost no space: 300,000 of them take 7 s
+to list (a ``stat`` and a parse each). On the manager's only thread, at every rescan, that
+would leave it sending no heartbeat and answering no notice, and every job would lose it. So a
+thread lists, and the manager's loop takes the finished listing:
 
 - ``ShmLister.start`` begins a listing unless one is running or the last one ended less than
   twice its own duration ago, so a flooded /dev/shm costs the manager at most about a third of a

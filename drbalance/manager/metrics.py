@@ -69,7 +69,8 @@ MAX_EXCHANGE_LATENCY = 60.0
 answer minus the send time the notice carries, both from this host's clock; a notice does not wait
 that long in an answering manager's inbox of 10, so a latency above this, or below 0, comes from a
 send time that cannot be right (a notice written by hand, a clock step) and is dropped and counted:
-one notice with a send time of -1e300 used to set the histogram's sum to 1e+300 for the manager's life."""
+one notice with a send time of -1e300 would otherwise set the histogram's sum to 1e+300 for the
+manager's life."""
 
 
 PORT_HINT = "choose another --metrics-port, or 0 for any free one"

@@ -27,7 +27,7 @@ from drbalance.jsonlog import finite_number
 STALE_SECONDS = 10.0
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
 MIN_BAR = 10  # utilisation bars are at least this many characters wide
-MAX_PID = 2 ** 31  # a pid is a C int: a larger one made pid_alive's os.kill raise OverflowError
+MAX_PID = 2 ** 31  # a pid is a C int: a larger one would make pid_alive's os.kill raise OverflowError
 
 
 class StatusError(RuntimeError):

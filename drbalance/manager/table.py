@@ -5,8 +5,8 @@ manager's GPUs by NVML index. Each record carries the GPU UUID of every slot, an
 :meth:`AppEntry.view` maps slots to the manager's GPUs by UUID (``ServerGpus``), so a job under
 Slurm, in a container or with any renumbering is steered by its own GPUs' utilisation. Policies
 see every app in the server's GPU order; :meth:`AppEntry.to_app_ratio` turns their DR back into
-the app's slot order for the command. Without UUIDs on either side, slot g is GPU g (as before
-protocol v2) when the counts agree.
+the app's slot order for the command. Without UUIDs on either side, slot g is GPU g when the
+counts agree.
 
 The view also carries the app's memory caps (``AppView.max_share``, in the manager's DR units):
 the largest chunk that fitted after an out-of-memory error (``SlotStatus.max_samples``), and the

@@ -234,7 +234,7 @@ def _is_bytes(value: object) -> bool:
 
 MAX_WINDOW = 10_000
 """Samples a smoothing window holds at most (83 minutes at the default 0.5 s period): every status
-write and every decision averages the whole window, and a size past ``sys.maxsize`` crashed the
+write and every decision averages the whole window, and a size past ``sys.maxsize`` would crash the
 manager with OverflowError."""
 
 
