@@ -19,7 +19,7 @@ def _profile_name(text: str) -> str:
 
 
 def _file_path(text: str) -> str:
-    """--profiles: a non-empty path ('' used to mean the default file, without a word)."""
+    """--profiles: a non-empty path ('' would otherwise mean the default file, without a word)."""
     if not text:
         raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
     return text

@@ -40,8 +40,8 @@ class Profile:
     """A stored solo-run measurement. Times in seconds.
 
     What a job uses is per iteration: ``iteration_time_s`` (the mean after warm-up) and
-    ``startup_s`` (how much longer the warm-up iterations took than that mean; 0 in files written
-    before it was recorded). ``solo_time_s`` is the solo-run time of the profiled command's own plan
+    ``startup_s`` (how much longer the warm-up iterations took than that mean; 0 in files that do not
+    record it). ``solo_time_s`` is the solo-run time of the profiled command's own plan
     of ``iterations_total`` iterations; a job of another plan gets :meth:`solo_time` of its own.
     """
 

@@ -358,7 +358,7 @@ def launch(options: LaunchOptions) -> Path:
     would refuse its model or ``image_size`` (``check_launchable``)."""
     scenario, run_dir = options.scenario, options.run_dir
     check_launchable(scenario, options.devices, options.image_size, options.real_batch)
-    if os.path.lexists(run_dir) and not run_dir.is_dir():  # was "[Errno 20] Not a directory: 'R/apps'"
+    if os.path.lexists(run_dir) and not run_dir.is_dir():  # else "[Errno 20] Not a directory: 'R/apps'"
         raise ValueError(f"run directory {run_dir} exists and is not a folder; give a folder (made if missing)")
     found = earlier_run(run_dir)
     if found is not None:
@@ -418,8 +418,8 @@ def launch(options: LaunchOptions) -> Path:
         _wait_for(status_file.exists, 60, "drbalance-manager", manager, run_dir / "manager.out")
         # Every app (but DDP ones, which torchrun starts) is started now and sets up (imports, model,
         # data) up to its start gate; the scenario's arrivals are counted from when all are set up.
-        # Started at their arrival times instead, the first apps trained alone for as long as the
-        # later ones took to import: seconds, and on a loaded machine tens of seconds (see
+        # Started at their arrival times instead, the first apps would train alone for as long as
+        # the later ones take to import: seconds, and on a loaded machine tens of seconds (see
         # docs/emulation.md), a placement the scenario does not have.
         gates = make_dirs(run_dir / ".gates")
         order = sorted(range(len(scenario.apps)), key=lambda i: scenario.apps[i].arrival)

@@ -162,7 +162,7 @@ def choose_devices(spec: str, program: str = "train.py",
         spec = f"emulated:{emulated}" if emulated else "cpu"
         given = f"--devices auto (no CUDA): DRBALANCE_EMULATED_GPUS={emulated!r}"
     kind, colon, count = spec.partition(":")
-    if kind in ("cuda", "cpu") and colon:  # 'cuda:1' used to mean every CUDA GPU, without a word
+    if kind in ("cuda", "cpu") and colon:  # 'cuda:1' must not pass for every CUDA GPU, without a word
         raise SystemExit(f"{program}: --devices {spec!r}: '{kind}' takes nothing after it; choose GPUs with "
                          f"--gpus (e.g. --devices cuda --gpus {count or '0,1'})")
     if kind == "cuda":
@@ -218,7 +218,7 @@ def build_model(args: argparse.Namespace, classes: int, kind: str,
                 emulated_gpus: EmulatedSpec | None) -> BalancedDataParallel:
     network = getattr(torchvision.models, args.model)(weights=None, num_classes=classes)
     ratio = as_ratio(parse_integers(args.ratio, "--ratio", "3,3,2,2")) if args.ratio else None
-    if args.gpus is not None and kind != "cuda":  # was ignored without a word
+    if args.gpus is not None and kind != "cuda":  # refused, not ignored without a word
         raise ValueError(f"--gpus {args.gpus} chooses CUDA GPUs, but this job trains on the {kind}; leave --gpus "
                          f"out or use --devices cuda")
     if kind == "cuda":

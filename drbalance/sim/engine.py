@@ -254,7 +254,7 @@ class Simulation:
 
     def advance(self, until: float = math.inf) -> None:
         """Process events up to simulated time ``until`` (seconds), or until every app has
-        finished. A look-ahead experiment copies a running simulation and advances the copy."""
+        finished. Called repeatedly, it drives a run in steps (``interference.fit_pair`` does)."""
         handlers = {ARRIVAL: self._arrive, REGISTER: self._register, HOST_END: self._host_end, SAMPLE: self._sample,
                     TICK: self._tick, RESUME: self._resume, PLAN: self._plan}
         events = self.events

@@ -4,7 +4,7 @@
     python -m drbalance.sim.mixes --only 64x16 --policies fair,paper
     python -m drbalance.sim.mixes --only 64x16,128x32 --placement spread   # the policies start spread
 
-``observe`` (doing nothing) always runs from round-robin: issue 9's baseline. ``--placement``
+``observe`` (doing nothing) always runs from round-robin: the baseline. ``--placement``
 picks where the other policies start (``spread``: every app as evenly over the GPUs as its DR
 allows, plain DataParallel's layout), so ``ok`` means "not worse than doing nothing from
 round-robin" from either start.
@@ -101,8 +101,8 @@ NOT_WORSE_MARGIN = 0.01  # SD units: how far above doing nothing a policy's max 
 
 
 def not_worse(max_sd: float, mean_sd: float, baseline_max_sd: float, baseline_mean_sd: float) -> bool:
-    """Issue 9's "never worse than doing nothing": a run's final max SD and mean SD each at most
-    the baseline's (``observe``) + ``NOT_WORSE_MARGIN``."""
+    """The rule "never worse than doing nothing" holds when a run's final max SD and mean SD are each at
+    most the baseline's (``observe``) + ``NOT_WORSE_MARGIN``."""
     return max_sd <= baseline_max_sd + NOT_WORSE_MARGIN and mean_sd <= baseline_mean_sd + NOT_WORSE_MARGIN
 
 
