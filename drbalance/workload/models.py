@@ -23,8 +23,8 @@ in ../shared/data/README.md; the full table and its caveats are in docs/calibrat
   (weights, gradients and one optimizer state: 3 x the parameters' bytes), plus
   ``memory_per_sample`` bytes per sample at the peak of the backward: the activations autograd
   saves for the backward, measured on the CPU (``drbalance.client.costs``) at 224 x 224, times
-  ``BACKWARD_PEAK_FACTOR`` = 1.5 for gradient buffers and allocator slack (an assumption; no
-  GPU measurement was possible). The forward's peak is the saved activations alone.
+  ``BACKWARD_PEAK_FACTOR`` = 1.5 for gradient buffers and allocator slack (an assumption, not
+  measured on a GPU). The forward's peak is the saved activations alone.
 
 Any other model (:func:`estimate_costs`): its features are measured on the CPU from one real
 forward (FLOPs, saved activation bytes, operator calls, modules, parameter bytes) and turned into
@@ -32,7 +32,7 @@ times by a least-squares fit over the six models above (relative error, non-nega
 coefficients): device time of a chunk of b samples = 0.0952 ms per forward operator call (the
 fixed part: kernel launches of forward and backward) + b x (0.294 ms per forward GFLOP + 0.0172 ms
 per MB of saved activations). On the six models this reproduces the 12-image time within 15%
-(0.85x to 1.13x; ``tests/test_dropin.py``). DataParallel overhead per extra replica = 3.05 ms +
+(0.85x to 1.13x; the test suite checks it). DataParallel overhead per extra replica = 3.05 ms +
 0.126 ms per module (fit over the five models with 4-GPU data, within 10%).
 """
 
@@ -180,7 +180,7 @@ MIN_IMAGE_SIZE: Mapping[str, tuple[int, int]] = MappingProxyType({
 train, by torchvision name, each with the smallest image side, pixels, at which it trains (forward
 and backward in training mode): (on chunks of two samples or more, on a chunk of one sample).
 Under it a pooling layer's output is empty, or a batch norm sees one value per channel. Measured
-on the CPU with torchvision 0.29; ``tests/test_cli_input.py`` measures it again."""
+on the CPU with torchvision 0.29; the test suite measures it again."""
 
 def model_costs(name: str) -> ModelCosts:
     """The cost table of a model by torchvision name (or the paper's short name, e.g. ``dense``).
