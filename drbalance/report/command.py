@@ -180,7 +180,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.out is not None and not args.no_plots and os.path.lexists(args.out) and not args.out.is_dir():
         raise NotADirectoryError(f"--out {args.out} exists and is not a folder; give a folder for the plots "
-                                 f"and report.md (made if missing)")  # said before any work: the write names a temp file
+                                 f"and report.md (made if missing)")  # now: the write's error names a temp file
     runs, default_out = load_sources(args, Selection(tuple(args.app), args.since, args.until))
     args.step = _grid_step(runs, args.step)
     summaries = [summarise(run_data, args.step) for run_data in runs]
