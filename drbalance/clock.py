@@ -1,4 +1,5 @@
-"""Clocks: the real one, and a manual one for tests. The simulator has its own virtual clock.
+"""Clocks: the protocol the manager and the client take, and the host's clock. The simulator
+has its own virtual clock; tests pass a clock that moves only when told to.
 
 ``monotonic()`` is for durations and freshness (CLOCK_MONOTONIC is host-wide on Linux, so
 values compare across processes); ``wall()`` is for logs (seconds since the epoch).
@@ -29,21 +30,3 @@ class SystemClock:
     def wall(self) -> float:
         return time.time()
 
-
-class ManualClock:
-    """A clock that moves only when told to (tests, and the simulator's virtual time)."""
-
-    def __init__(self, start: float = 0.0, wall_offset: float = 1.7e9) -> None:
-        self.now = float(start)
-        self.wall_offset = wall_offset
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"a clock cannot go back ({seconds} s)")
-        self.now += seconds
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return self.now + self.wall_offset

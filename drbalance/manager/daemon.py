@@ -464,7 +464,7 @@ class Manager:
 
     def _fault(self, key: str, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"
-        now = self.clock.monotonic()  # the injected clock (a ManualClock in tests), as every other period
+        now = self.clock.monotonic()  # the injected clock (a manual one in tests), as every other period
         if self.faults.get(key) != text or now - self._fault_logged.get(key, -math.inf) >= FAULT_REPEAT_SECONDS:
             self._fault_logged[key] = now
             self.log("fault", task=key, error=text)
