@@ -16,8 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 from drbalance import defaults
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
-PLAN_TRIGGERS = ("period", "arrival", "departure")
-
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -177,7 +175,8 @@ class Plan:
 @runtime_checkable
 class Planner(Protocol):
     """A policy that also plans every app's DR at once: every ``plan_period`` seconds and at each
-    arrival or departure (``trigger`` one of ``PLAN_TRIGGERS``), besides answering notices."""
+    arrival or departure (``trigger``: ``period``, ``arrival`` or ``departure``), besides answering
+    notices."""
 
     plan_period: float
 
