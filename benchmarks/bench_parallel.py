@@ -70,9 +70,9 @@ def bench_cpu(args: argparse.Namespace) -> dict:
 
 
 def fixed_costs(args: argparse.Namespace, repeats: int = 200) -> dict:
-    """Microseconds of the wrapper's two new per-step costs, measured alone (less noisy than a
+    """Microseconds of the wrapper's two fixed per-step costs, measured alone (less noisy than a
     whole step on a busy machine): merging the buffers of a 4-chunk training forward (each chunk
-    given copies of the buffers, as the CPU and emulated paths do since 2026-11-25, beside the
+    given copies of the buffers, as the CPU and emulated paths do, beside the
     bare merge of values), and a ``train_step`` call with a proven DR (a closure that does nothing)."""
     model = build(args.model)
     model.train()

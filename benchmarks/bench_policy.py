@@ -7,7 +7,7 @@ call itself (``time.perf_counter``), so it includes everything the daemon's poli
 table gives medians and tails per policy. Target for ``fair``: a decision within 1 ms at 64 x 16.
 
 ``--against REV`` also loads ``fair`` / ``f-sched`` as they were at git revision REV (their
-modules ``predictor.py``, ``fair.py`` and ``fsched.py``; everything else is today's) and runs both
+modules ``predictor.py``, ``fair.py`` and ``fsched.py``; everything else is the working tree's) and runs both
 in lockstep on the same snapshots, alternating which decides first: the two distributions are
 measured side by side under the same load, and every decision of the two is compared (branch,
 DR, pushed DRs, next boundary, details bit for bit). A performance change must report 0
@@ -19,7 +19,7 @@ and the consolidation plans proposed: what a decision's time is made of.
 
 ``--set NAME=VALUE`` runs ``fair`` with a FairConfig knob changed (as ``random_mixes`` does;
 also for ``--count`` and ``--crowd``; not for the old revision of ``--against``), e.g. ``--set
-spread_gpus=0`` for the wider search of before; its results go to a file named after the knobs.
+spread_gpus=0`` for the search over every GPU of a wide app; its results go to a file named after the knobs.
 
 ``--placement spread`` starts every app as evenly over the GPUs as its DR allows (plain DataParallel's
 layout; at 64 x 16 with a DR total of 10: one unit on each of GPUs 0-9): the crowded start, where a
@@ -174,7 +174,7 @@ def run(policy: str, apps: int, gpus: int, against: str | None = None, placement
 
 
 def count_fair(apps: int, gpus: int, placement: str = "round-robin", knobs: Knobs = ()) -> dict:
-    """Per decision of ``fair`` (today's code) in the ``apps`` x ``gpus`` run: the distinct
+    """Per decision of ``fair`` (the working tree's code) in the ``apps`` x ``gpus`` run: the distinct
     changes it judged, and over all of them the apps each affected; the consolidation plans
     proposed. Counted in an untimed run (the counting wraps two methods)."""
     from drbalance.policy.fair import _Search

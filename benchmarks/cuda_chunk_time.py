@@ -5,8 +5,8 @@ iteration, forward and backward (docs/policy.md). On ``cuda:0`` with ``device_id
 times each training step of a torchvision model with CUDA events of its own (the forward
 alone, and the forward through the end of the backward) and reads the wrapper's chunk time
 of the same step: with the backward timed on every step, on one step in 8 (the default; the
-others scale their forward by the measured share), and not at all (the forward alone, as
-before 2026-11-28). Reported: medians over the steps and the ratios
+others scale their forward by the measured share), and not at all (the forward alone).
+Reported: medians over the steps and the ratios
 ``chunk / (forward + backward)`` and ``chunk / forward``.
 
 Usage: python -m benchmarks.cuda_chunk_time [--model resnet50] [--batch 64] [--steps 40]

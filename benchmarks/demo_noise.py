@@ -10,7 +10,7 @@ asks the simulator instead, with every host phase and GPU chunk stretched by a r
 mean 1 (``SimConfig.jitter``, a relative spread), many seeds per setting. Per jitter and
 decision cadence (``--decide-every``: iterations between decisions, as the demo's option), it
 counts the seeds in which `fair` has a final spread (SD_max^diff) lower than both others', a
-final max SD lower than both others', and both (the issue's demo target), with each policy's
+final max SD lower than both others', and both (the demo's target), with each policy's
 median final spread / max SD / mean SD. No torch in the simulation; about a minute per setting
 of 60 seeds on 2 cores.
 """

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu-results.md in one run, about 7 minutes on one H200 (6 at 2026-11-28
-# before the profile was added), each step with
+# The GPU checks of docs/gpu-results.md in one run, about 7 minutes on one H200, each step with
 # its own time limit so that one failure loses no other step's result.
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR

@@ -1,4 +1,4 @@
-"""Issue 9's "never worse than doing nothing" on mixes nobody tuned for: scenarios drawn at random.
+"""`fair` against doing nothing on scenarios drawn at random: how often a policy ends worse.
 
     python -m benchmarks.random_mixes                          # seeds 0-199, fair vs observe, both models
     python -m benchmarks.random_mixes --seeds 0:20 --policies fair,f-sched
@@ -15,7 +15,7 @@ with run lengths of 5 to 40 minutes alone; half the seeds start every app at t =
 spread arrivals over the first 15 minutes; a quarter give the GPUs speeds of 1, 0.75 or 0.5.
 Every run starts from round-robin placement; ``observe`` from round-robin (nothing moved) is
 the reference, and a run is *worse* when its final max SD or mean SD exceeds observe's by more
-than ``drbalance.sim.mixes.NOT_WORSE_MARGIN`` (issue 9's rule). No torch is imported; about 8
+than ``drbalance.sim.mixes.NOT_WORSE_MARGIN`` (the never-worse rule). No torch is imported; about 8
 minutes for the 200 seeds on 2 cores.
 
 A single run is chaotic (a 1% longer decision window can leave another layout), so a change that
@@ -24,15 +24,15 @@ every host phase and chunk a random spread X (the simulator's ``SimConfig.jitter
 ``--noise-seeds`` repeats every run under each seed of that noise, ``observe`` under the same
 seed as the policy it is compared with; the summary then names the scenarios that were worse
 under every noise seed. ``--max-gpus N`` keeps only the seeds whose mix has at most N GPUs
-(where every miss at the default window is: 74 of the 200 seeds have 2 or 3).
+(74 of the 200 seeds have 2 or 3 GPUs).
 
-Seeds 0-199 (and 1000-1099 of the wide draw) are the ones every variant of `fair` was chosen on
-since 2026-11-23; seeds 200-399 (and 1100-1199) were first run on 2026-12-01 and are held out:
-report a variant on both, choose it on the first (docs/reproduction.md, "Random mixes").
+Seeds 0-199 (and 1000-1099 of the wide draw) are the ones `fair`'s settings were chosen on;
+seeds 200-399 (and 1100-1299 of the wide draw) are held out: choose a change on the first, report
+it on both (docs/reproduction.md, "Random mixes").
 
 ``--draw wide`` turns each seed into a scenario of another draw (``wide_mix``): what the default
 draw never tries (fewer apps than GPUs, batches other than 32, epochs other than 10, runs of 2
-minutes), and which no variant of ``fair`` was measured on before 2026-11-29.
+minutes).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ WIDE_ARRIVAL_SPREAD = 1200.0
 
 def wide_mix(seed: int) -> Scenario:
     """The scenario of ``seed`` in the wide draw: what a user might try beside the default draw
-    (which every variant of ``fair`` was measured on). Fewer apps than GPUs are possible (0.75
+    (which ``fair`` was tuned on). Fewer apps than GPUs are possible (0.75
     to 2.5 apps per GPU, at least 2 apps), batches of 16 to 128 samples (AlexNet 64 to 256),
     2, 5, 10 or 20 epochs, 2 to 60 minutes alone, arrivals over 20 minutes for half the seeds;
     GPUs of one speed."""
@@ -203,7 +203,7 @@ def knob(text: str) -> tuple[str, object]:
 
 
 def worse(got: Run, base: Run) -> bool:
-    """Whether ``got`` ends worse than doing nothing (``base``, observe) by issue 9's rule."""
+    """Whether ``got`` ends worse than doing nothing (``base``, observe) by the never-worse rule."""
     return not not_worse(got.max_sd, got.mean_sd, base.max_sd, base.mean_sd)
 
 

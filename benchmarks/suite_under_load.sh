@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's proof that the suite holds on a busy machine: the whole suite three times in a row
+# Whether the suite holds on a busy machine: the whole suite three times in a row
 # with two CPU-burning processes beside it (on a 2-core machine: more runnable work than cores).
 #
 #   benchmarks/suite_under_load.sh [WORKDIR]      # default WORKDIR: a new folder under /tmp
