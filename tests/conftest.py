@@ -44,7 +44,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "drbalance"))
 # whole scenario (real training processes for minutes) get a longer one here unless they set
 # their own with @pytest.mark.timeout(...). On a loaded 2-core machine the end-to-end demo takes
 # about 5 minutes.
-LONG_TEST_LIMITS = {"test_end_to_end.py": 900}
+LONG_TEST_LIMITS = {"test_demo.py": 900}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

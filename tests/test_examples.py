@@ -5,13 +5,13 @@ import math
 import os
 import re
 import runpy
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT, torchrun_args
+from tests.helpers.processes import free_port
 
 EXAMPLES = ROOT / "examples"
 TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -35,12 +35,6 @@ def _usage_error(script: str, args: list[str], capsys) -> tuple[object, str]:
     finally:
         sys.argv = saved
     return exited.value.code, capsys.readouterr().err
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _log_events(path) -> list[str]:
@@ -148,7 +142,7 @@ def test_an_example_given_a_profile_name_with_no_stored_profile_says_so_in_one_l
     # found by a review, 2026-11-25: a valid name that no 'drbalance profile' stored was a ProfileNotFound
     # traceback from the Session, after the model was built
     env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}  # what torchrun sets, for torchrun_ddp.py
+           "MASTER_PORT": str(free_port())}  # what torchrun sets, for torchrun_ddp.py
     result = subprocess.run([sys.executable, str(EXAMPLES / script), "--solo-time", "some-name"], cwd=ROOT,
                             capture_output=True, text=True, timeout=100, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

@@ -1,26 +1,11 @@
 """JsonLinesWriter's buffering: a line count and, where asked, an age bound."""
 
-import time
 
 import pytest
 
 from drbalance import jsonlog
 from drbalance.jsonlog import JsonLinesWriter
-
-
-class MonotonicClock:
-    """Stands in for ``drbalance.jsonlog``'s ``time`` module: ``monotonic`` under the test's
-    control, ``time`` as it is (also used by tests/test_session_plan.py)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    @staticmethod
-    def time() -> float:
-        return time.time()
+from tests.helpers.clock import MonotonicClock
 
 
 def _lines(path) -> int:

@@ -6,9 +6,9 @@ from torch import nn
 
 from drbalance.client import BalancedDataParallel
 from drbalance.client.session import Session
-from drbalance.clock import ManualClock
 from drbalance.ipc.link import DetachedLink
 from drbalance.slowdown import IterationPlan, SlowdownTracker
+from tests.helpers.clock import ManualClock
 
 
 def test_eq2_by_hand():

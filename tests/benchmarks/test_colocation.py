@@ -23,7 +23,7 @@ import pytest
 from benchmarks import colocation
 from benchmarks.colocation import GroupSyntaxError, Member, WorkerFailed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--image-size", "32", "--batch", "2", "--seconds", "1", "--cpu-threads", "1"]
 
 

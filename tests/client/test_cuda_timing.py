@@ -3,7 +3,7 @@
 The CUDA events are replaced by a wall-clock event of the same interface, so what is tested
 here is the real autograd plumbing: which hooks and callbacks fire, what a timing adds up to,
 what stays behind on the module, what copies and pickles. The CUDA path itself is tested on a
-GPU in tests/test_parallel_cuda.py (results in docs/gpu-results.md).
+GPU in tests/client/test_parallel_cuda.py (results in docs/gpu-results.md).
 """
 
 from __future__ import annotations

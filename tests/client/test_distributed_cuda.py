@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_ddp import check_counting, spawn
+from tests.helpers.ddp import check_counting, spawn
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -1,6 +1,6 @@
 """drbalance.client.inflight: a DDP job's collectives and callbacks are kept until the worker threads are done.
 
-The whole-process behaviour (ranks that exit right after their last backward) is in tests/test_ddp.py;
+The whole-process behaviour (ranks that exit right after their last backward) is in tests/client/test_distributed.py;
 these check the bookkeeping with real futures and a real 1-rank gloo group.
 """
 

@@ -121,7 +121,7 @@ def test_device_uuids_are_nvmls_and_memory_per_sample_is_measured():
 
 
 def test_a_real_out_of_memory_error_under_the_proven_dr_propagates_unchanged():
-    # one GPU: nothing to revert to; the revert itself is tested on emulated GPUs (tests/test_oom.py)
+    # one GPU: nothing to revert to; the revert itself is tested on emulated GPUs (tests/client/test_oom.py)
     class Hungry(nn.Module):
         """Allocates far more than the GPU has once a chunk exceeds 8 samples."""
 

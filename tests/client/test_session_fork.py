@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import leftovers
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 FORKING_JOB = textwrap.dedent("""
     import contextlib, json, os, sys, time

@@ -15,7 +15,7 @@ from drbalance.client import BalancedDataParallel, Session
 from drbalance.ipc.private import UnsafePath
 from drbalance.jsonlog import read_json_lines
 from tests.conftest import ROOT, leftovers
-from tests.test_manager_daemon import ManagerProcess, toy_app
+from tests.helpers.processes import ManagerProcess, toy_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -240,7 +240,7 @@ def test_a_sessions_report_lines_reach_the_sd_log_two_seconds_after_its_last_wri
     # SD_LOG_FLUSH_SECONDS: a slow job's reports are not held back until 64 of them are buffered
     from drbalance import jsonlog
     from drbalance.client.session import SD_LOG_FLUSH_SECONDS
-    from tests.test_jsonlog import MonotonicClock
+    from tests.helpers.clock import MonotonicClock
 
     clock = MonotonicClock()  # jsonlog's clock only: the session keeps its own
     monkeypatch.setattr(jsonlog, "time", clock)

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ddp_dead_peer.py (``torch.multiprocessing.spawn``, gloo on the CPU).
+"""Rank functions for tests/client/test_distributed_dead_peer.py (``torch.multiprocessing.spawn``, gloo on the CPU).
 
 Rank 1 dies (``os._exit``) before step 3; K is pinned to 100, so step 3 is a counting step (the
 counts ride in the gradient all-reduce, no control exchange). Rank 0 writes what its backward raised.

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ddp_loader.py (``torch.multiprocessing.spawn``, gloo on the CPU).
+"""Rank functions for tests/client/test_loader.py (``torch.multiprocessing.spawn``, gloo on the CPU).
 
 Each writes its findings as JSON to ``<out>/<name>-rank<r>.json``.
 """

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ddp_control_timeout.py (``torch.multiprocessing.spawn``, gloo on the CPU).
+"""Rank functions for tests/client/test_distributed_control_timeout.py (``mp.spawn``, gloo on the CPU).
 
 The job's process group is made with the backend string ``"cpu:gloo"`` (as ``"cpu:gloo,cuda:nccl"``
 or NCCL would be), so its control exchange runs on a gloo group of its own. Rank 1 stops taking part

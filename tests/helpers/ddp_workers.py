@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ddp.py, run with ``torch.multiprocessing.spawn`` over gloo on the CPU.
+"""Rank functions for tests/client/test_distributed.py, run with ``torch.multiprocessing.spawn`` over gloo on the CPU.
 
 Each writes its findings as JSON to ``<out>/<name>-rank<r>.json``; the tests assert on them.
 """
@@ -222,7 +222,7 @@ def counting(rank: int, world: int, out: str) -> None:
 
 
 def counting_nccl(rank: int, world: int, out: str) -> None:
-    """The same on NCCL, one CUDA GPU per rank (tests/test_ddp_cuda.py; needs 2 GPUs)."""
+    """The same on NCCL, one CUDA GPU per rank (tests/client/test_distributed_cuda.py; needs 2 GPUs)."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{out}/store", rank=rank, world_size=world)
     count_and_compare(rank, world, out, torch.device("cuda", rank))

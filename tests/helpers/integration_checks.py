@@ -23,8 +23,8 @@ from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from drbalance.ratio import DataRatio
 from tests.conftest import python_process, wait_for
+from tests.helpers.ddp import ScriptPolicy, read_ready
 from tests.helpers.processes import kill_running
-from tests.test_ddp import ScriptPolicy, read_ready
 
 
 def global_mean_gradient(data: dict, params: list[float], ids: list[int]) -> torch.Tensor:
@@ -107,7 +107,7 @@ def applied_ratios(app: str) -> list[tuple[int, list[int]]]:
 
 
 def kill_a_rank_and_check_the_manager(job, manager, app: str, victim: int) -> None:
-    """Kill rank ``victim`` of the running ``job`` (SIGKILL) once ``manager`` (tests.test_ddp.ManagerProcess)
+    """Kill rank ``victim`` of the running ``job`` (SIGKILL) once ``manager`` (tests.helpers.ddp.ManagerProcess)
     has added ``app``: the job ends with an error, the manager removes the app, and it then answers
     another job (a toy app) that starts after the kill; the manager stops cleanly."""
     neighbour = None

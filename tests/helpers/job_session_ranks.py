@@ -1,4 +1,4 @@
-"""Rank function for tests/test_integrations.py: two gloo ranks open a job's session as the integrations do.
+"""Rank function for tests/integrations/test_wrappers.py: two gloo ranks open a job's session as the integrations do.
 
 Each rank writes ``<out>/rank<r>.json``: the app name its session got, or the error it raised.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -143,3 +144,10 @@ def kill_running(*processes: subprocess.Popen | None) -> None:
         if process is not None and process.poll() is None:
             process.kill()
             process.communicate(timeout=30)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -19,7 +19,7 @@ import pytest
 from drbalance.jsonlog import read_json_lines
 from tests.conftest import ROOT, leftovers, python_process, torchrun_args, wait_for
 from tests.helpers.integration_checks import read_sd_log
-from tests.test_examples import _free_port
+from tests.helpers.processes import free_port
 
 EXAMPLES = ROOT / "examples"
 
@@ -99,7 +99,7 @@ def test_an_example_on_emulated_gpus_under_torchrun_beside_a_manager(ipc_env, tm
 
 
 def test_the_accelerate_example_trains_two_processes_under_accelerate_launch(ipc_env, tmp_path):
-    result = run(accelerate_launch("--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())),
+    result = run(accelerate_launch("--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())),
                  tmp_path)
     shares = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
         r"process (\d): done: 8 batches, final loss [0-9.]+, (\d+) samples in its last training batch", result.stdout)}

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import leftovers, python_process, torchrun_args
 from tests.helpers import integration_checks as checks
-from tests.test_ddp import ManagerProcess
+from tests.helpers.ddp import ManagerProcess
 
 pytestmark = pytest.mark.timeout(300)
 

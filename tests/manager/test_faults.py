@@ -195,8 +195,8 @@ def test_a_failing_utilisation_source_is_one_fault_shown_in_the_status_not_a_war
 
 
 def test_a_scripted_file_caught_mid_rewrite_keeps_its_last_script_and_one_left_broken_fails(tmp_path):
-    from drbalance.clock import ManualClock
     from drbalance.manager.utilization import ScriptedSource, UtilizationUnavailable
+    from tests.helpers.clock import ManualClock
 
     path = tmp_path / "util.json"
     path.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [10, 20]}]}))
@@ -277,8 +277,8 @@ def test_the_manager_log_failing_is_counted_in_fault_counts_like_other_faults(ip
 def test_a_persisting_fault_is_logged_again_once_a_minute_of_the_managers_own_clock(ipc_env, tmp_path):
     """The once-a-minute reminder read time.monotonic, not the manager's clock: on an injected
     clock a fault that persisted for minutes was never logged again."""
-    from drbalance.clock import ManualClock
     from drbalance.manager.daemon import FAULT_REPEAT_SECONDS
+    from tests.helpers.clock import ManualClock
 
     clock = ManualClock(start=1000.0)
     manager = _in_process_manager(ipc_env, tmp_path, clock)

@@ -23,7 +23,7 @@ def test_own_entries_come_back_parsed_and_others_are_counted_with_the_first_kept
     mine = list_namespace(ipc_env, keep=5)
     assert [o.app for o in mine.own] == sorted(f"x{i}" for i in range(50))  # by name
     assert all(o.kind == "app" and o.token == TOKEN for o in mine.own)
-    assert mine.foreign_total == 0 and mine.foreign_first == ()
+    assert sum(mine.foreign_counts.values()) == 0 and mine.foreign_first == ()
     theirs = list_namespace(ipc_env, keep=5, me=os.geteuid() + 1)  # seen as another user would
     assert theirs.own == () and theirs.foreign_counts == {os.geteuid(): 50}
     assert [entry for entry, _ in theirs.foreign_first] == sorted(path.name for path in paths)[:5]

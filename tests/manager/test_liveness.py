@@ -336,11 +336,11 @@ def test_what_the_manager_keeps_about_jobs_stays_bounded_as_jobs_come_and_go(ipc
     not view (the table's ``_unviewable``): sets that grew with the jobs that came and went.
     Here 100 jobs come and go: each is adopted, cannot be viewed, dies while a new job takes its
     name, and a stray notice comes from a name nobody claims."""
-    from drbalance.clock import ManualClock
     from drbalance.ipc.layout import Notice, NoticeKind
     from drbalance.manager import table
     from drbalance.manager.daemon import REPORT_FORGET_SECONDS, Manager, ManagerSettings
     from drbalance.manager.utilization import ScriptedSource
+    from tests.helpers.clock import ManualClock
 
     real_view = table.AppEntry.view
 

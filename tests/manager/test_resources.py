@@ -30,7 +30,7 @@ from tests.helpers.processes import ManagerProcess, decisions_for, first_line, l
 from tests.helpers.steered import SteeredModel
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def backed_bytes(fd: int) -> int:

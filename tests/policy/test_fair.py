@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from drbalance.policy import POLICIES, AppView, PolicyConfig, Snapshot, violations
 from drbalance.policy.fair import FairConfig, FairPolicy, _Move, _Search, _Track
 from drbalance.policy.fsched import FSchedPolicy
-from drbalance.policy.predictor import SPEED_TOLERANCE, Predictor, PredictorConfig, predicted_slowdown
+from drbalance.policy.predictor import SPEED_TOLERANCE, Predictor, PredictorConfig
 from drbalance.ratio import DataRatio
+from tests.helpers.slowdown import predicted_slowdown
 
 SOLO_ITERATION = 0.15  # host 0.05 + device work 0.10 alone on a speed-1 GPU
 ITERATIONS = 1000

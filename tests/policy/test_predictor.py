@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from drbalance.policy import AppView, PolicyConfig, Snapshot
 from drbalance.policy.fair import FairPolicy, _gained, _Search
-from drbalance.policy.predictor import Neighbourhood, Predictor, predicted_slowdown
+from drbalance.policy.predictor import Neighbourhood, Predictor
 from drbalance.ratio import DataRatio
+from tests.helpers.slowdown import predicted_slowdown
 
 ITERATIONS = 1000
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from drbalance.cli import main as drbalance
 from drbalance.client import BalancedDataParallel, Session
-from drbalance.clock import ManualClock
 from drbalance.jsonlog import read_json_lines
 from tests.conftest import wait_for
+from tests.helpers.clock import ManualClock
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 DAY = 86400.0

@@ -169,7 +169,7 @@ def test_scenarios_round_trip_through_json_and_bad_ones_are_rejected(tmp_path):
 
 def test_gavel_pairs_reproduce_the_measured_speed_shares_in_the_simulator():
     from drbalance.sim.interference import GavelInterference
-    from tests.test_gavel_pair_fit import shares_while_both_run
+    from tests.helpers.simulation import shares_while_both_run
 
     gavel = GavelInterference.load()
     table = gavel.table
@@ -358,6 +358,7 @@ def test_in_the_demos_short_runs_fair_is_not_worse_than_doing_nothing(interferen
     demo's cadence since 2026-11-28), e2e-skewed every 2 iterations (as the end-to-end test runs
     it). Max and mean SD at most observe's + 0.01."""
     from benchmarks.fair_sensitivity import not_worse
+
     from drbalance.sim.reproduce import measure
 
     for name, decide_every in (("e2e-a", None), ("e2e-a", 2), ("demo-a", None), ("demo-a", 2), ("demo-a", 4),
