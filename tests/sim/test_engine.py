@@ -359,7 +359,7 @@ def test_in_the_demos_short_runs_fair_is_not_worse_than_doing_nothing(interferen
                                ("e2e-skewed", 2)):
         fair = measure(name, "round-robin", "fair", interference, decide_every)
         nothing = measure(name, "round-robin", "observe", interference, decide_every)
-        assert not_worse(fair.max_sd, fair.mean_sd, nothing.max_sd, nothing.mean_sd), (name, decide_every, fair, nothing)
+        assert not_worse(fair.max_sd, fair.mean_sd, nothing.max_sd, nothing.mean_sd), (name, decide_every)
 
 
 def test_a_run_past_the_horizon_names_the_unfinished_apps_and_how_far_they_got():
