@@ -217,6 +217,7 @@ def test_an_os_error_of_a_command_is_one_line_not_a_traceback(tmp_path, capsys):
     assert "use a larger --step" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "0,0", "--solo-time", "1",
                           "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
@@ -345,6 +346,7 @@ def test_the_ddp_training_script_refuses_numbers_that_cannot_train(option, messa
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_training_script_refuses_an_empty_batch_in_one_line():
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--batch-size", "0", "--solo-time", "1",
                           env={"DRBALANCE_NO_MANAGER": "1"})
@@ -444,6 +446,7 @@ def _one_rank_env() -> dict:
     (("--ratio", "4,6", "--solo-time", "10"), "--ratio [4, 6]/10 has 2 entries but the job has 1 rank(s)"),
     (("--ratio", "1,1", "--solo-time", "10"), "--ratio [5, 5]/10 has 2 entries but the job has 1 rank(s)"),
 ])
+@pytest.mark.slow
 def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one_line(ipc_env, option, message):
     code, _out, err = run("drbalance.runs.train_ddp", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
                           "--iterations", "1", "--no-progress", *option, env=_one_rank_env())
@@ -452,6 +455,7 @@ def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one
     assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]
 
 
+@pytest.mark.slow
 def test_the_training_script_reports_an_sd_log_it_must_not_open_in_one_line(ipc_env, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -583,6 +587,7 @@ def test_seconds_or_profile_name_refuses_other_numbers_and_invalid_names(text, m
                                                         "least 33 pixels a side"),
     ("drbalance.runs.train_ddp", "alexnet", "8", "8", "alexnet trains on images of at least 63 pixels a side"),
 ])
+@pytest.mark.slow
 def test_an_image_size_too_small_for_the_model_is_a_usage_error_not_a_traceback_from_its_forward(
         ipc_env, module, model, size, batch, message):
     # found by a review, 2026-11-25: '--model alexnet --image-size 32' passed the positive-integer check and
@@ -594,6 +599,7 @@ def test_an_image_size_too_small_for_the_model_is_a_usage_error_not_a_traceback_
     assert f"error: argument --image-size: {message}; got {size}" in err and "usage: " in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
     """The table the training scripts check --image-size against, measured: each model trains a
@@ -626,6 +632,7 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
     (("--threads", "100000"), f"argument --threads: must be at most {os.cpu_count()} (this machine's CPUs); "
                               f"got 100000"),
 ])
+@pytest.mark.slow
 def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceback(ipc_env, module, option, message):
     # found by a review, 2026-11-25: "ValueError: Overflow when unpacking long long" from torch.manual_seed and
     # "MemoryError: Not enough memory" from torch.set_num_threads, both tracebacks
@@ -634,6 +641,7 @@ def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceba
     assert code == 2 and "Traceback" not in err and f"error: {message}" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_them(ipc_env):
     # found by a review, 2026-11-25: '--devices cpu --gpus 0,1' trained on the CPU without a word about --gpus

@@ -41,6 +41,7 @@ def _log_events(path) -> list[str]:
     return [json.loads(line)["event"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_integrate_trains_the_readme_loop_and_its_session_logs_start_to_finish(ipc_env, tmp_path):
     result = _run([sys.executable, str(EXAMPLES / "integrate.py"), "--app", "copied", "--epochs", "2",
@@ -55,6 +56,7 @@ def test_integrate_trains_the_readme_loop_and_its_session_logs_start_to_finish(i
     assert start["solo_time_source"] == "estimated"  # no --solo-time: the job estimates it
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env, tmp_path):
     """The example keeps a plain DDP script's loader (DistributedSampler, 12 samples per rank) and
@@ -70,6 +72,7 @@ def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env,
     assert "does not follow the DR" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_integrate_takes_a_solo_time_in_seconds_written_with_an_exponent(ipc_env, tmp_path):
     # found by a review, 2026-11-25: '1e3' was taken for a profile name, and the job died with a traceback
@@ -124,6 +127,7 @@ def test_an_example_refuses_an_app_name_the_manager_would_refuse_in_one_line(ipc
         f"{script}: error: argument --app: app name {value!r} is not valid"), stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_env):
     # found by a review, 2026-11-25: 'python examples/torchrun_ddp.py' was a KeyError: 'LOCAL_RANK' traceback
@@ -136,6 +140,7 @@ def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_e
         "torchrun --standalone --nproc_per_node 2 examples/torchrun_ddp.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
 def test_an_example_given_a_profile_name_with_no_stored_profile_says_so_in_one_line(ipc_env, tmp_path, script):
@@ -153,6 +158,7 @@ def test_an_example_given_a_profile_name_with_no_stored_profile_says_so_in_one_l
     assert last.endswith("create it with: drbalance profile some-name -- python your_train.py ..."), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_example_measured_by_drbalance_profile_takes_the_name_it_is_being_stored_under(ipc_env, tmp_path):
     # the name is not stored yet while 'drbalance profile NAME' measures the example: no error then

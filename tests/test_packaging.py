@@ -1,4 +1,5 @@
-"""Packaging: CI runs the README's command verbatim (lint included); every runtime dependency is used."""
+"""Packaging: CI runs the README's command verbatim (lint included), then the slow tier; every runtime
+dependency is used."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def test_ci_runs_the_readmes_test_command_verbatim_with_ruff():
     readme = (ROOT / "README.md").read_text()
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
-    assert len(ci) == 1
+    assert len(ci) == 2
     assert f"\n    {ci[0]}\n" in readme  # the README's indented command block, the same text
-    assert "ruff check ." in ci[0] and "pytest -q -n 2" in ci[0]  # the whole suite, in two processes (pytest-xdist)
+    assert "ruff check ." in ci[0] and "pytest -q -n 2" in ci[0]  # the fast tier, in two processes (pytest-xdist)
+    assert ci[1] == ".venv/bin/python -m pytest -q -n 2 -m slow"  # then the slow tier, in the same venv
 
 
 def install_requires() -> list[str]:

@@ -61,6 +61,7 @@ def test_simulate_compare_shows_one_step_per_policy_only_when_asked(capsys):
     assert report(shown.out) == report(quiet.out)  # the report itself is unchanged
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_demo_and_launch_show_runs_and_iterations_with_progress_and_keep_outputs_private(ipc_env, tmp_path):
     scenario = tmp_path / "tiny.json"

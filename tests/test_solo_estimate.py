@@ -145,6 +145,7 @@ def train_estimating(app: str, log, ratio: list[int], iterations: int) -> Sessio
     return session
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_session_without_a_solo_time_estimates_it_on_an_emulated_gpu_it_has_alone(emu, tmp_path):
     log = tmp_path / "alone.sd.jsonl"
@@ -163,6 +164,7 @@ def test_a_session_without_a_solo_time_estimates_it_on_an_emulated_gpu_it_has_al
     assert final["sd"] == pytest.approx(1.0, abs=0.15)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_emulated_gpu_another_process_holds_gives_a_shared_estimate(emu, tmp_path):
     holder = python_process("tests.helpers.emu_memory_holder", "0", str(2**20), str(24 * 2**30))

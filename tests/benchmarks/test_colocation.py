@@ -49,6 +49,7 @@ def is_number(value: Any) -> bool:
 # End to end (worker processes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_solo_and_pair_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "colocation.json"
@@ -80,6 +81,7 @@ def test_solo_and_pair_on_cpu(tmp_path: Path) -> None:
     assert "resnet18@2+resnet18@2" in proc.stdout  # the table
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_failed_group_is_an_error_and_the_others_still_run(tmp_path: Path) -> None:
     # not_a_model's worker exits with status 2 before 'ready' and says why; the resnet18 group
@@ -99,6 +101,7 @@ def test_a_failed_group_is_an_error_and_the_others_still_run(tmp_path: Path) -> 
     assert "not a torchvision" in proc.stderr and "ERROR not_a_model@2" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sweep_fits_a_line(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"

@@ -14,6 +14,7 @@ from tests.conftest import ROOT, python_process
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_the_quick_corrupt_input_section_runs_and_the_manager_survives_it():
     process = python_process("benchmarks.fault_campaign", "--quick", "--only", "corrupt", "--no-write", cwd=ROOT)
     out, err = process.communicate(timeout=200)

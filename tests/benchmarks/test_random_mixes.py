@@ -32,6 +32,7 @@ def test_worse_is_issue_9s_rule_on_max_and_on_mean():
     assert worse(Run(0, "calibrated", "fair", 0.0, 1.00, 1.215), base)
 
 
+@pytest.mark.slow
 def test_report_counts_the_runs_that_end_worse_than_observe_of_the_same_seed():
     seeds = range(2, 3)  # two GPUs, three apps: about a second per run
     results = {(2, interference, policy): run((2, interference, policy))
@@ -69,6 +70,7 @@ def test_a_changed_knob_reaches_the_policy_of_the_run():
     assert run((14, "gavel", "observe"), (("swap_partners", 1),)) == run((14, "gavel", "observe"))
 
 
+@pytest.mark.slow
 def test_bench_policys_knobs_reach_the_timed_run_and_the_counted_one():
     from benchmarks.bench_policy import count_fair
     from benchmarks.bench_policy import run as timed_run
@@ -107,6 +109,7 @@ def test_jitter_reaches_the_run_and_the_same_noise_seed_gives_the_same_run():
     assert (other.max_sd, other.mean_sd) != (noisy.max_sd, noisy.mean_sd)
 
 
+@pytest.mark.slow
 def test_each_noise_seeds_runs_are_judged_against_observe_under_the_same_noise(tmp_path, capsys):
     out = tmp_path / "runs.json"
     assert random_mixes.main(["--seeds", "2:3", "--jitter", "0.05", "--noise-seeds", "0,1", "--json", str(out)]) == 0

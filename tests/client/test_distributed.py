@@ -27,6 +27,7 @@ from tests.helpers.processes import kill_running
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_gradients_equal_the_full_batch_mean_for_uneven_and_changing_ratios(tmp_path):
     ranks = spawn("gradients", 3, tmp_path)
     steps = ranks[0]["steps"]
@@ -51,6 +52,7 @@ def test_gradients_equal_the_full_batch_mean_for_uneven_and_changing_ratios(tmp_
         assert all(t[2] > 0 for t in timings)
 
 
+@pytest.mark.slow
 def test_equal_shares_match_plain_ddp_bit_for_bit_and_plain_ddp_gets_uneven_batches_wrong(tmp_path):
     ranks = spawn("plain_ddp", 2, tmp_path)
     for found in ranks:
@@ -59,6 +61,7 @@ def test_equal_shares_match_plain_ddp_bit_for_bit_and_plain_ddp_gets_uneven_batc
         assert found["naive_error"] > 1e-3  # plain DDP's average of unequal local means: the wrong gradient
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
     ranks = spawn("agreement", 4, tmp_path)
     for rank, found in enumerate(ranks):
@@ -87,10 +90,12 @@ def test_ranks_agree_on_rank_zeros_ratio_after_every_ranks_prefetch(tmp_path):
     assert len({json.dumps(found["between"]["steps"]) for found in ranks}) == 1  # the same on every rank
 
 
+@pytest.mark.slow
 def test_counting_steps_give_the_full_batch_mean_and_every_rank_agrees_on_k(tmp_path):
     check_counting(spawn("counting", 3, tmp_path))
 
 
+@pytest.mark.slow
 def test_ranks_may_exit_right_after_their_last_backward(tmp_path):
     # A race, not a certainty: before drbalance.client.inflight, 4 of 30 such runs of 3 ranks aborted
     # (SIGABRT from a gloo thread that needed the GIL while Python finalised). Three runs here.
@@ -110,6 +115,7 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env, tmp_path):
     util = tmp_path / "util.json"
     util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}))
@@ -162,6 +168,7 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(ipc_env, tmp_path, victim):
     manager = ManagerProcess(tmp_path, ipc_env)
@@ -193,6 +200,7 @@ def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(i
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_drbalance_profile_refuses_a_job_of_several_ranks_on_every_rank(tmp_path):
     # the environment `drbalance profile` sets, around a real two-rank job over gloo: a solo-run
     # profile is one process on one GPU, so every rank's Session refuses, and no profile is written
@@ -202,6 +210,7 @@ def test_drbalance_profile_refuses_a_job_of_several_ranks_on_every_rank(tmp_path
         assert "nproc_per_node 1" in found["refused"] and not found["written"]
 
 
+@pytest.mark.slow
 def test_a_bad_proposal_or_mixed_loss_reductions_are_refused_on_every_rank_and_the_ranks_stay_in_step(tmp_path):
     ranks = spawn("refused_inputs", 2, tmp_path)
     for found in ranks:
@@ -213,6 +222,7 @@ def test_a_bad_proposal_or_mixed_loss_reductions_are_refused_on_every_rank_and_t
     assert "refused on rank 0" in ranks[1]["proposal"] and "keeps" in ranks[1]["proposal"]
 
 
+@pytest.mark.slow
 def test_a_slow_rank_does_not_stretch_the_exchange_interval_past_about_a_second_of_steps(tmp_path):
     # rank 1 starts each step 20 ms late: rank 0's measured exchange cost includes that wait, and the
     # cost rule alone (cost / (0.5% of a ~1 ms compute step)) asked for K = 256 steps, over 5 s

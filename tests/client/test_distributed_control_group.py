@@ -27,6 +27,7 @@ def wrap_and_step() -> BalancedDistributedDataParallel:
     return model
 
 
+@pytest.mark.slow
 def test_models_wrapped_one_after_another_share_one_control_group(tmp_path):
     for run in range(2):  # the second time after destroy_process_group: a destroyed group is not reused
         dist.init_process_group("cpu:gloo", init_method=f"file://{tmp_path}/store{run}", rank=0, world_size=1)

@@ -17,6 +17,7 @@ from tests.helpers import ddp_stuck
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_the_control_exchange_gives_up_on_a_stuck_rank_after_the_process_groups_timeout(tmp_path):
     mp.spawn(ddp_stuck.control_timeout, args=(2, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"control-rank{r}.json").read_text()) for r in range(2)]

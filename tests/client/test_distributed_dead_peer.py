@@ -17,6 +17,7 @@ from tests.helpers import ddp_dead_peer
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buckets", ["one", "several"])
 def test_a_peer_that_dies_between_exchanges_is_reported_as_a_ratio_sync_error_naming_the_rank(tmp_path, buckets):
     mp.spawn(ddp_dead_peer.dead_peer, args=(2, str(tmp_path), buckets), nprocs=2, join=True)

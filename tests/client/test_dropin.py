@@ -119,6 +119,7 @@ def run_script(path, tmp_path, *args, emulated="2"):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_item8_a_one_line_swap_runs_an_imagenet_style_script_on_emulated_gpus(emu, tmp_path):
     """The edit docs/client.md shows, applied to a script in today's ``torch.accelerator`` wording
     (``if not use_accel:``: the script skips DataParallel without an accelerator)."""
@@ -144,6 +145,7 @@ def test_item8_a_one_line_swap_runs_an_imagenet_style_script_on_emulated_gpus(em
     bare.load_state_dict({key.removeprefix("module."): value for key, value in state.items()})
 
 
+@pytest.mark.slow
 def test_item8_without_the_swap_the_script_never_wraps_on_a_cpu_machine(emu, tmp_path):
     source = (HELPERS / "imagenet_like.py").read_text()
     path = tmp_path / "unchanged.py"
@@ -287,6 +289,7 @@ print(model.backend.kind, tuple(out.shape), model.last_chunk_sizes, len(leftover
 """
 
 
+@pytest.mark.slow
 def test_a_model_saved_whole_on_emulated_gpus_loads_without_them(emu, tmp_path):
     """A wrapper saved with ``torch.save`` on emulated GPUs reopened emulated GPUs (segments in
     /dev/shm, device time) when loaded in a process without ``DRBALANCE_EMULATED_GPUS``: it now

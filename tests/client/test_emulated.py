@@ -541,6 +541,7 @@ def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks
     _interrupt_in_the_device_phase(emu, lambda job: job.send_signal(signal.SIGINT))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_device_phase(emu):
     """The job waited for its chunks in an untimed ``future.result()``: a SIGINT whose handler ran
@@ -619,6 +620,7 @@ def _emulated_gpus_left(emu) -> list[str]:
     return [entry for entry in os.listdir("/dev/shm") if f".{emu.namespace}.emu." in entry]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_gpu(emu, tmp_path):
     """train.py builds its model (and opens its emulated GPU) before its session; the session's
@@ -633,6 +635,7 @@ def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_g
     assert not _emulated_gpus_left(emu)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_on_a_training_job_is_one_line_and_leaves_no_emulated_gpu(emu, tmp_path):
     """Ctrl-C printed a torch traceback of some twenty lines; now one line and exit status 130."""

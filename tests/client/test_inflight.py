@@ -54,6 +54,7 @@ def test_works_are_kept_for_their_step_and_the_next_then_let_go(group):
     assert inflight.kept.previous == [second] and inflight.kept.current == []  # the first is let go
 
 
+@pytest.mark.slow
 def test_a_freed_jobs_last_works_are_kept_a_moment_and_waited_for_at_exit(group, monkeypatch):
     # long enough that a loaded machine's gc.collect() (the whole suite's heap) cannot outlast it
     monkeypatch.setattr(inflight_module, "RETIRE_SECONDS", 5.0)

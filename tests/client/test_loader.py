@@ -22,6 +22,7 @@ def spawn(name: str, world: int, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_a_ddp_scripts_loader_remade_in_one_call_follows_the_dr(tmp_path):
     """With the tutorial's DistributedSampler kept, ratio=[3, 1] trained 8 and 8 samples per rank
     without a word. Rank 0 now warns at the first step; balanced_loader(loader, model) splits the

@@ -58,6 +58,7 @@ FORKING_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["with", "atexit"])
 def test_a_forked_child_that_exits_leaves_the_jobs_session_alone(ipc_env, tmp_path, how):
     log = tmp_path / "forked.sd.jsonl"

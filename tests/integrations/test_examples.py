@@ -75,6 +75,7 @@ def check_the_manager_saw_both_emulated_gpus_busy(events: list[dict], app: str) 
     assert min(busiest) > 0, busiest  # each rank held its own emulated GPU for its modelled time
 
 
+@pytest.mark.slow
 def test_the_lightning_example_trains_two_ranks_under_torchrun_without_a_manager(ipc_env, tmp_path):
     result = run(torchrun(tmp_path, "lightning_train.py"), tmp_path)
     done = sorted(re.findall(r"rank (\d): done: 8 steps, final loss [0-9.]+", result.stdout))
@@ -85,6 +86,7 @@ def test_the_lightning_example_trains_two_ranks_under_torchrun_without_a_manager
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, app", [("lightning_train.py", "lightning_logs-0"),
                                          ("accelerate_train.py", "accelerate_train")])
 def test_an_example_on_emulated_gpus_under_torchrun_beside_a_manager(ipc_env, tmp_path, script, app):
@@ -98,6 +100,7 @@ def test_an_example_on_emulated_gpus_under_torchrun_beside_a_manager(ipc_env, tm
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_the_accelerate_example_trains_two_processes_under_accelerate_launch(ipc_env, tmp_path):
     result = run(accelerate_launch("--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())),
                  tmp_path)
@@ -110,6 +113,7 @@ def test_the_accelerate_example_trains_two_processes_under_accelerate_launch(ipc
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_the_accelerate_example_started_as_one_cpu_process_trains_alone_and_says_so(ipc_env, tmp_path):
     # 'accelerate launch --cpu --num_processes 2' starts one process unless mpirun starts the others
     result = run(accelerate_launch("--cpu", "--num_processes", "2"), tmp_path)

@@ -26,6 +26,7 @@ def start(framework: str, tmp_path: Path, *args: str):
                           "-m", JOBS[framework][0], "--out", str(tmp_path), *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", JOBS)
 def test_every_rank_gets_the_global_batch_gradient_for_an_uneven_ratio_and_after_a_manager_change(
         ipc_env, tmp_path, framework):
@@ -57,6 +58,7 @@ def test_every_rank_gets_the_global_batch_gradient_for_an_uneven_ratio_and_after
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", JOBS)
 def test_a_rank_killed_mid_run_leaves_the_manager_free_for_other_jobs(ipc_env, tmp_path, framework):
     manager = ManagerProcess(tmp_path, ipc_env)
@@ -77,6 +79,7 @@ def check_same_training(ours: dict, theirs: dict, final: str) -> None:
     assert ours["val"] + ours["resumed_val"] == pytest.approx(theirs["val"] + theirs["resumed_val"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_equal_shares_train_as_lightnings_ddp_with_accumulation_limits_validation_and_a_resumed_checkpoint(
         ipc_env, tmp_path):
     # both strategies in the same two processes, from the same weights: 4 of 5 batches per epoch (limit),
@@ -95,6 +98,7 @@ def test_equal_shares_train_as_lightnings_ddp_with_accumulation_limits_validatio
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_equal_shares_train_as_plain_accelerate_with_accumulation_evaluation_and_a_restored_state(ipc_env, tmp_path):
     # both in the same two processes, from the same weights: 5 global batches per epoch, accumulate() over 2
     # (the last step of an epoch over 1), an in-order evaluation loader through gather_for_metrics, 2 epochs,

@@ -99,6 +99,7 @@ def spawn_sessions(tmp_path, app, default_app) -> list[dict]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_a_derived_name_that_is_taken_gets_rank_zeros_pid_on_every_rank(ipc_env, tmp_path):
     holder = AppClaim.take(ipc_env, "taken")  # a live job of that name
     try:
@@ -108,6 +109,7 @@ def test_a_derived_name_that_is_taken_gets_rank_zeros_pid_on_every_rank(ipc_env,
     assert ranks[0]["app"] == ranks[1]["app"] == f"taken-{ranks[0]['pid']}"
 
 
+@pytest.mark.slow
 def test_a_name_given_that_is_taken_fails_on_every_rank_saying_why(ipc_env, tmp_path):
     holder = AppClaim.take(ipc_env, "taken")
     try:

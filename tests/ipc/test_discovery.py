@@ -73,6 +73,7 @@ def test_a_pid_beyond_pid_t_is_no_live_process():
     assert pid_alive(2**40) is False and pid_alive(2**31) is False
 
 
+@pytest.mark.slow
 def test_a_job_trains_on_alone_when_manager_json_holds_a_400_digit_time(ipc_env):
     ipc_env.private_runtime_dir()
     ipc_env.manager_info().write_bytes(_bad("a 400-digit time", GOOD_MANAGER, "started"))
@@ -83,6 +84,7 @@ def test_a_job_trains_on_alone_when_manager_json_holds_a_400_digit_time(ipc_env)
     assert json.loads(out.splitlines()[-1])["done"] is True
 
 
+@pytest.mark.slow
 def test_a_claim_nested_too_deep_stops_neither_the_rescan_nor_the_collection_of_a_dead_job(ipc_env, tmp_path):
     victim = toy_app("zzz", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
     claim = wait_for(lambda: discovery.read_claim(ipc_env, "zzz"))

@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import leftovers, python_process
 from tests.helpers.processes import drain
 
@@ -62,6 +64,7 @@ def test_without_a_manager_training_finishes_in_bounded_time(ipc_env):
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_a_stuck_manager_costs_at_most_the_exchange_timeout_per_boundary(ipc_env):
     manager = start_manager("--silent", "--seconds", "20")  # heartbeats, never reads its inbox
     try:
@@ -97,6 +100,7 @@ def sd_events(app: str, *kinds: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] in kinds]
 
 
+@pytest.mark.slow
 def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_once_it_is_in_time(ipc_env):
     """A manager that is alive but slow (its heartbeat fresh, every answer 0.6 s late) cost the job
     its whole wait at every boundary (0.5 s each: 20 boundaries of a 0.5 s job took 10 s). Now,
@@ -123,6 +127,7 @@ def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_a_job_leaves_short_waits_when_a_late_answer_came_within_its_full_wait(ipc_env):
     """After the slow start, every answer comes 0.1 s after its notice: past the short wait (0.05 s)
     but within the full one (0.5 s). A review found the job then kept its short waits to the end,
@@ -175,6 +180,7 @@ def test_a_dead_manager_leaves_no_app_stuck_and_a_new_one_is_found(ipc_env):
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_sigterm_and_exceptions_remove_the_apps_objects(ipc_env):
     app = python_process("tests.helpers.toy_app", "--app", "termed", "--hang-after", "2")
     for _ in range(3):
@@ -191,6 +197,7 @@ def test_sigterm_and_exceptions_remove_the_apps_objects(ipc_env):
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_an_app_whose_exit_hangs_after_sigterm_still_ends_within_the_grace(ipc_env):
     # A non-daemon thread that never ends: the interpreter would wait for it at exit for ever.
     app = python_process("tests.helpers.toy_app", "--app", "stuck", "--epochs", "100000", "--stuck-thread",
@@ -230,6 +237,7 @@ def test_a_bad_exit_grace_is_a_clear_error_before_anything_is_created(ipc_env):
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_the_sd_log_is_json_lines_with_the_documented_fields(ipc_env, tmp_path):
     manager = start_manager("--answer", "0,5,5,0", "--notices", "3")
     app = python_process("tests.helpers.toy_app", "--app", "logged", "--epochs", "2", "--iterations", "6",

@@ -390,6 +390,7 @@ def test_a_restarted_manager_takes_the_dr_its_predecessor_sent_not_the_older_one
             second.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_job_takes_no_dr_at_another_total_and_the_manager_decides_at_its_own(ipc_env, tmp_path):
     """Issue 59, item 6. A pushed [7, 0, 0, 0]/7, written into a job's record by another process

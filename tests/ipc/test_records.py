@@ -191,6 +191,7 @@ def test_reader_never_sees_a_torn_record_while_another_process_rewrites_it(ipc_e
     assert status_for(5, "x") != status_for(6, "x")  # the consistency check can tell k apart
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_killed_app_do_not_break_the_next_run_with_the_same_name(ipc_env):
     app = python_process("tests.helpers.toy_app", "--app", "phoenix", "--hang-after", "1",
                          env={"DRBALANCE_NO_MANAGER": ""})

@@ -18,6 +18,7 @@ from tests.conftest import ROOT, leftovers, python_process, wait_for
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 
+@pytest.mark.slow
 def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     try:
@@ -37,6 +38,7 @@ def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tm
     assert not ipc_env.manager_status().exists()
 
 
+@pytest.mark.slow
 def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     background = []
@@ -65,6 +67,7 @@ def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus
     assert ratios[4] == [1, 1, 5, 3]  # applied from the iteration after the first epoch's end
 
 
+@pytest.mark.slow
 def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
@@ -81,6 +84,7 @@ def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
     assert [e["reason"] for e in manager.events("app_removed")] == ["process gone"]
 
 
+@pytest.mark.slow
 def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
     first = ManagerProcess(tmp_path, ipc_env)
     app = toy_app("survivor", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
@@ -103,6 +107,7 @@ def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
         stop_app(app)
 
 
+@pytest.mark.slow
 def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "observe")
     start = time.time() + 4.0
@@ -126,6 +131,7 @@ def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
     assert leftovers(ipc_env) == []
 
 
+@pytest.mark.slow
 def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
@@ -144,6 +150,7 @@ def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     assert any("bytes, expected 76" in e for e in errors) and any("ghost" in e for e in errors)
 
 
+@pytest.mark.slow
 def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = toy_app("shown", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05")
@@ -185,6 +192,7 @@ def test_a_second_manager_with_another_runtime_directory_is_refused_too(ipc_env,
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
     process = python_process("drbalance.manager.cli", "--source", "nvml")
     _, err = process.communicate(timeout=30)
@@ -387,6 +395,7 @@ def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(
     assert len(invalid) == 300  # the log records every one
 
 
+@pytest.mark.slow
 def test_a_planning_policy_plans_on_its_period_and_at_arrivals_and_departures(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "plan", "--plan-period", "0.3")
     try:

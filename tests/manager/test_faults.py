@@ -24,6 +24,7 @@ from tests.helpers.disk import fill_up, mount_small_tmpfs
 from tests.helpers.processes import ManagerProcess, decisions_for, first_line, long_app, stop_all, toy_app
 
 
+@pytest.mark.slow
 def test_the_runtime_directory_removed_under_a_running_manager(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = long_app("survivor")
@@ -59,6 +60,7 @@ def test_the_manager_log_removed_under_a_running_manager_is_written_again(ipc_en
     assert repaired and manager.events("stop")  # the stop record is in the file at the log's path
 
 
+@pytest.mark.slow
 def test_the_status_file_replaced_by_a_folder(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = long_app("steady")
@@ -79,6 +81,7 @@ def test_the_status_file_replaced_by_a_folder(ipc_env, tmp_path):
     assert "IsADirectoryError" in fault[0]["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tmpfs", "file-size limit"])
 def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, kind):
     """``tmpfs``: the log and the runtime directory on a real 512 KiB file system, filled up (ENOSPC).
@@ -130,6 +133,7 @@ def test_a_full_disk_is_survived_and_nothing_logged_is_lost(ipc_env, tmp_path, k
     assert not [e for e in events if e["event"] == "log_gap"]
 
 
+@pytest.mark.slow
 def test_segments_truncated_under_their_readers_cause_no_sigbus(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = long_app("shaky")
@@ -167,6 +171,7 @@ def replace_text(path: Path, text: str) -> None:
     os.replace(part, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(BROKEN_SCRIPTS))
 def test_a_failing_utilisation_source_is_one_fault_shown_in_the_status_not_a_warning_per_sample(
         ipc_env, tmp_path, capsys, kind):

@@ -92,6 +92,7 @@ def emulated_objects(names) -> list[str]:
     return [e for e in leftovers(names) if ".emu" in e]
 
 
+@pytest.mark.slow
 def test_the_emulated_source_honours_namespace_and_cleans_up_unless_in_use(ipc_env, tmp_path):
     other = f"{ipc_env.namespace}o"
     names = discovery.IpcNames.current(other)
@@ -116,6 +117,7 @@ def test_the_emulated_source_honours_namespace_and_cleans_up_unless_in_use(ipc_e
     assert emulated_objects(names) == [] and not names.emulated_lock(0).exists()
 
 
+@pytest.mark.slow
 def test_a_forged_notice_does_not_drop_a_live_job(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = toy_app("real", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
@@ -140,6 +142,7 @@ def test_a_forged_notice_does_not_drop_a_live_job(ipc_env, tmp_path):
     assert not [e for e in manager.events("app_removed") if e["reason"] == "finished"]
 
 
+@pytest.mark.slow
 def test_files_and_folders_are_private_under_umask_000(ipc_env, tmp_path):
     def open_umask() -> None:
         os.umask(0)
@@ -251,6 +254,7 @@ def test_rotation_with_a_huge_keep_walks_only_the_files_that_exist(tmp_path):
     assert [record["n"] for f in files for record in read_json_lines(f)] == list(range(400))
 
 
+@pytest.mark.slow
 def test_the_manager_log_rotates(ipc_env, tmp_path):
     def open_umask() -> None:
         os.umask(0)

@@ -50,6 +50,7 @@ def status_ticks(pid: int) -> int:
     return ticks
 
 
+@pytest.mark.slow
 def test_a_quiet_live_job_stays_and_keeps_its_name_until_its_process_dies(ipc_env, tmp_path, capsys):
     manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--quiet-after", "1")
     app = toy_app("thinker", "--epochs", "5", "--iterations", "3", "--hang-after", "1")  # a long evaluation
@@ -77,6 +78,7 @@ def test_a_quiet_live_job_stays_and_keeps_its_name_until_its_process_dies(ipc_en
     assert removed[0]["reason"] == "process gone"
 
 
+@pytest.mark.slow
 def test_a_job_killed_during_its_first_status_write_is_collected(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
@@ -97,6 +99,7 @@ def test_a_job_killed_during_its_first_status_write_is_collected(ipc_env, tmp_pa
     assert not [e for e in manager.events("invalid") if e.get("app") == "halfway"]
 
 
+@pytest.mark.slow
 def test_without_a_manager_the_next_job_takes_a_half_written_name(ipc_env):
     half, token = idle_app("halfway", "--half")
     kill(half)
@@ -184,6 +187,7 @@ def test_a_registered_job_whose_pid_is_reused_is_removed(ipc_env, tmp_path):
     assert [(e["app"], e["reason"]) for e in removed] == [("ghost", f"pid {reuser.pid} now belongs to another process")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forged", ["pid", "start time"])
 def test_a_well_formed_record_naming_another_process_is_invalid_never_a_reason_to_collect(ipc_env, tmp_path, forged):
     """Issue 59, item 3. One CRC-correct write of a wrong pid or start time into a live job's record
@@ -232,6 +236,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 def test_the_rescan_never_deletes_a_live_jobs_unreadable_record(ipc_env, tmp_path):
     apps = {}
     try:
@@ -293,6 +298,7 @@ def test_a_claim_that_is_a_folder_or_a_link_stops_no_other_apps_collection(ipc_e
     assert (claims / "folder.claim").is_dir() and (claims / "linked.claim").is_symlink()  # left as they are
 
 
+@pytest.mark.slow
 def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_waiting(ipc_env, tmp_path,
                                                                                       monkeypatch):
     from drbalance.ipc import records

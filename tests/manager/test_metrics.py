@@ -118,6 +118,7 @@ def test_a_taken_port_is_a_clear_error_not_a_traceback():
     assert exit_info.value.code == 2  # argparse: "a port is a number 0..65535"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_manager_serves_a_running_apps_series_over_loopback_and_drops_them_when_it_ends(ipc_env, tmp_path):
     script = tmp_path / "gpus.json"
@@ -222,6 +223,7 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
     assert "Traceback" not in capfd.readouterr().err  # a timed-out connection is not an error to print
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_first(monkeypatch, capfd):
     """A client that sends a header line now and then is never idle: each such connection held a
@@ -282,6 +284,7 @@ def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_fir
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metrics(ipc_env, tmp_path, capsys):
     """Issue 57, item 5: a job given no solo time estimates it; the record says so, and the manager's
     status file, ``drbalance status`` and the metrics mark its SD as estimated (the other job's not)."""

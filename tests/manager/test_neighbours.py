@@ -52,6 +52,7 @@ def predictable_names(names: IpcNames, app: str) -> list[str]:
             names.prefix + f"sig.{app}", names.prefix + f"app.{app}.{guess}", names.prefix + f"manager.{guess}"]
 
 
+@pytest.mark.slow
 @needs_second_user
 def test_a_neighbours_squatted_names_stop_nothing_and_are_reported_by_owner(ipc_env, tmp_path, capsys):
     uid, _, who = second_user()
@@ -84,6 +85,7 @@ def test_a_neighbours_squatted_names_stop_nothing_and_are_reported_by_owner(ipc_
     assert [d["trigger"] for d in decisions] == ["register", "boundary"]
 
 
+@pytest.mark.slow
 @needs_second_user
 def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
@@ -116,6 +118,7 @@ def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path
     assert [e["reason"] for e in manager.events("app_removed")] == ["finished"]
 
 
+@pytest.mark.slow
 @needs_second_user
 def test_a_job_never_trusts_a_foreign_heartbeat_or_inbox_and_trains_on_detached(ipc_env, tmp_path):
     """Suppose a neighbour's world-writable heartbeat and inbox sat where ``manager.json`` points
@@ -143,6 +146,7 @@ def test_a_job_never_trusts_a_foreign_heartbeat_or_inbox_and_trains_on_detached(
         objects.unlink_shared_memory(ipc_env.manager_record(token))
 
 
+@pytest.mark.slow
 @needs_second_user
 def test_a_foreign_record_where_a_claim_points_is_reported_not_adopted(ipc_env, tmp_path):
     token = new_token()
@@ -171,6 +175,7 @@ def test_a_foreign_record_where_a_claim_points_is_reported_not_adopted(ipc_env, 
         sleeper.wait()
 
 
+@pytest.mark.slow
 @needs_second_user
 @pytest.mark.timeout(120)
 def test_a_foreign_record_a_claim_points_at_is_named_once_even_past_the_first_thousand_foreign_names(
@@ -210,6 +215,7 @@ def test_a_foreign_record_a_claim_points_at_is_named_once_even_past_the_first_th
 
 
 # --- the runtime directory (item 2) ----------------------------------------------------------------
+@pytest.mark.slow
 @needs_second_user
 def test_a_runtime_dir_link_planted_by_a_neighbour_is_refused_and_its_target_untouched(ipc_env, tmp_path):
     target = tmp_path / "root-owned"
@@ -433,6 +439,7 @@ def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp
         manager.stop()
 
 
+@pytest.mark.slow
 @needs_second_user
 @pytest.mark.timeout(300)
 def test_a_flood_of_planted_names_leaves_the_manager_answering_every_notice_in_time(ipc_env, tmp_path):
@@ -515,6 +522,7 @@ def test_an_emulated_gpu_name_a_neighbour_takes_once_it_is_gone_is_not_used_agai
 
 
 # --- a job's objects made again after RemoveIPC: their names were public ------------------------------
+@pytest.mark.slow
 @needs_second_user
 def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_and_stays_managed(ipc_env, tmp_path):
     """RemoveIPC unlinks a running job's record and semaphore; their names (with the token) were

@@ -107,6 +107,7 @@ def run_with_private_mounts(tmp_path: Path, script: str, job: str, covered: str)
     return (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
 
 
+@pytest.mark.slow
 def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
     """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
     job, manager = run_with_private_mounts(tmp_path, FULL_SHM_SCRIPT, JOB, "the backed-pages test covers it")
@@ -159,6 +160,7 @@ REFUSED_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_dev_shm_that_refuses_the_jobs_user_leaves_it_training_with_its_own_dr(ipc_env, tmp_path):
     """posix_ipc's PermissionsError is not an OSError: the session let it out of ``Session()``,
     where a missing or full /dev/shm (OSError) already left the job training detached."""
@@ -213,6 +215,7 @@ LATE_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_job_started_while_dev_shm_is_full_claims_its_name_and_is_managed_once_it_has_room(ipc_env, tmp_path):
     """Issue 59, item 2. A job that started while a neighbour kept /dev/shm full ran its whole life
     without a manager: it gave its name claim back and never tried again. It now keeps its claim,
@@ -258,6 +261,7 @@ def test_open_later_still_refuses_a_path_that_is_not_ours(tmp_path):
     assert writer.close() == 0
 
 
+@pytest.mark.slow
 def test_objects_removed_from_dev_shm_while_open_are_made_again(ipc_env, tmp_path):
     """As systemd-logind's RemoveIPC=yes does when the user's last session ends: the manager's
     inbox and heartbeat and a running job's record and semaphore are unlinked. The manager used
@@ -313,6 +317,7 @@ def test_a_replacing_endpoint_leaves_the_one_in_use_alone_until_it_exists(ipc_en
             second.close()
 
 
+@pytest.mark.slow
 def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_use(ipc_env, tmp_path):
     """The inbox is removed while the manager cannot create a new one: here its message-queue
     limit is lowered to 0 bytes (``prlimit``), so ``mq_open`` fails as it would on a user out of

@@ -139,6 +139,7 @@ def test_watch_options_are_checked(ipc_env, capsys):
         assert stopped.value.code == 2 and message in capsys.readouterr().err, argv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_watch_against_a_real_manager_shows_the_running_app_frame_after_frame(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))

@@ -23,6 +23,7 @@ from tests.conftest import torchrun_args
 from tests.helpers.processes import running
 
 
+@pytest.mark.slow
 def test_profile_command_measures_a_real_script_and_the_session_resolves_the_name(ipc_env, tmp_path, capsys):
     status = drbalance([
         "profile", "toy", "--iterations", "30", "--warmup", "5", "--",
@@ -145,6 +146,7 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
 
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_processes_behind(tmp_path):
     import os
@@ -164,6 +166,7 @@ def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_proces
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env, tmp_path):
     """docs/ddp.md says to profile a DDP job's model with one rank; train_ddp.py asked for

@@ -93,6 +93,7 @@ def test_a_selection_that_leaves_no_job_and_bad_windows_are_clear_errors(jobs, c
     assert "no such run directory or SD log" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_running_managers_own_log_is_read_wherever_it_writes_it(ipc_env, tmp_path, capsys):
     """A manager started with ``--log`` elsewhere: its status file names the log, and the report of

@@ -16,6 +16,8 @@ from 0% to 31%.
 import json
 import statistics
 
+import pytest
+
 from drbalance.cli import main as drbalance
 from drbalance.report.metrics import load_run, summarise
 
@@ -28,6 +30,7 @@ def _mean_utilisation_per_gpu(manager_log) -> list[float]:
     return [statistics.fmean(x[g] for x in readings if isinstance(x[g], (int, float))) for g in range(gpus)]
 
 
+@pytest.mark.slow
 def test_balancing_lowers_the_final_spread_and_puts_the_idle_gpu_to_work(ipc_env, tmp_path, capsys):
     out = tmp_path / "demo"
     # every 2 iterations, not the demo's 4: from this crowded start fair must move jobs early

@@ -26,6 +26,7 @@ from tests.helpers.processes import running
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_a_job_says_it_is_set_up_and_trains_only_after_the_gate_opens(tmp_path):
     gate = tmp_path / "job"
     job = python_process("drbalance.runs.train", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",

@@ -26,6 +26,7 @@ MIXED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_ddp_job_runs_beside_a_dataparallel_job_under_the_launcher(ipc_env, tmp_path):
     scenario = scenario_from_json(json.dumps(MIXED))
@@ -67,6 +68,7 @@ def test_the_shipped_ddp_scenario_loads_with_one_ddp_job_on_every_gpu(tmp_path):
     assert command[command.index("--nproc_per_node") + 1] == "4" and command[command.index("--gpus") + 1] == "0,1,2,3"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_train_ddp_outside_torchrun_says_how_to_start_it():
     process = python_process("drbalance.runs.train_ddp", "--solo-time", "1", env={"RANK": "", "MASTER_ADDR": ""})
@@ -85,6 +87,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_ranks_die_with_their_torchrun_agent(ipc_env, tmp_path):
     """torchrun starts each rank in a session of its own: when the agent was killed (SIGKILL, or

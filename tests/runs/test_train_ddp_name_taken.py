@@ -12,6 +12,7 @@ from tests.conftest import python_process, torchrun_args
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_a_ddp_job_whose_app_name_is_taken_says_so_in_one_line(ipc_env, tmp_path):
     holder = python_process("tests.helpers.idle_app", "taken")  # a live app of that name, same namespace
     try:
@@ -29,6 +30,7 @@ def test_a_ddp_job_whose_app_name_is_taken_says_so_in_one_line(ipc_env, tmp_path
     assert "AppNameInUse" not in err, err[-3000:]  # no traceback of rank 0's refusal
 
 
+@pytest.mark.slow
 def test_a_dataparallel_job_whose_app_name_is_taken_says_so_in_one_line(ipc_env):
     holder = python_process("tests.helpers.idle_app", "taken-dp")
     try:

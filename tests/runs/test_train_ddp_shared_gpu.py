@@ -14,6 +14,7 @@ from tests.conftest import python_process, torchrun_args
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_device_are_refused_by_every_rank(ipc_env, tmp_path):
     job = python_process("torch.distributed.run", *torchrun_args(tmp_path / "torchrun", 2),
                          "-m", "drbalance.runs.train_ddp", "--devices", "emulated:2", "--gpus", "0,0",

@@ -69,6 +69,7 @@ def _simulated_job(job: tuple[str, str]):
     return simulate(SCENARIOS[job[0]], VARIANTS[job[1]])
 
 
+@pytest.mark.slow
 def test_gpu_busy_time_never_exceeds_capacity(paper_results):
     for name, results in paper_results.items():
         for label, result in results.items():
@@ -95,6 +96,7 @@ def test_identical_apps_under_symmetric_placement_get_identical_sds():
         assert max(sds) - min(sds) < 1e-9 and sds[0] > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [*SCENARIOS.values(), small(), small("one-gpu", 1),
                                       small("late", 3, (("resnet50", 32, 50), ("resnet50", 64, 20)))])
 def test_no_policy_run_beats_the_bound(scenario, paper_results):
@@ -115,6 +117,7 @@ def test_the_daemon_and_the_simulator_share_the_registry_and_the_sd_code():
         Simulation(SCENARIOS["a"], SimConfig(policy="nope"))
 
 
+@pytest.mark.slow
 def test_balancing_in_scenario_a_lowers_the_spread_and_raises_utilisation(paper_results):
     results = paper_results["a"]
     assert results["paper"].sd_spread < results["observe"].sd_spread
@@ -124,6 +127,7 @@ def test_balancing_in_scenario_a_lowers_the_spread_and_raises_utilisation(paper_
     assert runs["paper"].final_sd_diff == pytest.approx(results["paper"].sd_spread, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_the_time_slicing_baseline_equalises_sds(paper_results):
     themis = paper_results["a"]["themis"]
     assert themis.sd_spread < 0.1 and themis.sd_spread < paper_results["a"]["observe"].sd_spread
@@ -278,6 +282,7 @@ def _final(job):
     return result.sd_spread, result.max_sd, result.mean_sd
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["a", "b", "c"])
 def test_fair_is_never_worse_than_leaving_every_job_alone_on_its_gpu(fair_runs, name):
@@ -291,6 +296,7 @@ def test_fair_is_never_worse_than_leaving_every_job_alone_on_its_gpu(fair_runs, 
             assert spread < spread0, where
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["a", "b", "c"])
 def test_fair_meets_the_paper_targets_from_either_placement_under_the_calibrated_model(fair_runs, name):

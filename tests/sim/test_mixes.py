@@ -24,6 +24,7 @@ def _cell(result) -> str:
     return f"{result.sd_spread:.3f} / {result.max_sd:.3f} / {result.mean_sd:.3f}"
 
 
+@pytest.mark.slow
 def test_from_spread_the_policy_starts_spread_and_doing_nothing_stays_round_robin():
     text = table(["hetero"], ["fair"], workers=1, placement="spread")
     assert "fair (from spread)" in text.splitlines()[0]
