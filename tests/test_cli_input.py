@@ -1,5 +1,5 @@
 """Bad input to the commands is one line and a non-zero exit, never a traceback, and leaves nothing
-behind; machine-readable output stays machine-readable (found by a review, 2026-11-22)."""
+behind; machine-readable output stays machine-readable."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def run(module: str, *args: str, env: dict | None = None) -> tuple[int, str, str
 
 
 @pytest.mark.parametrize("option", [("--dr-total", "0"), ("--sd-threshold", "-1"), ("--util-threshold", "200"),
-                                    ("--window", "99999999999999999999")])  # was an OverflowError traceback
+                                    ("--window", "99999999999999999999")])  # not an OverflowError traceback
 def test_an_out_of_range_manager_setting_is_one_line_and_leaves_no_emulated_gpus(ipc_env, option):
     code, _out, err = run("drbalance.manager.cli", "--source", "emulated:2", *option)
     assert code == 2 and "Traceback" not in err and "drbalance-manager:" in err, err
@@ -67,8 +67,8 @@ def test_numbers_that_would_change_meaning_or_crash_are_refused(argv, message, c
 ])
 def test_a_profile_command_line_that_cannot_measure_is_a_usage_error_before_anything_runs(
         argv, message, ipc_env, tmp_path, capsys):
-    # found by a review, 2026-11-25: these were 'error:' lines with exit status 1, and --profiles ''
-    # silently meant the default file
+    # usage errors (exit status 2), not 'error:' lines with exit status 1; --profiles '' does not
+    # silently mean the default file
     with pytest.raises(SystemExit) as stopped:
         cli.main(argv)
     err = capsys.readouterr().err
@@ -489,7 +489,7 @@ def test_report_takes_a_run_json_without_a_start_and_skips_utilisation_that_is_n
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
 def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
-    """'--devices cuda:1' used to train on every CUDA GPU: the ':1' was dropped without a word."""
+    """'--devices cuda:1' is refused: dropping the ':1' without a word would train on every CUDA GPU."""
     from importlib import import_module
 
     choose_devices = import_module(module).choose_devices
@@ -501,8 +501,8 @@ def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
 def test_emulated_devices_take_a_memory_size_as_the_environment_variable_does(module, monkeypatch):
-    """DRBALANCE_EMULATED_GPUS=4:16GiB (docs/emulation.md) made train_ddp's '--devices auto' exit with
-    "--devices emulated:N needs a GPU count; got 'emulated:4:16GiB'"; train.py took it."""
+    """DRBALANCE_EMULATED_GPUS=4:16GiB (docs/emulation.md) is taken by train.py and train_ddp's
+    '--devices auto' alike, not refused with "--devices emulated:N needs a GPU count"."""
     from importlib import import_module
 
     choose_devices = import_module(module).choose_devices
@@ -526,7 +526,7 @@ def test_emulated_devices_take_a_memory_size_as_the_environment_variable_does(mo
     ("drbalance.sim.mixes", ["--workers", "0"], "--workers: must be an integer >= 1"),
     ("benchmarks.random_mixes", ["--policies", "nope"], "--policies: unknown policies 'nope'"),
     ("benchmarks.random_mixes", ["--workers", "-2"], "--workers: must be an integer >= 1"),
-])  # an unknown policy was a traceback from a worker process after the first simulations had started
+])  # refused up front, not a traceback from a worker process after the first simulations have started
 def test_the_mix_commands_refuse_unknown_names_and_no_workers_before_simulating(main, argv, message, capsys):
     module = importlib.import_module(main)
     with pytest.raises(SystemExit) as stopped:
@@ -590,8 +590,8 @@ def test_seconds_or_profile_name_refuses_other_numbers_and_invalid_names(text, m
 @pytest.mark.slow
 def test_an_image_size_too_small_for_the_model_is_a_usage_error_not_a_traceback_from_its_forward(
         ipc_env, module, model, size, batch, message):
-    # found by a review, 2026-11-25: '--model alexnet --image-size 32' passed the positive-integer check and
-    # died in the first forward ("Output size is too small"); resnet50 at 16 with one-sample chunks likewise
+    # '--model alexnet --image-size 32' passes the positive-integer check but would die in the first forward
+    # ("Output size is too small"); resnet50 at 16 with one-sample chunks likewise
     code, _out, err = run(module, "--model", model, "--image-size", size, "--batch-size", batch, "--devices", "cpu",
                           "--epochs", "1", "--iterations", "1", "--solo-time", "10", "--no-progress",
                           env=_one_rank_env())
@@ -634,7 +634,7 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
 ])
 @pytest.mark.slow
 def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceback(ipc_env, module, option, message):
-    # found by a review, 2026-11-25: "ValueError: Overflow when unpacking long long" from torch.manual_seed and
+    # not "ValueError: Overflow when unpacking long long" from torch.manual_seed nor
     # "MemoryError: Not enough memory" from torch.set_num_threads, both tracebacks
     code, _out, err = run(module, "--model", "alexnet", "--devices", "cpu", "--epochs", "1", "--iterations", "1",
                           "--solo-time", "10", "--no-progress", *option, env=_one_rank_env())
@@ -644,7 +644,7 @@ def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceba
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_them(ipc_env):
-    # found by a review, 2026-11-25: '--devices cpu --gpus 0,1' trained on the CPU without a word about --gpus
+    # '--devices cpu --gpus 0,1' must not train on the CPU without a word about --gpus
     code, _out, err = run("drbalance.runs.train", "--model", "alexnet", "--devices", "cpu", "--epochs", "1",
                           "--iterations", "1", "--solo-time", "10", "--no-progress", "--gpus", "0,1")
     assert code == 2 and "Traceback" not in err, err
@@ -660,8 +660,8 @@ def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_t
 ])
 def test_the_training_script_refuses_a_cuda_gpu_that_does_not_exist_before_moving_the_model(monkeypatch, gpus,
                                                                                             message):
-    # found by a review, 2026-11-25: network.cuda(gpus[0]) ran before any check ("invalid device ordinal"
-    # traceback), and '--gpus ""' meant every GPU without a word
+    # checked before network.cuda(gpus[0]) runs (else an "invalid device ordinal" traceback), and
+    # '--gpus ""' does not mean every GPU without a word
     from drbalance.runs import train
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -693,8 +693,8 @@ def _scenario_file(tmp_path, apps: list[dict]) -> str:
 ])
 def test_launch_refuses_a_model_or_image_size_its_jobs_would_refuse_before_anything_starts(
         tmp_path, monkeypatch, capsys, apps, image_size, message):
-    # found by a review, 2026-11-25: the manager and every job were started, and each job then exited 2 with
-    # one line in its .out file; 'dense' (a short name the simulator takes) likewise
+    # checked before the manager and any job start (else each job would exit 2 with one line in its .out
+    # file); 'dense' (a short name the simulator takes) likewise
     from drbalance.runs import launch
 
     monkeypatch.setattr(launch.subprocess, "Popen", _no_start)

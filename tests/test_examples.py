@@ -75,7 +75,7 @@ def test_torchrun_ddp_trains_on_two_ranks_that_split_every_global_batch(ipc_env,
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_integrate_takes_a_solo_time_in_seconds_written_with_an_exponent(ipc_env, tmp_path):
-    # found by a review, 2026-11-25: '1e3' was taken for a profile name, and the job died with a traceback
+    # '1e3' is seconds, not a profile name (which would end the job with a traceback)
     result = _run([sys.executable, str(EXAMPLES / "integrate.py"), "--app", "exponent", "--epochs", "1",
                    "--iterations", "1", "--solo-time", "1e3"])
     assert result.returncode == 0, result.stderr
@@ -110,7 +110,7 @@ def test_an_example_refuses_a_solo_time_that_is_neither_seconds_nor_a_profile_na
     ("--batch-size", "0", "argument --batch-size: must be an integer >= 1; got 0"),
 ])
 def test_an_example_refuses_a_size_or_count_under_one_in_one_line(ipc_env, capsys, script, option, value, message):
-    # found by a review, 2026-11-25: these were tracebacks from FakeData, the sampler or the session
+    # a usage error, not a traceback from FakeData, the sampler or the session
     code, stderr = _usage_error(script, [f"{option}={value}"], capsys)
     assert code == 2 and message in stderr and stderr.startswith("usage: "), stderr
     assert stderr.strip().splitlines()[-1] == f"{script}: error: {message}"  # one line after the usage
@@ -120,7 +120,7 @@ def test_an_example_refuses_a_size_or_count_under_one_in_one_line(ipc_env, capsy
 @pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
 @pytest.mark.parametrize("value", ["a/b", "", ".hidden"])
 def test_an_example_refuses_an_app_name_the_manager_would_refuse_in_one_line(ipc_env, capsys, script, value):
-    # found by a review, 2026-11-25: a ValueError traceback from the Session, after the model was built
+    # a usage error, not a ValueError traceback from the Session after the model was built
     code, stderr = _usage_error(script, [f"--app={value}"], capsys)
     assert code == 2, stderr
     assert stderr.strip().splitlines()[-1].startswith(
@@ -130,7 +130,7 @@ def test_an_example_refuses_an_app_name_the_manager_would_refuse_in_one_line(ipc
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_env):
-    # found by a review, 2026-11-25: 'python examples/torchrun_ddp.py' was a KeyError: 'LOCAL_RANK' traceback
+    # 'python examples/torchrun_ddp.py' says so, not a KeyError: 'LOCAL_RANK' traceback
     env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
     result = subprocess.run([sys.executable, str(EXAMPLES / "torchrun_ddp.py")], cwd=ROOT, capture_output=True,
                             text=True, timeout=100, env=env)
@@ -144,8 +144,8 @@ def test_the_torchrun_example_started_without_torchrun_says_so_in_one_line(ipc_e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["integrate.py", "torchrun_ddp.py"])
 def test_an_example_given_a_profile_name_with_no_stored_profile_says_so_in_one_line(ipc_env, tmp_path, script):
-    # found by a review, 2026-11-25: a valid name that no 'drbalance profile' stored was a ProfileNotFound
-    # traceback from the Session, after the model was built
+    # a valid name that no 'drbalance profile' stored: one line, not a ProfileNotFound traceback from
+    # the Session after the model was built
     env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}  # what torchrun sets, for torchrun_ddp.py
     result = subprocess.run([sys.executable, str(EXAMPLES / script), "--solo-time", "some-name"], cwd=ROOT,

@@ -93,7 +93,7 @@ def test_apportion_integer_and_fraction_paths_agree(weights, amount):
     assert apportion(weights, amount) == apportion([Fraction(w, 7) for w in weights], amount)
 
 
-# --- issue 57, item 1: a list of numbers is a set of weights -----------------------------------------
+# --- a list of numbers is a set of weights ------------------------------------------------------------
 
 @pytest.mark.parametrize(("weights", "expected"), [
     ([1, 2, 7, 0], DataRatio([1, 2, 7, 0], 10)),  # summing to 10: the DR as given

@@ -1,4 +1,4 @@
-"""SD without a solo-run time (issue 57, item 5): the online estimate of a job's solo iteration time,
+"""SD without a solo-run time: the online estimate of a job's solo iteration time,
 its marks in the record and the SD log, and a session on emulated GPUs that estimates its own."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fault campaign (benchmarks/fault_campaign.py) runs against the real code, so it goes stale
-when a name or protocol changes: after the manager's inbox got a token of its own (2026-11-25) its
-corrupt-input section failed at its start, unnoticed until a re-run four days later. Its quick
-corrupt section, run here, checks that it still reaches the manager and what it measures holds."""
+when a name or protocol changes (an inbox name it no longer knows makes its corrupt-input section
+fail at its start, unnoticed outside the suite). Its quick corrupt section, run here, checks that
+it still reaches the manager and what it measures holds."""
 
 from __future__ import annotations
 

@@ -187,13 +187,12 @@ def test_draw_wide_runs_the_wide_scenarios_and_says_so_in_the_json(tmp_path, cap
 
 @pytest.mark.parametrize("seed", [1076, 1184])
 def test_an_app_alone_split_onto_a_gpu_freed_by_a_finished_app_is_not_left_slower(seed):
-    """Wide mix 1076: four apps on four GPUs, so doing nothing ends every SD at 1.00. When the
-    first app finished, ResNet-50 at batch 16 was split onto its GPU, ran 5% slower than alone,
-    and was kept so to the end (max SD 1.037): the predictor that chose the split had learned
-    from the same miss. Such a move is now judged on its measurements (docs/policy.md). Wide
-    mix 1184 (six apps on six GPUs): such a split made on a predicted gain of 0.001 ran 1.8%
-    slower and was kept (max SD 1.014), as only a loss of ``min_gain`` undid it; now the gain it
-    was made on does (at least ``idle_tolerance``)."""
+    """Wide draw, seed 1076: four apps on four GPUs, so doing nothing ends every SD at 1.00. When the first
+    app finishes, splitting ResNet-50 at batch 16 onto its GPU runs 5% slower than alone, and the
+    predictor that chose the split learned from the same miss, so such a move is judged on its
+    measurements (docs/policy.md) and undone. Seed 1184 (six apps on six GPUs): a split made on a
+    predicted gain of 0.001 runs 1.8% slower; a loss of the gain it was made on (at least
+    ``idle_tolerance``) undoes it, not only a loss of ``min_gain``."""
     for interference in ("calibrated", "gavel"):
         fair = run((seed, interference, "fair"), draw="wide")
         observe = run((seed, interference, "observe"), draw="wide")

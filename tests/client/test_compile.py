@@ -1,4 +1,4 @@
-"""``torch.compile`` and BalancedDataParallel (issue 57, item 6): drbalance's bookkeeping stays out
+"""``torch.compile`` and BalancedDataParallel: drbalance's bookkeeping stays out
 of dynamo, and a compiled model's steps do not recompile when the DR changes."""
 
 import pytest
@@ -52,10 +52,10 @@ def backend_kind(request, ipc_env, monkeypatch):
 
 
 def test_compiling_the_wrapper_traces_none_of_drbalances_bookkeeping(fresh_dynamo, backend_kind):
-    """``torch.compile(BalancedDataParallel(net))`` traced the split, timings and (on emulated GPUs)
-    the cost measurement: graph breaks at each, a recompile at every DR change until dynamo's
-    recompile limit. Now dynamo skips the wrapper's forward at its entry (the one break, with no
-    graph on either side), and training is the eager wrapper's."""
+    """``torch.compile(BalancedDataParallel(net))``: dynamo skips the wrapper's forward at its entry
+    (the one break, with no graph on either side), and training is the eager wrapper's. Tracing the
+    split, timings and (on emulated GPUs) the cost measurement would break the graph at each and
+    recompile at every DR change until dynamo's recompile limit."""
     wrapper = BalancedDataParallel(network(), device_ids=[0, 1])
     assert wrapper.backend.kind == backend_kind
     eager = BalancedDataParallel(network(), device_ids=[0, 1], backend=wrapper.backend)

@@ -1,9 +1,9 @@
 """The control exchange's own gloo group (NCCL jobs, or "cpu:gloo,cuda:nccl"): one per process group, not per model.
 
 A job whose process group is not plain gloo gets a gloo group of its ranks for the control
-exchange. It used to get a new one for every model wrapped, each kept (with its threads and
-connections) until ``destroy_process_group``: re-wrapping models in one process leaked a gloo group
-each time. The backend string "cpu:gloo" takes that path on the CPU.
+exchange, one per process group: a new one for every model wrapped would be kept (with its
+threads and connections) until ``destroy_process_group``, so re-wrapping models in one process
+would leak a gloo group each time. The backend string "cpu:gloo" takes that path on the CPU.
 """
 
 from __future__ import annotations

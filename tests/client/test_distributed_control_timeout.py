@@ -1,8 +1,8 @@
 """A stuck rank of a job whose control exchange has a gloo group of its own (NCCL, "cpu:gloo,cuda:nccl").
 
-The control group used to be made with ``new_group``'s default timeout (30 minutes), whatever
-``init_process_group`` (train_ddp.py's ``--timeout``) said: the other ranks waited for a stuck rank
-half an hour in the control exchange instead of failing after the job's timeout.
+The control group takes the timeout ``init_process_group`` was given (train_ddp.py's
+``--timeout``), not ``new_group``'s default (30 minutes): the other ranks fail after the job's
+timeout instead of waiting half an hour for a stuck rank in the control exchange.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A rank that dies between control exchanges: its peers say so as they do in a control exchange.
 
-A dead peer found in a counting step's gradient all-reduce used to surface as gloo's raw
-``RuntimeError`` ("Connection closed by peer [127.0.0.1]:port") from the backward, found in a control
-exchange as ``RatioSyncError`` naming the rank. Both are ``RatioSyncError`` now.
+A dead peer found in a counting step's gradient all-reduce raises ``RatioSyncError`` naming the
+rank, as one found in a control exchange does, not gloo's raw ``RuntimeError`` ("Connection closed
+by peer [127.0.0.1]:port") from the backward.
 """
 
 from __future__ import annotations

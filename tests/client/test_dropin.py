@@ -1,4 +1,4 @@
-"""Issue 11, items 7 and 8: emulated GPUs for an unchanged script from the environment alone, a
+"""Emulated GPUs for an unchanged script from the environment alone, a
 per-model cost for any model, and the one-line swap in an ImageNet-style script."""
 
 import os
@@ -206,10 +206,10 @@ class _SparseInput(nn.Module):
 def test_a_forward_the_cost_counting_cannot_run_still_runs_on_emulated_gpus(emu, monkeypatch, make, inputs, guessed):
     # (_ScalesItsInputThenJacobian's backward is not compared: a forward that changes its input in
     # place breaks the backward of any split on the CPU path, counted or not; docs/client.md)
-    """On emulated GPUs the first chunk's forward was run under the cost counting, whose error
-    stopped these models' first step (replica 0 on emu:0) where the bare module runs. Their
-    outputs and gradients now equal the bare module's; where the counting cannot run, the costs
-    are guessed and a warning says so."""
+    """On emulated GPUs the first chunk's forward runs under the cost counting, whose error must not
+    stop these models' first step (replica 0 on emu:0) where the bare module runs. Their outputs
+    and gradients equal the bare module's; where the counting cannot run, the costs are guessed
+    and a warning says so."""
     monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
     torch.manual_seed(0)
     bare = make()
@@ -254,7 +254,7 @@ def _no_warning():
 
 def test_cuda_device_ids_of_a_gpu_script_name_the_emulated_gpus_of_their_index(emu, monkeypatch):
     """A script written for GPUs passes torch.device("cuda:1") or "cuda:1", as nn.DataParallel takes
-    them; on emulated GPUs they were refused with "CUDA is not available here"."""
+    them; on emulated GPUs they name the emulated GPU of that index, not "CUDA is not available here"."""
     monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
     for ids, expected in (([torch.device("cuda:1"), torch.device("cuda:2")], [1, 2]), (["cuda:0", "cuda:3"], [0, 3]),
                           ([2, "cuda:1"], [2, 1])):
@@ -291,9 +291,9 @@ print(model.backend.kind, tuple(out.shape), model.last_chunk_sizes, len(leftover
 
 @pytest.mark.slow
 def test_a_model_saved_whole_on_emulated_gpus_loads_without_them(emu, tmp_path):
-    """A wrapper saved with ``torch.save`` on emulated GPUs reopened emulated GPUs (segments in
-    /dev/shm, device time) when loaded in a process without ``DRBALANCE_EMULATED_GPUS``: it now
-    loads on the CPU path there, with its DR, and on emulated GPUs where the variable is set."""
+    """A wrapper saved with ``torch.save`` on emulated GPUs loads on the CPU path, with its DR, in a
+    process without ``DRBALANCE_EMULATED_GPUS`` (it opens no emulated GPUs there: no segments in
+    /dev/shm, no device time), and on emulated GPUs where the variable is set."""
     saved = tmp_path / "model.pt"
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "DRBALANCE_EMULATED_GPUS": "3"}
     subprocess.run([sys.executable, "-c", SAVE_ON_EMULATED, str(saved)], env=environment, cwd=ROOT, check=True,

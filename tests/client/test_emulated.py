@@ -123,8 +123,9 @@ def test_the_emulated_backend_splits_like_the_cpu_path_and_times_replicas(emu):
 
 
 def test_jobs_killed_while_waiting_for_a_gpu_leave_it_unshared(emu):
-    """A waiter used to count itself in a semaphore that outlived it: after a kill -9 while waiting
-    the GPU looked shared for good (a lone job took turns and served 1.216x its time)."""
+    """A waiter killed (kill -9) while waiting leaves no count behind: a waiter counted in a
+    semaphore that outlived it would make the GPU look shared for good (a lone job would take
+    turns and serve about 1.2x its time)."""
     holder = python_process("tests.helpers.emu_holder", "0", "120")
     waiters = []
     try:
@@ -421,9 +422,9 @@ def test_a_parameter_the_module_returns_gets_no_memory_hook_that_outlives_the_fo
 
 @pytest.mark.timeout(120)
 def test_processes_giving_one_emulated_gpu_different_memory_sizes_are_refused(emu):
-    """Each process used to apply its own N:MEMORY: a manager started with emulated:4:8GiB capped
-    shares by 8 GiB while its jobs (DRBALANCE_EMULATED_GPUS=4) reserved up to 24 GiB on the same
-    GPUs, and neither said a word."""
+    """Every process uses one N:MEMORY for the same emulated GPUs; one that gives another size is
+    refused. Otherwise a manager started with emulated:4:8GiB would cap shares by 8 GiB while its
+    jobs (DRBALANCE_EMULATED_GPUS=4) reserved up to 24 GiB on the same GPUs, without a word."""
     holder = python_process("tests.helpers.emu_memory_holder", "0", "1000", str(16 * 2**30))
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -525,9 +526,9 @@ def test_a_source_or_job_refused_at_one_gpu_leaves_none_of_the_gpus_it_opened_be
 
 
 def test_an_emulated_gpu_memory_size_of_hundreds_of_digits_is_refused_in_plain_words():
-    """A size past a float's range (309 digits or more) was an 'OverflowError: cannot convert float
-    infinity to integer' traceback from 'drbalance-manager --source emulated:2:999...' and the
-    training scripts, where any other size beyond 1 PiB is a one-line ValueError."""
+    """A size past a float's range (309 digits or more) is a one-line ValueError, as any other size
+    beyond 1 PiB is, from 'drbalance-manager --source emulated:2:999...' and the training scripts,
+    not an 'OverflowError: cannot convert float infinity to integer' traceback."""
     for text in ("9" * 400, "9" * 400 + "GiB", "1" + "0" * 320 + ".5MiB"):
         with pytest.raises(ValueError, match=r"at most 1 PiB"):
             emulated_spec(f"2:{text}")
@@ -536,20 +537,19 @@ def test_an_emulated_gpu_memory_size_of_hundreds_of_digits_is_refused_in_plain_w
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_during_the_device_phase_stops_the_job_without_serving_its_chunks_to_the_end(emu):
-    """Ctrl-C (or SIGTERM's exit) in a forward used to leave the replicas' threads serving their
-    chunks' whole device time: the job exited only after it (minutes at a large time scale)."""
+    """Ctrl-C (or SIGTERM's exit) in a forward stops the replicas' threads too: serving their
+    chunks' whole device time first would hold the job's exit up (minutes at a large time scale)."""
     _interrupt_in_the_device_phase(emu, lambda job: job.send_signal(signal.SIGINT))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_handled_by_another_thread_of_the_job_still_stops_it_in_the_device_phase(emu):
-    """The job waited for its chunks in an untimed ``future.result()``: a SIGINT whose handler ran
-    in another of its threads (Linux gives a process's signal to any thread that does not block it,
-    and one that arrives while the main thread is on its way into the wait is as late), only
-    marked KeyboardInterrupt pending, and the main thread slept on until its chunks ended (1000 s
-    here). The suite's Ctrl-C test hung this way under load. Here the signal goes to one of the
-    job's other threads (kill(2) on a thread id prefers that thread)."""
+    """A SIGINT whose handler runs in another of the job's threads (Linux gives a process's signal
+    to any thread that does not block it, and one that arrives while the main thread is on its way
+    into the wait is as late) only marks KeyboardInterrupt pending: a main thread waiting for its
+    chunks in an untimed ``future.result()`` would sleep on until they ended (1000 s here). Here
+    the signal goes to one of the job's other threads (kill(2) on a thread id prefers that thread)."""
     def to_another_thread(job: subprocess.Popen) -> None:
         others = sorted(int(tid) for tid in os.listdir(f"/proc/{job.pid}/task") if int(tid) != job.pid)
         assert others  # the replicas' threads at least
@@ -571,8 +571,8 @@ def _interrupt_in_the_device_phase(emu, interrupt) -> None:
     The job starts with SIGINT at its default action, as a job started from a terminal does: a
     process inherits an ignored SIGINT (a background job of a non-interactive shell has it, and so
     does every process such a job starts: pytest and its children), and Python then installs no
-    KeyboardInterrupt handler at all. Both Ctrl-C tests hung that way in full-suite runs started in
-    the background, while they passed when the suite ran in the foreground."""
+    KeyboardInterrupt handler at all, so without this the Ctrl-C tests would hang when the suite
+    runs in the background and pass only in the foreground."""
     job = python_process("tests.helpers.emu_long_chunk", "1000", env={"DRBALANCE_NO_MANAGER": "1"},
                          preexec_fn=_sigint_by_default)
     gpu = EmulatedGpu(emu, 1)
@@ -638,7 +638,7 @@ def test_a_training_job_stopped_with_sigterm_dies_of_it_and_leaves_no_emulated_g
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_on_a_training_job_is_one_line_and_leaves_no_emulated_gpu(emu, tmp_path):
-    """Ctrl-C printed a torch traceback of some twenty lines; now one line and exit status 130."""
+    """Ctrl-C is one line and exit status 130, not a torch traceback of some twenty lines."""
     job, err, _log = _signal_a_training_job("interrupted", signal.SIGINT, tmp_path, preexec_fn=_sigint_by_default)
     assert job.returncode == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "train.py: interrupted (Ctrl-C)", err

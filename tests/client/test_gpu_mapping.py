@@ -1,4 +1,4 @@
-"""Issue 11: GPUs named by UUID. A job's DR slots are mapped to the manager's GPUs by UUID, DRs are
+"""GPUs named by UUID. A job's DR slots are mapped to the manager's GPUs by UUID, DRs are
 translated both ways, and memory (OOM limits, free memory) caps the shares a policy may give."""
 
 import os
@@ -73,7 +73,7 @@ def test_torch_style_uuids_match_nvml_ones_and_unknown_devices_are_handled():
         entry([5, 5], [SlotStatus(UUIDS[1]), SlotStatus(stranger)]).view(10, server)
     with pytest.raises(Unmapped, match="one GPU for two of its slots"):
         entry([5, 5], [SlotStatus(UUIDS[1]), SlotStatus(UUIDS[1])]).view(10, server)
-    # no UUIDs anywhere: slot g is GPU g when the counts agree (the pre-v2 behaviour)
+    # no UUIDs anywhere: slot g is GPU g when the counts agree
     assert entry([1, 2, 3, 4]).view(10, ServerGpus(4)).ratio == DataRatio([1, 2, 3, 4])
     assert entry([1, 2, 3, 4]).view(10, server).allowed is None
     with pytest.raises(Unmapped, match="2 GPU slots without UUIDs; the manager has 4"):
@@ -124,8 +124,8 @@ def test_slots_with_and_without_uuids_are_mapped_by_uuid_never_by_position():
 
 
 def test_a_tiny_memory_per_sample_caps_nothing_instead_of_overflowing():
-    # a record that passes validation (finite, positive) used to raise OverflowError while the manager
-    # built the snapshot for every decision: no job got an answer while it stood
+    # a record that passes validation (finite, positive) must not raise OverflowError while the
+    # manager builds the snapshot for every decision: no job would get an answer while it stood
     server = ServerGpus(2, UUIDS[:2], (MemoryInfo(16 * GIB, 8 * GIB, 8 * GIB), MemoryInfo(16 * GIB, 8 * GIB, 8 * GIB)))
     slots = [SlotStatus(UUIDS[0], memory_per_sample=1e-300), SlotStatus(UUIDS[1], memory_per_sample=1e-300)]
     view = entry([5, 5], slots, batch=32).view(10, server)
@@ -326,8 +326,8 @@ def test_a_gpu_nvml_counts_but_cannot_open_is_a_clear_error_not_a_traceback(ipc_
 
 @pytest.mark.timeout(60)
 def test_a_gpu_uuid_unknown_at_start_up_is_read_again_while_the_manager_runs(ipc_env, tmp_path):
-    """The UUIDs were read once, when the manager started: a GPU whose UUID failed to read then
-    (None) left every job on it unmapped (its DR kept) for the manager's whole life."""
+    """A GPU whose UUID failed to read at start-up (None) is read again: read only once, it would
+    leave every job on it unmapped (its DR kept) for the manager's whole life."""
     script = tmp_path / "util.json"
     script.write_text('{"gpus": 2, "uuids": [null, "GPU-b"], "steps": [{"at": 0, "util": [10, 20]}]}')
     manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
@@ -376,8 +376,8 @@ class FlakyMemorySource(EmulatedSource):
 
 
 def test_one_failed_memory_reading_does_not_lift_the_free_memory_cap(emu, tmp_path):
-    """A memory reading that failed once (an NVML error on one call of many) gave the GPU no
-    free-memory cap until the next sample: a decision then could send a job more than fits."""
+    """A memory reading that fails once (an NVML error on one call of many) keeps the GPU's last
+    free-memory cap: with no cap until the next sample, a decision could send a job more than fits."""
     source = FlakyMemorySource(emu, range(4), memory_bytes=2000)
 
     def sample(manager):
@@ -393,9 +393,9 @@ def test_one_failed_memory_reading_does_not_lift_the_free_memory_cap(emu, tmp_pa
 
 
 def test_the_status_file_shows_each_dr_on_the_servers_gpus(emu, tmp_path):
-    """The status file gave each app's DR in its own slot order: a job on GPUs 2 and 3 (its slots
-    0 and 1) showed "1 1" under a four-GPU table, read as GPUs 0 and 1; docs/operations.md says the
-    status's DRs use the manager's GPU index, as the manager log and the metrics do."""
+    """The status file gives each app's DR by the manager's GPU index, as the manager log and the
+    metrics do (docs/operations.md), not in the app's own slot order: a job on GPUs 2 and 3 (its
+    slots 0 and 1) would show "1 1" under a four-GPU table, read as GPUs 0 and 1."""
     from drbalance.manager.status import format_table, read_status
 
     source = EmulatedSource(emu, range(4), memory_bytes=24 * GIB)

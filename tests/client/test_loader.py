@@ -1,4 +1,4 @@
-"""The one-call loader for DDP jobs (issue 57, item 2): a DDP script's own DataLoader, remade by
+"""The one-call loader for DDP jobs: a DDP script's own DataLoader, remade by
 ``balanced_loader``, follows the job's DR; a loader that does not is warned about at the first step."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def spawn(name: str, world: int, tmp_path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_ddp_scripts_loader_remade_in_one_call_follows_the_dr(tmp_path):
-    """With the tutorial's DistributedSampler kept, ratio=[3, 1] trained 8 and 8 samples per rank
-    without a word. Rank 0 now warns at the first step; balanced_loader(loader, model) splits the
+    """With the tutorial's DistributedSampler kept, ratio=[3, 1] trains 8 and 8 samples per rank, so
+    rank 0 warns at the first step; balanced_loader(loader, model) splits the
     global batch of 8 x 2 as 12 + 4, keeps the collate_fn, every sample once per epoch, and
     loader.sampler.set_epoch (where DDP scripts call it) reshuffles."""
     ranks = spawn("loaders", 2, tmp_path)

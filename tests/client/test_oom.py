@@ -1,4 +1,4 @@
-"""Issue 11: a DR change can never kill a job. Out-of-memory errors on emulated GPUs (which raise
+"""A DR change can never kill a job. Out-of-memory errors on emulated GPUs (which raise
 torch's OutOfMemoryError) after a DR change are reverted, the batch re-run, the limit reported."""
 
 import gc
@@ -233,8 +233,8 @@ def test_the_session_reports_the_limit_and_memory_per_sample_and_logs_the_revert
 
 
 def test_a_revert_after_the_last_report_is_still_logged_when_the_session_closes(emu, tmp_path):
-    """oom_revert lines were written only at reports and boundaries: a revert in the last steps before
-    close() (a short run, a job stopped) never reached the SD log (docs/client.md: each is recorded)."""
+    """A revert in the last steps before close() (a short run, a job stopped) reaches the SD log too
+    (docs/client.md: each is recorded), not only those before a report or boundary."""
     model = wrapped(network(), [5, 5])
     session = Session(model, "oomlate", epochs=1, iterations_per_epoch=50, solo_time=10.0, report_every=5,
                       exchange_timeout=0.0)

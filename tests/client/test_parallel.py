@@ -289,7 +289,7 @@ def test_an_error_in_a_replica_names_the_replica_and_device():
         wrapped(torch.ones(5, 1))
 
 
-# --- issue 11: the numbered drop-in items ------------------------------------------------------
+# --- drop-in behaviour: BatchNorm buffers, 0-dim arguments, outputs, copies, array DRs ----------
 
 def bn_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -443,7 +443,7 @@ def test_item6_arrays_that_are_not_drs_get_clear_errors():
     assert wrapped.ratio == DataRatio([5, 5])  # a rejected DR changes nothing
 
 
-# --- the drop-in review of 2026-11-24 ----------------------------------------------------------
+# --- outputs, buffers, exceptions and devices as nn.DataParallel treats them -------------------
 
 class ReassignedBuffers(nn.Module):
     """Buffers updated by assignment, not in place (an EMA and a step count)."""
@@ -529,8 +529,8 @@ def test_a_replica_error_keeps_the_original_exceptions_attributes():
 
 @pytest.mark.timeout(60)
 def test_a_replica_error_whose_constructor_drops_the_message_still_names_the_replica():
-    """An exception whose one argument is not its message (``__init__(self, code)``) was rebuilt from the
-    message with an empty text: the replica, device and slot were lost (docs/client.md names them)."""
+    """An exception whose one argument is not its message (``__init__(self, code)``) still names the
+    replica, device and slot (docs/client.md names them); rebuilding it from the message would lose them."""
     class CodeOnly(Exception):
         def __init__(self, code: int) -> None:
             super().__init__()
@@ -674,8 +674,8 @@ def test_a_buffer_updated_in_place_and_saved_for_the_backward_keeps_each_chunks_
 @pytest.mark.timeout(60)
 def test_with_one_device_the_modules_own_exception_passes_through_as_data_parallel_lets_it():
     """nn.DataParallel on one device calls the module itself, so the module's exception reaches
-    the caller as it was raised; it used to be rebuilt with 'Caught ... in replica 0' in its
-    message (a changed ``args``), which broke code that reads it."""
+    the caller as it was raised, not rebuilt with 'Caught ... in replica 0' in its message (a
+    changed ``args`` would break code that reads it)."""
     raised = KeyError("missing-key")
 
     class Fails(nn.Module):
@@ -691,11 +691,12 @@ def test_with_one_device_the_modules_own_exception_passes_through_as_data_parall
     assert caught.value is not raised and caught.value.__cause__ is raised
 
 
-# --- issue 57, item 1: ratios as weights -------------------------------------------------------------
+# --- ratios as weights -------------------------------------------------------------------------------
 
 def test_the_dr_a_wrapper_shows_can_be_given_back_and_weights_are_accepted():
-    """``m.set_ratio(list(m.ratio.shares))`` raised "DR shares [1, 1, 1, 1] sum to 4, but the DR
-    total is 10"; ``ratio=[3, 1]`` and ``[1, 1]`` failed the same way."""
+    """``m.set_ratio(list(m.ratio.shares))`` is accepted whatever the DR total (no "DR shares
+    [1, 1, 1, 1] sum to 4, but the DR total is 10"), and so are weights such as ``ratio=[3, 1]``
+    and ``[1, 1]``."""
     model = BalancedDataParallel(nn.Linear(4, 2), device_ids=[0, 1, 2, 3])
     model.set_ratio(list(model.ratio.shares))
     model(torch.randn(8, 4))
@@ -713,7 +714,8 @@ def test_the_dr_a_wrapper_shows_can_be_given_back_and_weights_are_accepted():
 
 def test_device_ids_of_a_gpu_script_are_slot_labels_without_cuda():
     """``device_ids=["cuda:0", "cuda:1"]`` and ``torch.device`` entries, as ``nn.DataParallel`` takes
-    them, were refused on the CPU path ("expected an integer", "CUDA is not available here")."""
+    them, are slot labels on the CPU path, not errors ("expected an integer", "CUDA is not available
+    here")."""
     for ids, labels in ((["cuda:0", "cuda:1"], [0, 1]), ([torch.device("cuda", 2), torch.device("cuda:3")], [2, 3]),
                         ([torch.device("cpu"), 5], [0, 5]), ([np.int64(1), "cuda:0"], [1, 0])):
         model = BalancedDataParallel(nn.Linear(4, 2), device_ids=ids)

@@ -101,7 +101,7 @@ def test_an_error_names_the_gpu():
         wrapped(torch.randn(4, 2))
 
 
-# --- issue 11 (written for a GPU; not run in this task, which had none) ------------------------
+# --- device UUIDs, memory per sample, out-of-memory errors, BatchNorm on CUDA -----------------
 
 def test_device_uuids_are_nvmls_and_memory_per_sample_is_measured():
     wrapped = BalancedDataParallel(model_on("cuda:0"), device_ids=[0])
@@ -167,7 +167,7 @@ def test_two_gpus_batchnorm_buffers_advance_once_and_0_dim_arguments_are_broadca
     torch.testing.assert_close(out, x * 2)
 
 
-# --- a chunk time covers the forward and the backward (2026-11-28) ------------------------------
+# --- a chunk time covers the forward and the backward -------------------------------------------
 
 def heavy_model() -> nn.Module:
     """Matrix products big enough that device time dwarfs launches: a backward costs about twice

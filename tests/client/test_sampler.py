@@ -185,7 +185,7 @@ def test_bad_ratios_and_sizes_are_rejected_with_the_rule():
         check_rank_ratio([0, 0], 2)  # the rule of as_ratio itself, prefixed with where it was given
     with pytest.raises(ValueError, match=r"^--ratio: DR shares"):
         check_rank_ratio([-1, 1], 2, where="--ratio")
-    # weights (issue 57): [1, 1] is kept as [5, 5]/10 as the docstring says, [3, 1] as [9, 3]/12
+    # weights: [1, 1] is kept as [5, 5]/10 as the docstring says, [3, 1] as [9, 3]/12
     assert check_rank_ratio([1, 1], 2) == DataRatio([5, 5], 10)
     assert check_rank_ratio([3, 1], 2) == DataRatio([9, 3], 12)
     assert check_rank_ratio([0.3, 0.7], 2) == DataRatio([3, 7], 10)

@@ -1,7 +1,7 @@
 """A process forked from a training job (``os.fork``: a checkpoint writer, a helper) holds a copy
-of the job's session. Its exit must leave the job alone: it used to send the manager a FINISH
-notice in the job's name (the manager drops the job), remove the job's record, semaphore and name
-claim, and write the job's buffered SD-log lines a second time."""
+of the job's session. Its exit must leave the job alone: it sends the manager no FINISH notice in
+the job's name (the manager would drop the job), removes none of the job's record, semaphore and
+name claim, and does not write the job's buffered SD-log lines a second time."""
 
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ SIGTERM_IN_A_CHILD = textwrap.dedent("""
 
 
 def test_a_forked_child_dies_of_sigterm_at_once_and_the_job_trains_on(ipc_env, tmp_path):
-    """A DataLoader worker inherits the job's SIGTERM handler; it used to raise SessionTerminated in
-    the worker, which then ran its cleanup code and the job's exit hooks, instead of dying of
-    SIGTERM at once as it would without drbalance."""
+    """A DataLoader worker inherits the job's SIGTERM handler; it dies of SIGTERM at once, as it
+    would without drbalance, instead of raising SessionTerminated in the worker (which would then
+    run its cleanup code and the job's exit hooks)."""
     done = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_CHILD], cwd=ROOT, capture_output=True, text=True,
                           timeout=100, env={**os.environ, "PYTHONPATH": str(ROOT), "DRBALANCE_NO_MANAGER": "1"})
     assert done.returncode == 0, done.stderr

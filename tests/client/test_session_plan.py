@@ -1,4 +1,4 @@
-"""Issue 11, item 2: a session's plan — from the loader, resumed at a later epoch, and run past."""
+"""A session's plan — from the loader, resumed at a later epoch, and run past."""
 
 import json
 import logging
@@ -79,8 +79,8 @@ def test_the_plan_can_come_from_the_loader(alone):
 
 def test_numpy_integers_count_as_integers_and_numpy_bools_and_fractions_do_not(alone):
     """A plan read from a config or an array arrives as numpy integers: ``iterations_per_epoch``
-    of ``np.int64(5)`` used to be refused as "a loader with no length (IterableDataset)", the
-    other counts as not integers."""
+    of ``np.int64(5)`` is a count, not "a loader with no length (IterableDataset)", and the other
+    counts are integers too."""
     import numpy as np
 
     session = Session(model(), "numpy-plan", epochs=np.int64(4), iterations_per_epoch=np.int32(5),
@@ -170,9 +170,9 @@ def test_a_session_that_cannot_start_leaves_no_ipc_object_and_frees_its_name(ipc
 
 
 def test_an_sd_log_below_a_folder_every_user_may_write_is_a_clear_error_and_leaves_nothing(ipc_env, tmp_path):
-    """Issue 59: a log folder under a world-writable, non-sticky folder (anyone could swap what lies
-    below it) stopped the job at Session() with a message naming only that folder. The error now
-    names the SD log too and what to do; the job's name and objects are left free."""
+    """A log folder under a world-writable, non-sticky folder (anyone could swap what lies below
+    it) stops the job at Session() with an error that names that folder, the SD log and what to
+    do; the job's name and objects are left free."""
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)

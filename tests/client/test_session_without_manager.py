@@ -1,6 +1,6 @@
-"""``DRBALANCE_NO_MANAGER`` as users write it. ``True`` or ``ON`` used to be taken as "no": the job
-quietly registered with the manager it was meant to stay away from. A value that is neither yes
-nor no is a clear error before anything is created."""
+"""``DRBALANCE_NO_MANAGER`` as users write it, in any case: ``True`` or ``ON`` is "yes", so the job
+does not quietly register with the manager it was meant to stay away from. A value that is neither
+yes nor no is a clear error before anything is created."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Malformed discovery files (``manager.json``, an app's claim) are a clear ``DiscoveryError``.
 
-Before 2026-12-02 only undecodable bytes and bad JSON syntax were: a claim nested thousands of
-levels deep raised ``RecursionError`` at every rescan (the manager then stopped collecting every
-claim sorted after it), a 400-digit ``claimed`` or ``started`` raised ``OverflowError``, and so
-did a pid beyond ``pid_t`` in ``os.kill``; a job whose ``Session`` read such a ``manager.json``
-crashed at start instead of training on alone.
+Not only undecodable bytes and bad JSON syntax: a claim nested thousands of levels deep (which
+would raise ``RecursionError`` at every rescan, and the manager would stop collecting every claim
+sorted after it), a 400-digit ``claimed`` or ``started`` (``OverflowError``), a pid beyond
+``pid_t`` (``OverflowError`` in ``os.kill``). A job whose ``Session`` reads such a
+``manager.json`` trains on alone instead of crashing at start.
 """
 
 import json

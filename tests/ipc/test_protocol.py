@@ -2,7 +2,7 @@
 
 A real training process (tests/helpers/toy_app.py) talks to a minimal manager process built on
 the manager-side primitives (tests/helpers/toy_manager.py). The daemon's own tests are in
-test_manager_daemon.py.
+tests/manager/test_daemon.py.
 """
 
 import json
@@ -102,9 +102,9 @@ def sd_events(app: str, *kinds: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_once_it_is_in_time(ipc_env):
-    """A manager that is alive but slow (its heartbeat fresh, every answer 0.6 s late) cost the job
-    its whole wait at every boundary (0.5 s each: 20 boundaries of a 0.5 s job took 10 s). Now,
-    after three late answers in a row, the job waits a tenth of it, until an answer comes in time."""
+    """A manager that is alive but slow (its heartbeat fresh, every answer 0.6 s late) would cost
+    the job its whole wait at every boundary (0.5 s each: 20 boundaries of a 0.5 s job take 10 s).
+    After three late answers in a row the job waits a tenth of it, until an answer comes in time."""
     from drbalance.client.session import LATE_ANSWERS_BEFORE_SHORT_WAITS, SHORT_WAIT_SHARE
 
     # the first 4 answers 0.6 s late; a boundary every 0.2 s, so the toy manager's inbox never fills
@@ -130,8 +130,9 @@ def test_a_slow_manager_gets_short_waits_after_three_late_answers_and_full_ones_
 @pytest.mark.slow
 def test_a_job_leaves_short_waits_when_a_late_answer_came_within_its_full_wait(ipc_env):
     """After the slow start, every answer comes 0.1 s after its notice: past the short wait (0.05 s)
-    but within the full one (0.5 s). A review found the job then kept its short waits to the end,
-    taking every answer late; the late answer's time now tells it the manager keeps up again."""
+    but within the full one (0.5 s). The late answer's time tells the job the manager keeps up
+    again, so it leaves its short waits instead of keeping them to the end and taking every
+    answer late."""
     against_toy_manager("recovered", ["--delay", "0.6", "--slow-notices", "4", "--later-delay", "0.1"],
                         "--iterations", "60", "--sleep", "0.1", "--exchange-timeout", "0.5")
     marks = sd_events("recovered", "slow_manager", "manager_in_time", "no_answer")

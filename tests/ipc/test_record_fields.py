@@ -1,4 +1,4 @@
-"""Protocol v2: what a record carries beyond SD and DR, and the constraints every decision respects."""
+"""What a record carries beyond SD and DR, and the constraints every decision respects."""
 
 import json
 import os
@@ -283,8 +283,8 @@ def test_a_refused_dr_is_published_at_once_so_the_manager_stops_taking_it_as_cur
         train(models["a"], sessions["a"])  # not a report: the signal brings the push, which a refuses
         assert models["a"].ratio == DataRatio([0, 5, 5, 0])
         manager._refresh_all(manager.clock.monotonic())
-        # used to stay [10, 0, 0, 0] until a's next report, 49 iterations later: decisions for other
-        # apps counted a on GPU 0
+        # at once, not at a's next report 49 iterations later: until then decisions for other apps
+        # would count a on GPU 0
         assert entry.effective_ratio() == DataRatio([0, 5, 5, 0])
 
 
@@ -321,7 +321,7 @@ def test_a_push_that_arrives_during_the_boundary_iteration_is_applied_before_the
         a.link.await_command = manager_answers
         train(model_a, a)  # iteration 10: a boundary; the push reached the record during it
         a.link.await_command = waiting
-        # used to publish [0, 5, 5, 0] and take the answer over the push: b's swap half-done
+        # the push wins over the answer ([0, 5, 5, 0]), which would leave b's swap half-done
         assert model_a.ratio == DataRatio([10, 0, 0, 0])
         assert manager.table.get("a").effective_ratio() == DataRatio([10, 0, 0, 0])
 
@@ -350,9 +350,9 @@ class ToLastGpu:
 
 def test_a_restarted_manager_takes_the_dr_its_predecessor_sent_not_the_older_one_in_the_record(ipc_env, tmp_path):
     """A job publishes its DR at its next report, not when it applies an answer. A manager restarted
-    in between adopted the job with the DR of its record, the one before the answer: until the job's
-    next report (longer while it is quiet: an evaluation, a checkpoint), its status and every decision
-    placed the job where it no longer was."""
+    in between adopts the job with the DR its predecessor sent, not the older one of its record:
+    otherwise, until the job's next report (longer while it is quiet: an evaluation, a checkpoint),
+    its status and every decision would place the job where it no longer is."""
     import json
 
     from drbalance.ipc.layout import Notice, NoticeKind
@@ -393,10 +393,10 @@ def test_a_restarted_manager_takes_the_dr_its_predecessor_sent_not_the_older_one
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_job_takes_no_dr_at_another_total_and_the_manager_decides_at_its_own(ipc_env, tmp_path):
-    """Issue 59, item 6. A pushed [7, 0, 0, 0]/7, written into a job's record by another process
-    of the user, was applied, and the manager then decided at total 7 for good, never returning
-    to its --dr-total 10. A job now takes a command only at its manager's total (or one that
-    keeps the DR it has), and the manager decides at its own total whatever a record says."""
+    """A job takes a command only at its manager's total (or one that keeps the DR it has), and
+    the manager decides at its own total whatever a record says. A pushed [7, 0, 0, 0]/7, written
+    into a job's record by another process of the user, must not be applied, or the manager would
+    decide at total 7 for good, never returning to its --dr-total 10."""
     import dataclasses
     import signal
     import time

@@ -265,8 +265,9 @@ claim.release()
 
 
 def test_a_claim_that_cannot_be_written_back_is_tried_again_and_leaves_no_empty_claim(ipc_env):
-    """Putting a removed claim back on a full disk raised out of the job's step; had the file been
-    left empty, the claim would have looked held for good and no manager would find the job."""
+    """Putting a removed claim back on a full disk does not raise out of the job's step, and is
+    tried again; a file left empty would make the claim look held for good and no manager would
+    find the job."""
     done = subprocess.run([sys.executable, "-c", CLAIM_ON_A_FULL_DISK], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr

@@ -172,8 +172,8 @@ def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys)
 
 
 def test_a_second_manager_with_another_runtime_directory_is_refused_too(ipc_env, tmp_path):
-    """Its lock is elsewhere (say, started where XDG_RUNTIME_DIR is not set): it used to run beside
-    the first and adopt its jobs. The first's heartbeat in /dev/shm gives it away."""
+    """Its lock is elsewhere (say, started where XDG_RUNTIME_DIR is not set), but the first's
+    heartbeat in /dev/shm gives it away: it must not run beside the first and adopt its jobs."""
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
         elsewhere = {"DRBALANCE_RUNTIME_DIR": str(tmp_path / "elsewhere")}
@@ -295,8 +295,9 @@ def manager_paused_in_start_up(ipc_env, tmp_path, go):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_right_after_the_emulated_gpus_are_made_stops_the_manager_cleanly(ipc_env, tmp_path, signum):
-    """The emulated GPUs were made before the stop handlers were installed: a SIGTERM then killed
-    the manager and left them in /dev/shm (a SIGINT, a KeyboardInterrupt traceback and the same)."""
+    """The stop handlers are installed before the emulated GPUs are made: otherwise a SIGTERM then
+    would kill the manager and leave them in /dev/shm (a SIGINT, a KeyboardInterrupt traceback and
+    the same)."""
     go = tmp_path / "go"
     with manager_paused_in_start_up(ipc_env, tmp_path, go) as process:
         assert [e for e in leftovers(ipc_env) if ".emu." in e]  # what a stop must remove
@@ -363,9 +364,9 @@ def test_the_manager_command_restores_the_signal_handlers_it_found_on_every_retu
 
 def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(ipc_env, tmp_path, caplog,
                                                                                  monkeypatch):
-    """A process of the same user sent 188,000 notices for ever-new app names in 30 s: the manager
-    wrote a warning for each and kept them all for a minute (85 MB). Now it keeps ``MAX_REPORTED``
-    problems, names those, counts the rest in one line, and the log still records every notice."""
+    """A process of the same user can send some 188,000 notices for ever-new app names in 30 s.
+    The manager keeps ``MAX_REPORTED`` problems, names those, counts the rest in one line, and the
+    log still records every notice: a warning for each, all kept for a minute, would take 85 MB."""
     import logging
 
     from drbalance.manager import daemon

@@ -1,8 +1,8 @@
-"""Issue 10, item 7: file-system faults are logged and survived, and the manager recovers.
+"""File-system faults are logged and survived, and the manager recovers.
 
 The runtime directory removed, the status file replaced by a folder, a full disk (a real small
 tmpfs where mounting is allowed, and a real file-size limit everywhere), and segments truncated
-under a reader (which used to kill the reader with SIGBUS).
+under a reader (which must not kill the reader with SIGBUS).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_a_failing_utilisation_source_is_one_fault_shown_in_the_status_not_a_war
     finally:
         code, err = manager.stop()
     assert code == 0 and "Traceback" not in err, err
-    assert during.count("sample failed") == 1, during  # it used to be once per sample period
+    assert during.count("sample failed") == 1, during  # once, not once per sample period
     assert err.count("sample works again") == 1, err
     assert len([e for e in manager.events("fault") if e["task"] == "sample"]) == 1
     assert recovered[0]["failures"] >= 20
@@ -252,8 +252,8 @@ def _in_process_manager(ipc_env, tmp_path, clock=None):
 
 @pytest.mark.timeout(60)
 def test_the_manager_log_failing_is_counted_in_fault_counts_like_other_faults(ipc_env, tmp_path):
-    """status.json's fault_counts gave the log 1 however many writes had failed in a row, while
-    every other failing task was counted (drbalance status says "N times in a row")."""
+    """status.json's fault_counts counts the log's failed writes in a row, as it counts every other
+    failing task (drbalance status says "N times in a row"), not 1 however many failed."""
     from drbalance.manager.status import fault_lines
 
     manager = _in_process_manager(ipc_env, tmp_path)

@@ -1,4 +1,5 @@
-"""Issue 10, item 8: the smaller findings, one test each (or a few per test where they share a run)."""
+"""Smaller hardening checks: clear errors for bad paths, limits and status files, private files, signals,
+log rotation and log paths; one test each (or a few per test where they share a run)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_a_message_queue_limit_names_the_limit_and_how_to_raise_it(ipc_env, tmp_
                 "updated": time.time(), "apps": [{"name": 3}]}).encode(),
     json.dumps({"pid": os.getpid(), "namespace": "x", "policy": "p", "decisions": 0, "util": ["high"],
                 "updated": time.time(), "apps": []}).encode(),
-    # these three used to end in a traceback (OverflowError, TypeError) or a bare "error: 0"
+    # these three must not end in a traceback (OverflowError, TypeError) or a bare "error: 0"
     json.dumps({"pid": 2 ** 70, "namespace": "x", "policy": "p", "decisions": 0, "util": [1],
                 "updated": time.time(), "apps": []}).encode(),
     json.dumps({"pid": os.getpid(), "namespace": "x", "policy": "p", "decisions": 0, "util": [1],
@@ -242,8 +243,8 @@ def test_the_log_rotates_by_size_and_keeps_n_files_in_order(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_rotation_with_a_huge_keep_walks_only_the_files_that_exist(tmp_path):
-    """A rotation once stepped through every index up to ``keep`` (a manager with --log-keep 10**9
-    spun there and never saw SIGTERM); it now shifts only the rotated files that exist."""
+    """A rotation shifts only the rotated files that exist: stepping through every index up to
+    ``keep`` would make a manager with --log-keep 10**9 spin there and never see SIGTERM."""
     path = tmp_path / "rot.jsonl"
     writer = JsonLinesWriter(path, max_bytes=4096, keep=10**12)
     for index in range(400):
@@ -271,8 +272,8 @@ def test_the_manager_log_rotates(ipc_env, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_log_path_with_dot_dot_after_a_symbolic_link_is_the_file_the_kernel_opens(tmp_path, monkeypatch):
-    # found by a review, 2026-11-25: the writer made the path absolute as text (os.path.abspath), which drops
-    # 'link/..' whole; the kernel takes '..' of the folder the link leads to, so the log landed elsewhere
+    # making the path absolute as text (os.path.abspath) would drop 'link/..' whole; the kernel takes
+    # '..' of the folder the link leads to, so the log would land elsewhere
     tmp_path = Path(os.path.realpath(tmp_path))
     (tmp_path / "real" / "deep").mkdir(parents=True)
     (tmp_path / "a").mkdir()

@@ -1,9 +1,9 @@
-"""Issue 10, items 3-6: only dead processes are collected, and every dead one is.
+"""Only dead processes are collected, and every dead one is:
 
-3. a live job quiet for longer than --quiet-after stays (shown as quiet), and its name stays taken;
-4. a job killed during its first status write is collected, and its name is free again;
-5. a dead job whose pid now belongs to another process counts as dead (pid + start time);
-6. the rescan never deletes a live job's record, however unreadable.
+- a live job quiet for longer than --quiet-after stays (shown as quiet), and its name stays taken;
+- a job killed during its first status write is collected, and its name is free again;
+- a dead job whose pid now belongs to another process counts as dead (pid + start time);
+- the rescan never deletes a live job's record, however unreadable.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_without_a_manager_the_next_job_takes_a_half_written_name(ipc_env):
     kill(half)
     app = toy_app("halfway", "--epochs", "1", "--iterations", "2")
     out, err = app.communicate(timeout=120)
-    assert app.returncode == 0, err  # used to fail with AppNameInUse
+    assert app.returncode == 0, err  # not AppNameInUse
     assert leftovers(ipc_env) == [] and not ipc_env.app_claim("halfway").exists()
 
 
@@ -190,10 +190,10 @@ def test_a_registered_job_whose_pid_is_reused_is_removed(ipc_env, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("forged", ["pid", "start time"])
 def test_a_well_formed_record_naming_another_process_is_invalid_never_a_reason_to_collect(ipc_env, tmp_path, forged):
-    """Issue 59, item 3. One CRC-correct write of a wrong pid or start time into a live job's record
-    (a process of the same user) made the manager remove the job's record and semaphore ("process
-    gone", "pid N now belongs to another process"). Liveness comes from the claim: the record is
-    invalid, logged, and the job stays, objects and all."""
+    """One CRC-correct write of a wrong pid or start time into a live job's record (by a process of
+    the same user) must not make the manager remove the job's record and semaphore ("process gone",
+    "pid N now belongs to another process"). Liveness comes from the claim: the record is invalid,
+    logged, and the job stays, objects and all."""
     manager = ManagerProcess(tmp_path, ipc_env)
     process, token = idle_app("forged")  # publishes once, then sits still: nothing overwrites the forgery
     try:
@@ -329,7 +329,7 @@ def test_records_left_mid_write_that_no_claim_names_cost_the_managers_loop_no_wa
             manager._take_listing(time.monotonic())
     finally:
         manager.stop()
-    assert sleeps == []  # 200-attempt reads used to wait about 20 ms for each, at every rescan
+    assert sleeps == []  # no waits: 200-attempt reads would take about 20 ms each, every rescan
     reported = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     invalid = [e for e in reported if e["event"] == "invalid" and e.get("app", "").startswith("ghost")]
     assert len(invalid) == 30 and all("still being written" in e["error"] for e in invalid)  # once each

@@ -192,7 +192,7 @@ def test_a_manager_whose_metrics_port_is_taken_exits_with_a_clear_error(ipc_env,
 @pytest.mark.timeout(60)
 def test_an_address_the_resolver_cannot_even_encode_is_a_clear_error_not_a_traceback(ipc_env, caplog):
     """A typo like '127.0.0..1' (an empty label) or a label over 63 characters makes getaddrinfo
-    raise UnicodeError (a ValueError), not OSError: it used to end the manager with a traceback."""
+    raise UnicodeError (a ValueError), not OSError: it must not end the manager with a traceback."""
     for address in ("127.0.0..1", "a" * 64):
         with pytest.raises(MetricsServerError, match="cannot serve metrics on .*not a host name or address") as bad:
             ManagerMetrics("ns4", "fair").serve(address, 0)
@@ -214,7 +214,7 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
     try:
         idle = socket.create_connection((host, port), timeout=30)
         idle.settimeout(30)
-        assert idle.recv(1) == b""  # closed by the server (it used to wait for a request for ever)
+        assert idle.recv(1) == b""  # closed by the server, not waiting for a request for ever
         idle.close()
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as reply:
             assert reply.status == 200 and b"drbalance" in reply.read()
@@ -226,10 +226,10 @@ def test_an_idle_connection_to_the_metrics_port_is_closed_and_scrapes_go_on(monk
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_first(monkeypatch, capfd):
-    """A client that sends a header line now and then is never idle: each such connection held a
-    server thread for as long as it went on, and the server's thread limit then closed scrapes. A
-    connection now holds no thread, is closed ``REQUEST_SECONDS`` after it was accepted however it
-    trickles, and past ``MAX_OPEN_CONNECTIONS`` the oldest waiting one is closed to make room."""
+    """A client that sends a header line now and then is never idle. Such a connection holds no
+    server thread (one held for as long as it went on would, at the server's thread limit, close
+    scrapes), is closed ``REQUEST_SECONDS`` after it was accepted however it trickles, and past
+    ``MAX_OPEN_CONNECTIONS`` the oldest waiting one is closed to make room."""
     from drbalance.manager import metrics as metrics_module
 
     # a limit far from the 0.2 s between the test's header lines, so a test process stalled on a
@@ -286,7 +286,7 @@ def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_fir
 
 @pytest.mark.slow
 def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metrics(ipc_env, tmp_path, capsys):
-    """Issue 57, item 5: a job given no solo time estimates it; the record says so, and the manager's
+    """A job given no solo time estimates it; the record says so, and the manager's
     status file, ``drbalance status`` and the metrics mark its SD as estimated (the other job's not)."""
     manager = ManagerProcess(tmp_path, ipc_env, (0, 0, 0, 0), "--metrics-port", "0")
     apps = []
@@ -315,10 +315,9 @@ def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metri
 
 @pytest.mark.timeout(120)
 def test_a_notice_with_an_absurd_send_time_leaves_the_latency_metric_as_it_was(ipc_env, tmp_path):
-    """Issue 59, item 5. The latency is the manager's answer time minus the send time a notice
-    carries; one well-formed notice sent at -1e300 set the histogram's sum to 1e+300 for the
-    manager's life, and one from the future recorded a negative latency. Such send times are
-    dropped and counted."""
+    """The latency is the manager's answer time minus the send time a notice carries. Absurd send
+    times are dropped and counted: one well-formed notice sent at -1e300 would set the histogram's
+    sum to 1e+300 for the manager's life, and one from the future would record a negative latency."""
     from drbalance.ipc import discovery, objects
     from drbalance.ipc.layout import Notice, NoticeKind
 
@@ -348,10 +347,10 @@ def test_a_notice_with_an_absurd_send_time_leaves_the_latency_metric_as_it_was(i
 
 @pytest.mark.timeout(120)
 def test_fifty_connections_held_open_leave_every_scrape_answered(capfd):
-    """Issue 59, item 4. Twenty connections held open to --metrics-port left 1 scrape of 36
-    answered: each held one of 16 server threads, and a scrape past them was closed unanswered.
-    A connection now costs a descriptor, not a thread, until its request; here 50 are held open
-    (each opened again as soon as the server closes it) while 20 scrapes are made."""
+    """A connection costs a descriptor, not a thread, until its request, so connections held open
+    to --metrics-port cannot starve scrapes (with one of 16 server threads each, twenty of them
+    would leave almost every scrape closed unanswered). Here 50 are held open (each opened again
+    as soon as the server closes it) while 20 scrapes are made."""
     server = ManagerMetrics("ns7", "fair")
     host, port = server.serve("127.0.0.1", 0)
     answered = []

@@ -1,4 +1,4 @@
-"""Issue 10, items 1 and 2: another local user must not be able to stop, steer or fool our manager
+"""Another local user must not be able to stop, steer or fool our manager
 and jobs, and the runtime directory never follows a planted link.
 
 The attacks run as a real second user (``tests.helpers.neighbour``: a child process that drops to
@@ -46,7 +46,7 @@ from tests.helpers.steered import SteeredModel
 
 
 def predictable_names(names: IpcNames, app: str) -> list[str]:
-    """Every name an attacker could have guessed before this change, plus token-shaped guesses."""
+    """Every name an attacker could guess without the token (the fixed names), plus token-shaped guesses."""
     guess = new_token()
     return [names.prefix + "inbox", names.prefix + "manager", names.prefix + f"app.{app}",
             names.prefix + f"sig.{app}", names.prefix + f"app.{app}.{guess}", names.prefix + f"manager.{guess}"]
@@ -61,7 +61,7 @@ def test_a_neighbours_squatted_names_stop_nothing_and_are_reported_by_owner(ipc_
                            [["sem", name, 0o666] for name in planted[:4]] +
                            [["mq", ipc_env.prefix + "inbox", 0o666]])
     assert set(results) == {"ok"}, results
-    manager = ManagerProcess(tmp_path, ipc_env)  # used to fail to start: its inbox/heartbeat names were taken
+    manager = ManagerProcess(tmp_path, ipc_env)  # starts, though its fixed inbox/heartbeat names are taken
     try:
         app = toy_app("victim", "--epochs", "2", "--iterations", "3", "--exchange-timeout", "10")
         assert first_line(app) == {"iteration": 0, "ratio": [0, 0, 10, 0], "attached": True}  # answered
@@ -94,8 +94,8 @@ def test_objects_planted_while_the_manager_runs_do_not_stop_it(ipc_env, tmp_path
         first_line(app)
         info = discovery.read_manager(ipc_env)
         token = info.token
-        # used to make the manager exit within 0.2 s (a foreign app.x) and to crash jobs (a foreign
-        # ...manager); a world-writable segment with the manager's own token cannot even be created
+        # a foreign app.x must not make the manager exit, nor a foreign ...manager crash jobs; a
+        # world-writable segment with the manager's own token cannot even be created
         results = as_neighbour([["shm", ipc_env.prefix + "app.x", 0o666],
                                 ["shm", ipc_env.prefix + f"app.x.{new_token()}", 0o666],
                                 ["shm", ipc_env.prefix + "manager", 0o666],
@@ -214,7 +214,7 @@ def test_a_foreign_record_a_claim_points_at_is_named_once_even_past_the_first_th
                 os.unlink(f"{stem}{index}")
 
 
-# --- the runtime directory (item 2) ----------------------------------------------------------------
+# --- the runtime directory -----------------------------------------------------------------------
 @pytest.mark.slow
 @needs_second_user
 def test_a_runtime_dir_link_planted_by_a_neighbour_is_refused_and_its_target_untouched(ipc_env, tmp_path):
@@ -239,8 +239,9 @@ def test_a_runtime_dir_link_planted_by_a_neighbour_is_refused_and_its_target_unt
 @needs_second_user
 def test_a_neighbours_link_behind_one_of_ours_on_the_way_to_the_runtime_dir_is_refused(tmp_path):
     """Our own link on the way may point at a name in /tmp that a neighbour took (a link left
-    dangling after a reboot): the links it leads through used to be resolved at once (realpath),
-    so hers was followed unchecked and the runtime directory made in a folder of her choice."""
+    dangling after a reboot). The links it leads through are checked one by one: resolving them at
+    once (realpath) would follow hers unchecked and make the runtime directory in a folder of her
+    choice."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     os.chmod(target, 0o755)
@@ -305,7 +306,7 @@ def test_a_tmp_runtime_dir_taken_by_a_neighbour_moves_to_the_state_folder_and_st
     assert env._tmp_runtime_dir(planted, squat, uid) == planted  # neither exists: /tmp, made on first use
     assert as_neighbour([["mkdir", str(planted), 0o700]]) == ["ok"]  # taken before our manager started
     try:
-        assert env._tmp_runtime_dir(planted, squat, uid) == squat  # used to be refused: no manager at all
+        assert env._tmp_runtime_dir(planted, squat, uid) == squat  # not refused, which would leave no manager at all
         assert private_dir(squat) == squat and squat.stat().st_uid == uid
         os.rmdir(planted)  # the neighbour lets go of the name later: our manager and jobs stay together
         assert env._tmp_runtime_dir(planted, squat, uid) == squat
@@ -348,7 +349,7 @@ def test_a_manager_and_its_jobs_meet_when_a_neighbour_took_the_tmp_runtime_dir(i
                       ScriptedSource(script))
     session = None
     try:
-        manager.start()  # used to raise: "/tmp/drbalance-...: belongs to nobody"
+        manager.start()  # does not raise "/tmp/drbalance-...: belongs to nobody"
         assert env.runtime_dir() == env._squat_runtime_dir() and ipc_env.manager_info().exists()
         model = BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3])
         session = Session(model, app="beside", epochs=1, iterations_per_epoch=10, solo_time=1.0, sd_log=False,
@@ -407,9 +408,9 @@ def test_a_manager_blames_an_unsafe_runtime_dir_not_its_utilisation_source(tmp_p
 @needs_second_user
 @pytest.mark.timeout(180)
 def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp_path, capsys, caplog):
-    """Every foreign object used to be listed in status.json: 4000 long-named empty objects made it
-    larger than the 1 MiB that ``drbalance status`` reads, which then failed ("not JSON") for the
-    manager's user, however long the neighbour kept them."""
+    """Foreign objects are not all listed in status.json: 4000 long-named empty objects would make
+    it larger than the 1 MiB that ``drbalance status`` reads, which would then fail ("not JSON")
+    for the manager's user, however long the neighbour kept them."""
     planted = [ipc_env.prefix + "z" * 200 + str(index) for index in range(4000)]
     results = as_neighbour([["shm", name, 0o600] for name in planted], timeout=120)
     assert set(results) == {"ok"}
@@ -444,11 +445,11 @@ def test_thousands_of_planted_objects_do_not_break_drbalance_status(ipc_env, tmp
 @pytest.mark.timeout(300)
 def test_a_flood_of_planted_names_leaves_the_manager_answering_every_notice_in_time(ipc_env, tmp_path):
     """Empty files cost a neighbour nothing, and /dev/shm takes millions. With 200,000 under our
-    prefix each rescan's listing took the manager's only thread about a second (a ``stat`` and a
-    parse each, every 2 s; 7 s for 300,000 on a loaded machine) and the first one several more
-    (a log line each), so a job's 0.5 s waits for answers ran out and it could lose the manager.
-    The listing now runs in a thread; the manager answers as before, names a few of the objects and
-    counts the rest."""
+    prefix each rescan's listing takes about a second (a ``stat`` and a parse each, every 2 s; 7 s
+    for 300,000 on a loaded machine) and the first one several more (a log line each); on the
+    manager's only thread, a job's 0.5 s waits for answers would run out and it could lose the
+    manager. The listing runs in a thread; the manager answers as before, names a few of the
+    objects and counts the rest."""
     stem = str(objects.SHM_DIR / (ipc_env.prefix.lstrip("/") + "app.x"))
     planted = 200_000
     try:
@@ -477,12 +478,12 @@ def test_a_flood_of_planted_names_leaves_the_manager_answering_every_notice_in_t
     assert 0 < len(named) <= MAX_FOREIGN_LISTED * 40  # at most 20 newly named per listing, not 200,000
 
 
-# --- emulated GPUs: the only objects whose names had no token ----------------------------------------
+# --- emulated GPUs: their names carry a token too ---------------------------------------------------
 @needs_second_user
 def test_emulated_gpu_names_a_neighbour_took_first_stop_neither_a_job_nor_the_manager(ipc_env, tmp_path):
-    """``/drb.<uid>.<namespace>.emu.<index>`` used to be the whole name: a neighbour who created it
-    first made every job on that emulated GPU fail ("Caught ForeignObject in replica 0 on device
-    emu:0 ... belongs to mallory") and ``drbalance-manager --source emulated`` refuse to start."""
+    """``/drb.<uid>.<namespace>.emu.<index>`` is not the whole name: were it, a neighbour who created
+    it first would make every job on that emulated GPU fail ("Caught ForeignObject in replica 0 on
+    device emu:0 ... belongs to mallory") and ``drbalance-manager --source emulated`` refuse to start."""
     uid, _, _ = second_user()
     planted = [ipc_env.prefix + "emu.0", ipc_env.prefix + "emu.1"]
     assert as_neighbour([["shm", planted[0], 0o666], ["shm", planted[1], 0o600]]) == ["ok", "ok"]
@@ -521,15 +522,15 @@ def test_an_emulated_gpu_name_a_neighbour_takes_once_it_is_gone_is_not_used_agai
     assert objects.listed_owner(seen) == uid
 
 
-# --- a job's objects made again after RemoveIPC: their names were public ------------------------------
+# --- a job's objects made again after RemoveIPC, whose names a neighbour could see ------------------
 @pytest.mark.slow
 @needs_second_user
 def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_and_stays_managed(ipc_env, tmp_path):
     """RemoveIPC unlinks a running job's record and semaphore; their names (with the token) were
-    visible in /dev/shm, so a neighbour can create them first. The job used to remove the
-    neighbour's objects (root may) or, as any other user, fail to make its own again for good:
-    no manager started later could reach it. Now it leaves them alone, makes its objects under a
-    new token, names that in its claim, and the manager follows the claim."""
+    visible in /dev/shm, so a neighbour can create them first. The job leaves them alone (it must
+    not remove the neighbour's objects, though root may), makes its objects under a new token,
+    names that in its claim, and the manager follows the claim, so a manager started later still
+    reaches it."""
     uid, _, _ = second_user()
     manager = ManagerProcess(tmp_path, ipc_env)
     app = None
@@ -565,7 +566,7 @@ def test_a_job_whose_removed_record_name_a_neighbour_took_moves_to_a_new_token_a
 @needs_second_user
 def test_a_jobs_removed_record_name_taken_by_a_neighbour_does_not_cut_an_unprivileged_job_off(ipc_env):
     """The same as an unprivileged job ("nobody"; the neighbour is another uid), which cannot remove
-    the neighbour's objects: it used to warn once and stay where no manager could find it."""
+    the neighbour's objects: it must not warn once and stay where no manager can find it."""
     uid, gid, _ = second_user()
     runtime = tempfile.mkdtemp(prefix="drbalance-moved-")  # in /tmp: the job's user can reach it
     os.chown(runtime, uid, gid)
@@ -698,10 +699,10 @@ def test_a_neighbour_who_fills_the_systems_queue_count_is_named_not_this_users_b
 # --- log folders: the user's choice, but never reached through a neighbour's link -------------------
 @needs_second_user
 def test_a_log_folder_reached_through_a_neighbours_link_is_refused_and_its_target_untouched(ipc_env, tmp_path):
-    """Log folders may be shared (group-writable, another user's), but they used to be reached through
-    any symbolic link: a neighbour's ``/tmp/<name>`` pointing at a folder of her choice made the
+    """Log folders may be shared (group-writable, another user's), but are never reached through a
+    neighbour's symbolic link: her ``/tmp/<name>`` pointing at a folder of her choice would make the
     manager (root here) and the jobs write their logs there (where fs.protected_symlinks is 0, as in
-    many containers; where it is 1 the kernel refused with a bare "Permission denied")."""
+    many containers; where it is 1 the kernel refuses with a bare "Permission denied")."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     os.chmod(target, 0o755)
@@ -723,11 +724,11 @@ def test_a_log_folder_reached_through_a_neighbours_link_is_refused_and_its_targe
 @needs_second_user
 @pytest.mark.timeout(120)
 def test_a_folder_a_neighbour_swaps_with_her_link_never_takes_a_log_or_file_of_ours_elsewhere(tmp_path):
-    """Issue 59, item 1. A log folder may be shared (docs allow it: hers, group-writable, setgid).
-    She exchanges a folder on the way with her symbolic link in a loop (renameat2 RENAME_EXCHANGE)
-    and removes the log now and then, so that it is opened again: a log path checked, then opened
-    again by its name, made a root manager create its log in a root-only folder of her choice.
-    Every folder is now opened relative to the one before it, without following her link."""
+    """A log folder may be shared (docs allow it: hers, group-writable, setgid). She exchanges a
+    folder on the way with her symbolic link in a loop (renameat2 RENAME_EXCHANGE) and removes the
+    log now and then, so that it is opened again. Every folder is opened relative to the one before
+    it, without following her link: a log path checked, then opened again by its name, would let a
+    root manager create its log in a root-only folder of her choice."""
     target = tmp_path / "root-only"
     target.mkdir(mode=0o700)
     written, attempts, errors = 0, 0, []

@@ -1,9 +1,9 @@
 """Resources a neighbour can exhaust: /dev/shm and the disk under the SD log.
 
-A full /dev/shm used to kill a job (and the manager) with SIGBUS: segments were sized with a
-sparse ``ftruncate`` and mapped, and the first write touched a page tmpfs could not supply. A
-full disk (or a log folder that cannot be made) where the SD log goes used to end the training
-job at ``Session()``. Both are now errors that are reported and survived.
+A full /dev/shm must not kill a job (or the manager) with SIGBUS, as a segment sized with a
+sparse ``ftruncate`` and mapped would at the first write to a page tmpfs cannot supply. A full
+disk (or a log folder that cannot be made) where the SD log goes must not end the training job
+at ``Session()``. Both are errors that are reported and survived.
 """
 
 from __future__ import annotations
@@ -217,9 +217,9 @@ LATE_JOB = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_job_started_while_dev_shm_is_full_claims_its_name_and_is_managed_once_it_has_room(ipc_env, tmp_path):
-    """Issue 59, item 2. A job that started while a neighbour kept /dev/shm full ran its whole life
-    without a manager: it gave its name claim back and never tried again. It now keeps its claim,
-    and makes its record and semaphore at a later report, as it looks for an absent manager."""
+    """A job that starts while a neighbour keeps /dev/shm full keeps its name claim and makes its
+    record and semaphore at a later report, as it looks for an absent manager; giving the claim
+    back and never trying again would leave it without a manager its whole life."""
     job, manager = run_with_private_mounts(tmp_path, LATE_SHM_SCRIPT, LATE_JOB, "no other case fills /dev/shm")
     assert "job rc 0" in job and "Traceback" not in job, job
     assert "claimed while full True" in job and "attached while full False" in job, job
@@ -322,7 +322,7 @@ def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_
     """The inbox is removed while the manager cannot create a new one: here its message-queue
     limit is lowered to 0 bytes (``prlimit``), so ``mq_open`` fails as it would on a user out of
     queue space. ``manager.json`` must keep naming the heartbeat that still exists (the failed
-    replacement used to withdraw it), and once queues can be made the replacement goes through."""
+    replacement does not withdraw it), and once queues can be made the replacement goes through."""
     import resource
 
     manager = ManagerProcess(tmp_path, ipc_env)
@@ -353,8 +353,8 @@ def test_a_failed_endpoint_replacement_keeps_manager_json_naming_the_objects_in_
 def test_an_sd_log_moved_or_removed_while_its_job_runs_is_written_again_at_its_path(ipc_env, tmp_path, caplog,
                                                                                      monkeypatch, how):
     """logrotate (which renames the file) or an 'rm' of the logs folder while a job trains: the job
-    went on writing to the renamed or deleted file, and its path stayed empty until the job ended
-    (the manager's log was already reopened; the jobs' were not)."""
+    writes its SD log at its path again, as the manager's log does, instead of writing on to the
+    renamed or deleted file and leaving its path empty until the job ends."""
     from drbalance.client import session as session_module
 
     monkeypatch.setenv("DRBALANCE_NO_MANAGER", "1")

@@ -206,7 +206,7 @@ def test_a_planted_objects_name_reaches_the_terminal_escaped():
 
 
 def test_an_estimated_sd_is_marked_in_the_frame_and_the_table():
-    """Issue 57, item 5: an SD that divides by the job's own estimate of its solo time reads ``~1.50``,
+    """An SD that divides by the job's own estimate of its solo time reads ``~1.50``,
     with a line that says what the mark means; a status file without the field shows plain SDs."""
     apps = status()["apps"]
     apps[0]["sd_estimated"] = True

@@ -119,11 +119,12 @@ def test_judge_iterations_must_be_an_integer_at_least_zero():
 
 
 def test_a_split_over_a_fast_and_a_slow_gpu_teaches_the_slow_gpus_speed_and_is_undone():
-    """Random mix 165: an app alone on the full-speed GPU 0 was split 5:5 onto the idle GPU 1, which
-    runs at half speed. Its 16-sample chunk there took twice its chunk on GPU 0 and the iteration
-    31% longer. Speeds were learned only from an app alone with its whole batch, so the miss went
-    into the app's correction factor, which then made GPU 0 alone look 25% slower than measured
-    there: the split was kept to the end (final SD 1.34 against 1.00 without balancing)."""
+    """An app alone on the full-speed GPU 0 is split 5:5 onto the idle GPU 1, which runs at half
+    speed: its 16-sample chunk there takes twice its chunk on GPU 0 and the iteration 31% longer.
+    The split teaches the policy GPU 1's speed, and it is undone. Learning speeds only from an app
+    alone with its whole batch would put the miss into the app's correction factor, make GPU 0
+    alone look 25% slower than measured there, and keep the split to the end (final SD 1.34
+    against 1.00 without balancing)."""
     policy = FairPolicy()
     alone = app("a", [10, 0], [0.1, 0], 0.15, iteration=100)
     policy.decide("a", "boundary", snapshot(alone))
@@ -343,7 +344,7 @@ def test_a_move_the_app_never_ran_does_not_count_towards_its_move_cap():
     assert policy.decide("c", "boundary", later).branch == "keep"
     assert policy.tracks["c"].moves == {0: 0} and policy.tracks["c"].last_move is None
     # the same with c's DR written in another total than the manager's (100, not 10): the push is
-    # recorded as what c's check reads, so its refusal is seen (it used to keep c protected for good)
+    # recorded as what c's check reads, so its refusal is seen (else c would stay protected for good)
     hundred = FairPolicy()
     scene = _swap_scene()
     scene = replace(scene, apps=scene.apps[:2] + (replace(scene.apps[2], ratio=DataRatio([0, 100], 100)),))
@@ -532,9 +533,10 @@ def test_a_newcomer_on_a_taken_gpu_is_placed_on_an_idle_one_at_registration():
 
 
 def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_app_goes_back():
-    """Random mix 4 under gavel: an app alone on GPU 0 spread onto GPU 1, which nobody used; a
-    newcomer arriving on GPU 1 then found no idle GPU and shared it, the apps after it were
-    swapped to and fro, and one ended at an SD of 1.019 where doing nothing gives every app 1.00."""
+    """Under gavel: an app alone on GPU 0 spread onto GPU 1, which nobody used. A newcomer arriving
+    on GPU 1 finds no idle GPU; it takes GPU 1 and the split app goes back to GPU 0. Sharing GPU 1
+    instead would swap the apps after it to and fro, and one would end at an SD of 1.019 where
+    doing nothing gives every app 1.00."""
     split = app("a", [5, 5, 0], [0.07, 0.07, 0], 0.18, iteration=500)  # 90 s run, spread over GPUs 0 and 1
     c = app("c", [0, 0, 10], [0, 0, 0.12], 0.16, iteration=500)
     newcomer = AppView("b", DataRatio([0, 10, 0]), None, iterations_total=100, solo_time=15.0, batch=32)
@@ -546,7 +548,7 @@ def test_a_newcomer_with_no_idle_gpu_takes_one_a_split_app_spread_onto_and_that_
     assert policy.protected("a")  # the push is a move of a's: it stays put for its protected period
     assert policy.tracks["a"].moves[split.epoch] == 1  # and counts towards its moves this epoch
     # the push refused (or lost): at a's next decision its record still shows the split, so the
-    # move is dropped, neither protected nor counted (it used to hold a protected period and a move)
+    # move is dropped, neither protected nor counted
     refused = replace(split, iteration=540)
     placed = replace(newcomer, ratio=DataRatio([0, 10, 0]), iteration=5)
     after = policy.decide("a", "boundary", snapshot(refused, c, placed, gpus=3, util=[60.0, 60.0, 80.0]))
@@ -687,9 +689,9 @@ def test_the_predictor_reproduces_what_it_measured_and_predicts_sharing():
 def test_an_app_that_moved_onto_the_gpu_since_its_last_window_counts_there_not_as_a_slower_gpu():
     # b's record shows its last window on GPU 1 (chunk 0.1 s there), but its DR now puts it on
     # GPU 0, beside a: it moved since, and a's window on GPU 0 was shared with it (a's chunk takes
-    # 0.14 s for 0.1 s of work). Until 2026-12-01 b counted only where its last window had chunks,
-    # so a looked alone on GPU 0 and taught it a speed of 0.71 that every app's predictions then
-    # divided by (random mix 173 of benchmarks.random_mixes).
+    # 0.14 s for 0.1 s of work). b counts on GPU 0: counted only where its last window had chunks,
+    # it would leave a looking alone on GPU 0, teaching GPU 0 a speed of 0.71 that every app's
+    # predictions would then divide by.
     predictor = Predictor(2)
     moved = replace(app("b", [0, 10], [0, 0.1], 0.15), ratio=DataRatio([10, 0]))
     predictor.observe([app("a", [10, 0], [0.14, 0], 0.19), moved])
@@ -750,7 +752,7 @@ def test_a_policy_called_for_a_server_of_another_gpu_count_starts_over(policy):
     decision = policy.decide("a", "boundary", snapshot(*views, gpus=4))
     assert decision.ratio == DataRatio([0, 0, 10, 0])  # GPU 2 locked until the move is measured
     two = (app("a", [10, 0], [0.2, 0], 0.3, iteration=101), app("b", [10, 0], [0.2, 0], 0.3, iteration=101))
-    decision = policy.decide("b", "boundary", snapshot(*two, gpus=2))  # was an IndexError (GPU 2 locked)
+    decision = policy.decide("b", "boundary", snapshot(*two, gpus=2))  # no IndexError for the locked GPU 2
     assert decision.branch == "move" and decision.ratio == DataRatio([0, 10])
     assert policy.decide("a", "boundary", snapshot(*two, gpus=2)).branch != "protected"  # no move of a is owed
 
@@ -1045,9 +1047,10 @@ def test_an_app_spread_wide_over_a_crowd_leaves_it_in_one_move():
     assert decision.branch == "move" and decision.ratio.used in ((1,), (2,), (3,))
 
 
-# Random mix 1076 of a wider draw (docs/reproduction.md): ResNet-50 at batch 16 alone on GPU 3 (16 samples:
-# 0.0748 s of chunk, 0.1017 s per iteration) split 5:5 onto GPU 0 when its app finished; predicted 0.1010 s,
-# it ran 0.1065 s. The predictor then put one GPU at more than that too, so the split was kept to the end.
+# A scenario of benchmarks/random_mixes.py's wide draw: ResNet-50 at batch 16 alone on GPU 3 (16 samples:
+# 0.0748 s of chunk, 0.1017 s per iteration) is split 5:5 onto GPU 0 when that GPU's app finishes; predicted
+# 0.1010 s, it runs 0.1065 s. The predictor then puts one GPU at more than that too, so its prediction alone
+# would keep the split to the end.
 SPLIT_SOLO = 1358.93
 
 
@@ -1095,7 +1098,7 @@ def test_a_move_onto_an_idle_gpu_made_without_a_gain_is_undone_on_a_small_measur
     """The split above was made on a predicted gain of 0.002 (a move onto an idle GPU needs none,
     ``idle_tolerance``); it is undone once it measures a loss of ``idle_tolerance`` (0.005 of SD
     at finish), not the ``min_gain`` (0.02) a move needs to be made: here 0.010 (undone) and 0.002
-    (kept, within noise). Wide mix 1184: such a split, 1.8% slower, was kept at 0.014."""
+    (kept, within noise). A split 1.8% slower costs about 0.014 of SD, which ``min_gain`` would keep."""
     policy, moved, measured = _split_onto_idle_gpu()
     assert moved.details["gain"] < FairConfig().min_gain
     split = replace(measured.apps[0], iteration_time=iteration_time)
@@ -1149,8 +1152,8 @@ def test_a_move_off_a_gpu_another_app_uses_is_not_judged_on_the_movers_measureme
     assert policy.tracks["r3"].last_move.alone_before is None
 
 
-# Two apps split over the same two GPUs of six, nobody else there (wide mixes 1199, 1218: the
-# idle-GPU rule and swaps leave such pairs): each 0.3 s of chunk per 16 samples beside the other,
+# Two apps split over the same two GPUs of six, nobody else there (the idle-GPU rule and swaps can
+# leave such pairs): each 0.3 s of chunk per 16 samples beside the other,
 # 0.4 s per iteration, against 0.3 s alone on one GPU. No consolidation plan is proposed (two of
 # six apps spread), and neither app gains by moving alone while the other stays on both GPUs.
 UNTANGLE_GPUS = 6

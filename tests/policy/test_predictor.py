@@ -1,4 +1,4 @@
-"""`fair`'s fast paths give exactly what the plain definitions give (issue 9's decision time).
+"""`fair`'s fast paths give exactly what the plain definitions give (they keep decisions fast).
 
 The predictor keeps chunks and kappas from one decision to the next (until what each depends on
 is learned); its ``Neighbourhood`` caches per search (duties, solutions without a change), solves
@@ -7,8 +7,7 @@ out of the fixed point's rounds (its value cannot change), adds outside terms on
 an app outside the set, and the search keeps Eq. 2's terms, user counts per GPU and compared
 changes. Each is checked here against a straightforward
 reference on random configurations, bit for bit (floats compared with ==): the speed-ups must
-not change a single decision. Whole simulated runs are compared by
-``python -m benchmarks.decision_trace`` (docs/benchmarks.md).
+not change a single decision.
 """
 
 from __future__ import annotations
@@ -95,8 +94,8 @@ def plain_pair_kappa(predictor, app, other, crowd):
 
 
 def reference_solve(predictor, ratios, views, names, changes):
-    """The fixed point written plainly (drbalance before issue 9's speed-ups, with the pair and
-    crowd kappas): every duty and kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
+    """The fixed point written plainly, without the speed-ups (with the pair and crowd kappas):
+    every duty and kappa looked up afresh, three Gauss-Seidel rounds over dicts."""
     config, apps, speed = predictor.config, predictor.apps, predictor.speed
     ratios = {name: ratio for name, ratio in ratios.items() if name in apps}
 

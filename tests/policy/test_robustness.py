@@ -61,8 +61,8 @@ def test_a_chunk_time_tiny_against_the_apps_work_leaves_every_gpu_a_finite_speed
     tiny = measured("a", [10, 0], [SMALLEST, 0], SMALLEST)
     other = measured("c", [0, 10], [0, 0.1], 0.15)
     policy.decide("a", "boundary", snap(tiny, other))
-    assert_sound(policy)  # GPU 0's speed was inf
-    # ...and every decision of an app beside a on GPU 0 was a ZeroDivisionError
+    assert_sound(policy)  # GPU 0's speed is not inf
+    # ...and no decision of an app beside a on GPU 0 is a ZeroDivisionError
     policy.decide("b", "boundary", snap(tiny, measured("b", [10, 0], [0.2, 0], 0.3), other))
     assert_sound(policy)
 

@@ -107,7 +107,7 @@ def test_extrapolation_uses_the_mean_after_warmup():
 
 
 def test_profile_not_found_reads_as_one_sentence_with_its_hint_before_the_command(ipc_env, tmp_path):
-    # found by a review, 2026-11-25: the hint followed the command's "..." as ".... For 12.5 seconds"
+    # the hint comes before the command, so it does not follow the command's "..." as ".... For 12.5 seconds"
     path = tmp_path / "profiles.json"
     with pytest.raises(ProfileNotFound) as missing:
         resolve_solo_time("12.5", 1)
@@ -184,9 +184,9 @@ def test_a_single_rank_ddp_job_is_profiled_without_a_solo_time(ipc_env, tmp_path
 
 
 def test_a_hand_edited_profiles_file_is_refused_naming_it_never_a_traceback_nor_a_wrong_time(tmp_path):
-    """Bytes that are not UTF-8 and JSON nested too deep escaped without the file's name (a
-    UnicodeDecodeError, a RecursionError); a solo time of true was taken as 1 s, and one of 400
-    digits was an OverflowError traceback in the training script."""
+    """Bytes that are not UTF-8 and JSON nested too deep are refused with the file's name (not a
+    bare UnicodeDecodeError or RecursionError); a solo time of true is refused, not taken as 1 s,
+    and one of 400 digits too, not an OverflowError traceback in the training script."""
     store = tmp_path / "profiles.json"
     entry = {"name": "x", "solo_time_s": 10.0, "iteration_time_s": 0.1, "iterations_total": 100,
              "measured_iterations": 90, "warmup_iterations": 10, "device": "cpu", "command": ["true"],
@@ -205,8 +205,8 @@ def test_a_hand_edited_profiles_file_is_refused_naming_it_never_a_traceback_nor_
 
 
 def test_a_stored_profile_is_scaled_to_the_plan_of_the_job_that_names_it(ipc_env, tmp_path):
-    """A profile measured over 8 iterations gave a job of 32 iterations the 8-iteration solo time
-    (its SD four times too high); it is now start-up + 32 x the mean, and the SD log says so."""
+    """A profile measured over 8 iterations gives a job of 32 iterations start-up + 32 x the mean,
+    and the SD log says so; the 8-iteration solo time would make its SD four times too high."""
     save_profile(Profile(name="short", solo_time_s=0.25, iteration_time_s=0.03, iterations_total=8,
                          measured_iterations=6, warmup_iterations=2, device="cpu", command=["python", "x.py"],
                          host="h", created="c", startup_s=0.01))

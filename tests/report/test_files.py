@@ -1,6 +1,6 @@
 """The files a report writes (``report.md``, the PNG plots) are never written through a symbolic
 link planted where they go: the default report folder (``<first run>/../report``) may lie in a
-folder others can write, such as /tmp (found by a review, 2026-11-24)."""
+folder others can write, such as /tmp."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def test_report_files_replace_a_planted_symbolic_link_and_leave_its_target_alone
 
 
 def test_a_full_disk_while_the_report_is_written_names_the_file_and_leaves_no_temporary_file(tmp_path, capsys):
-    """The error was a bare '[Errno 27] File too large' (or '[Errno 28] No space left on
-    device'): which of the five files, in which folder, it did not say."""
+    """The error says which of the five files, in which folder, not a bare '[Errno 27] File too
+    large' (or '[Errno 28] No space left on device')."""
     import resource
 
     assert cli.main(["simulate", "e2e-a", "--policy", "observe", "--out", str(tmp_path / "runs")]) == 0

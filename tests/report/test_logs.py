@@ -1,4 +1,4 @@
-"""``drbalance report`` on a user's own logs (issue 57, item 3): no argument, a folder of SD logs, SD
+"""``drbalance report`` on a user's own logs: no argument, a folder of SD logs, SD
 log files one by one, ``--app``, a time window, the running manager's log."""
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def jobs(ipc_env, tmp_path, monkeypatch):
 
 
 def test_report_without_an_argument_reads_the_users_log_folder_and_the_managers_log(jobs, capsys):
-    """``drbalance report`` needed run directories ("the following arguments are required"), and a
-    folder of SD logs failed with "has no apps/*.sd.jsonl SD logs"."""
+    """``drbalance report`` needs no run directory (no "the following arguments are required"),
+    and reads a folder of SD logs (no "has no apps/*.sd.jsonl SD logs")."""
     summary, = report_json(capsys)
     assert summary["label"] == "logs"
     assert summary["final_sd"] == {"alexnet-b": pytest.approx(1.0), "resnet-a#1": pytest.approx(2.0),

@@ -1,5 +1,5 @@
 """The report's numbers cover the run, from its start (``run.json``'s ``started``) to the
-makespan (found by a review, 2026-11-24)."""
+makespan."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def _app(sds: list[float], finish: float, bad: list | tuple = ()) -> list:
 
 
 def test_records_with_fields_of_the_wrong_kind_are_skipped_and_counted_never_a_traceback(tmp_path, capsys, caplog):
-    """An event that is not text was a TypeError traceback; a JSON line nested thousands deep
-    aborted the whole report (RecursionError); a negative SD was shown as an app's final SD; a
-    huge SD or utilisation was an OverflowError traceback."""
+    """Skipped and counted: an event that is not text (else a TypeError traceback), a JSON line
+    nested thousands deep (else a RecursionError aborts the whole report), a negative SD (else
+    shown as an app's final SD), a huge SD or utilisation (else an OverflowError traceback)."""
     bad = [
         {"t": 1000.5, "event": ["report"], "sd": 1.0},  # not text
         {"t": 1000.6, "event": {"x": 1}},
@@ -75,8 +75,8 @@ def test_records_with_fields_of_the_wrong_kind_are_skipped_and_counted_never_a_t
 
 def test_an_app_of_the_run_without_sd_records_is_named_and_no_makespan_is_claimed(tmp_path, capsys, caplog):
     """A job that exited before its first SD line (a missing profile: 'drbalance launch' on CUDA
-    GPUs; a full disk) has no SD log, or an empty one. It was left out without a word: the report
-    showed a makespan and a final spread as if the run had only the other apps."""
+    GPUs; a full disk) has no SD log, or an empty one. It is named, not left out without a word,
+    and no makespan or final spread is shown as if the run had only the other apps."""
     run_dir = tmp_path / "run"
     _write_run(run_dir, {"a": _app([1.2, 1.4], 10), "b": _app([1.1, 1.3], 12), "d": []}, [])
     info = {"started": 1000.0, "label": "r", "apps": {name: {"returncode": 0} for name in ("a", "b", "c", "d")}}
@@ -124,8 +124,8 @@ def test_a_long_runs_logs_are_read_in_a_fraction_of_their_size_in_memory(tmp_pat
 
 
 def test_an_unfinished_apps_final_sd_is_the_one_its_closed_record_gives(tmp_path):
-    # found by a review, 2026-11-25: a job stopped before its finish (SIGTERM, --timeout) writes its SD once more
-    # in its 'closed' record, its last word; the report took the report before it as the final SD
+    # a job stopped before its finish (SIGTERM, --timeout) writes its SD once more in its 'closed' record,
+    # its last word; the report takes that, not the report before it, as the final SD
     apps = {"a": [{"t": 1000.0, "event": "start"}, {"t": 1001.0, "event": "report", "sd": 1.2},
                   {"t": 1002.0, "event": "report", "sd": 1.3}, {"t": 1003.0, "event": "closed", "sd": 1.5}],
             "b": _app([1.0, 1.1], 3)}
@@ -140,8 +140,8 @@ def test_an_unfinished_apps_final_sd_is_the_one_its_closed_record_gives(tmp_path
 
 
 def test_a_wall_clock_step_back_leaves_an_apps_sd_times_in_the_order_the_session_measured_them(tmp_path):
-    # found by a review, 2026-11-25: records are timed by the wall clock ('t'); after it stepped back (NTP, a
-    # hand-set clock) the SD times were out of order and 'SD at t' (a bisection) read the wrong records
+    # records are timed by the wall clock ('t'); after it steps back (NTP, a hand-set clock), SD times taken
+    # from it would be out of order and 'SD at t' (a bisection) would read the wrong records
     stepped = -100.0  # the wall clock jumps back 100 s between the second and third report
     lines = [(0.0, "start", None), (1.0, "report", 1.0), (2.0, "report", 2.0), (3.0, "report", 3.0),
              (4.0, "finish", 3.5), (4.5, "closed", 3.5)]

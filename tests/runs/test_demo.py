@@ -34,7 +34,7 @@ def _mean_utilisation_per_gpu(manager_log) -> list[float]:
 def test_balancing_lowers_the_final_spread_and_puts_the_idle_gpu_to_work(ipc_env, tmp_path, capsys):
     out = tmp_path / "demo"
     # every 2 iterations, not the demo's 4: from this crowded start fair must move jobs early
-    # (in the simulator with 10% jitter its final spread is the lower one in 28 of 30 seeds at 2, 7 at 4)
+    # (in the simulator with 10% jitter its final spread is the lower one for 28 seeds in 30 at 2, 7 at 4)
     assert drbalance(["demo", "--scenario", "e2e-skewed", "--policies", "observe,fair", "--decide-every", "2",
                       "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The launcher stops a run's processes together: SIGTERM to all, then SIGKILL to what is left
-after one grace period (it stopped them one by one, a grace period each, so N apps that were slow
-to exit held Ctrl-C or a ``--timeout`` up for N times the grace)."""
+after one grace period (stopped one by one, a grace period each, N apps that are slow to exit
+would hold Ctrl-C or a ``--timeout`` up for N times the grace)."""
 
 from __future__ import annotations
 

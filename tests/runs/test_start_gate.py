@@ -1,8 +1,8 @@
 """The launcher's start gate: apps set up first, then start together (docs/emulation.md, "Under CPU load").
 
-Started at their arrival times, the apps of a scenario registered as far apart as their imports
-took (15 to 43 s on a loaded 2-core machine): the first trained alone meanwhile, and the policy
-moved them onto GPUs whose apps had not registered yet.
+Started at their arrival times, the apps of a scenario would register as far apart as their
+imports take (15 to 43 s on a loaded 2-core machine): the first would train alone meanwhile, and
+the policy would move them onto GPUs whose apps had not registered yet.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_the_launcher_names_an_app_that_died_while_setting_up(tmp_path):
 
 
 def test_sigterm_to_a_launch_stops_its_manager_and_jobs_and_removes_its_emulated_gpus(tmp_path):
-    """``kill``, ``timeout`` and systemd send SIGTERM; it used to kill the launcher alone and leave
+    """``kill``, ``timeout`` and systemd send SIGTERM; it must not kill the launcher alone and leave
     the manager and every job running (waiting at the start gate) and the emulated GPUs in /dev/shm."""
     run_dir = tmp_path / "run"
     launcher = python_process("drbalance", "launch", "e2e-a", "--devices", "emulated", "--run-dir", str(run_dir))
@@ -145,10 +145,10 @@ def test_a_sigterm_whose_exception_was_swallowed_still_stops_the_waits(tmp_path,
 
 
 def test_a_sigterm_inside_logging_is_left_to_the_next_poll(monkeypatch):
-    """A launch stopped under load printed "Exception ignored in: <function _releaseLock>" and a
-    traceback: SIGTERM's ``Terminated`` was raised inside logging's lock release, run as an at-fork
-    hook while a child started, where it is dropped (and a release cut short leaves the lock held).
-    Inside the logging module the handler now only remembers it; elsewhere it raises at once."""
+    """Inside the logging module the SIGTERM handler only remembers the signal; elsewhere it raises
+    at once. SIGTERM's ``Terminated`` raised inside logging's lock release, run as an at-fork hook
+    while a child starts, is dropped (and a release cut short leaves the lock held): a launch
+    stopped under load would print "Exception ignored in: <function _releaseLock>" and a traceback."""
     inside: dict = {}
     exec("import sys\nframe = sys._getframe()", {"__name__": "logging"}, inside)  # a frame of logging's
     previous = cli._stop_on_sigterm()
@@ -167,8 +167,8 @@ def test_a_sigterm_inside_logging_is_left_to_the_next_poll(monkeypatch):
 
 
 def test_a_launcher_killed_outright_takes_its_manager_and_jobs_with_it(tmp_path):
-    """SIGKILL (the out-of-memory killer, kill -9) gives the launcher no chance to stop anything:
-    the manager, which never ends by itself, ran on for good, and the jobs trained on without it."""
+    """SIGKILL (the out-of-memory killer, kill -9) gives the launcher no chance to stop anything, yet
+    the manager, which never ends by itself, must not run on for good, nor the jobs train on without it."""
     run_dir = tmp_path / "run"
     launcher = python_process("drbalance", "launch", "e2e-a", "--devices", "emulated", "--run-dir", str(run_dir))
     try:
@@ -185,7 +185,7 @@ def test_a_launcher_killed_outright_takes_its_manager_and_jobs_with_it(tmp_path)
         launcher.kill()
         launcher.communicate(timeout=60)
     deadline = time.monotonic() + 180
-    while any(running(pid) for pid in children):  # used to run on: the manager for good
+    while any(running(pid) for pid in children):  # none runs on (the manager would, for good)
         assert time.monotonic() < deadline, [pid for pid in children if running(pid)]
         time.sleep(0.2)
     assert not [entry for entry in os.listdir("/dev/shm") if f".{namespace}." in entry]

@@ -1,8 +1,8 @@
 """train_ddp.py refuses ``--gpus`` that put two ranks of a node on one device, on every rank, before any collective.
 
-It used to start: on CUDA, NCCL then fails at the first collective ("Duplicate GPU detected"); on
-emulated GPUs the job trained, but the manager could never steer it (its record names one GPU for
-two slots: "unmapped").
+Started anyway, such a job fails on CUDA at NCCL's first collective ("Duplicate GPU detected"); on
+emulated GPUs it trains, but the manager can never steer it (its record names one GPU for two
+slots: "unmapped").
 """
 
 from __future__ import annotations

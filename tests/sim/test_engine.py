@@ -169,7 +169,7 @@ def test_scenarios_round_trip_through_json_and_bad_ones_are_rejected(tmp_path):
         load_scenario("zz")
 
 
-# --- issue 9: honest interference, GPU speeds, same starting placement, fair's targets -----------
+# --- honest interference, GPU speeds, same starting placement, fair's targets --------------------
 
 def test_gavel_pairs_reproduce_the_measured_speed_shares_in_the_simulator():
     from drbalance.sim.interference import GavelInterference

@@ -1,8 +1,8 @@
 """The ``gavel`` model keeps Gavel's measured speed shares while both jobs of a pair run.
 
-Gavel measured each pair with both jobs running throughout. A fit that compared those shares
-with runs of equal iteration counts let the faster job finish first and the slower one run its
-last iterations alone: its rate was then pushed far down (DenseNet-121 beside ResNet-50 kept
+Gavel measured each pair with both jobs running throughout. A fit that compares those shares
+with runs of equal iteration counts lets the faster job finish first and the slower one run its
+last iterations alone, which pushes its rate far down (DenseNet-121 beside ResNet-50 would keep
 0.14 of its speed where Gavel measured 0.37).
 """
 

@@ -1,6 +1,6 @@
 """The simulator's jitter (``SimConfig.jitter``, ``drbalance simulate --jitter``): every host phase
 and GPU chunk stretched by a random factor of mean 1, reproducible by seed, and nothing drawn
-without it (a run without jitter is the run it always was)."""
+without it (a run without jitter is unchanged by it)."""
 
 import json
 import math
