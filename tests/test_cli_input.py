@@ -217,7 +217,6 @@ def test_an_os_error_of_a_command_is_one_line_not_a_traceback(tmp_path, capsys):
     assert "use a larger --step" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_training_script_reports_a_bad_dr_in_one_line(tmp_path):
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--ratio", "0,0", "--solo-time", "1",
                           "--epochs", "1", "--iterations", "1", env={"DRBALANCE_NO_MANAGER": "1"})
@@ -346,7 +345,6 @@ def test_the_ddp_training_script_refuses_numbers_that_cannot_train(option, messa
     assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_training_script_refuses_an_empty_batch_in_one_line():
     code, _out, err = run("drbalance.runs.train", "--devices", "cpu", "--batch-size", "0", "--solo-time", "1",
                           env={"DRBALANCE_NO_MANAGER": "1"})
@@ -455,7 +453,6 @@ def test_the_ddp_training_script_reports_bad_input_found_while_setting_up_in_one
     assert not [entry for entry in os.listdir("/dev/shm") if f".{ipc_env.namespace}." in entry]
 
 
-@pytest.mark.slow
 def test_the_training_script_reports_an_sd_log_it_must_not_open_in_one_line(ipc_env, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -587,7 +584,6 @@ def test_seconds_or_profile_name_refuses_other_numbers_and_invalid_names(text, m
                                                         "least 33 pixels a side"),
     ("drbalance.runs.train_ddp", "alexnet", "8", "8", "alexnet trains on images of at least 63 pixels a side"),
 ])
-@pytest.mark.slow
 def test_an_image_size_too_small_for_the_model_is_a_usage_error_not_a_traceback_from_its_forward(
         ipc_env, module, model, size, batch, message):
     # '--model alexnet --image-size 32' passes the positive-integer check but would die in the first forward
@@ -632,7 +628,6 @@ def test_the_smallest_image_sizes_are_the_smallest_each_model_trains_on():
     (("--threads", "100000"), f"argument --threads: must be at most {os.cpu_count()} (this machine's CPUs); "
                               f"got 100000"),
 ])
-@pytest.mark.slow
 def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceback(ipc_env, module, option, message):
     # not "ValueError: Overflow when unpacking long long" from torch.manual_seed nor
     # "MemoryError: Not enough memory" from torch.set_num_threads, both tracebacks
@@ -641,7 +636,6 @@ def test_a_seed_or_thread_count_torch_cannot_take_is_a_usage_error_not_a_traceba
     assert code == 2 and "Traceback" not in err and f"error: {message}" in err, err
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_training_script_refuses_gpus_it_would_not_use_instead_of_ignoring_them(ipc_env):
     # '--devices cpu --gpus 0,1' must not train on the CPU without a word about --gpus

@@ -32,7 +32,6 @@ def test_worse_is_issue_9s_rule_on_max_and_on_mean():
     assert worse(Run(0, "calibrated", "fair", 0.0, 1.00, 1.215), base)
 
 
-@pytest.mark.slow
 def test_report_counts_the_runs_that_end_worse_than_observe_of_the_same_seed():
     seeds = range(2, 3)  # two GPUs, three apps: about a second per run
     results = {(2, interference, policy): run((2, interference, policy))

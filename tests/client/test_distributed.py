@@ -200,7 +200,6 @@ def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(i
     assert leftovers(ipc_env) == []
 
 
-@pytest.mark.slow
 def test_drbalance_profile_refuses_a_job_of_several_ranks_on_every_rank(tmp_path):
     # the environment `drbalance profile` sets, around a real two-rank job over gloo: a solo-run
     # profile is one process on one GPU, so every rank's Session refuses, and no profile is written

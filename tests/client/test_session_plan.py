@@ -129,7 +129,6 @@ def test_a_resumed_session_starts_at_its_epoch_and_measures_the_rest(alone, tmp_
             Session(model(), "bad-start", epochs=4, iterations_per_epoch=5, solo_time=1.0, start_epoch=bad)
 
 
-@pytest.mark.slow
 def test_past_the_plan_with_a_real_manager_the_job_finishes_and_comes_back(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     try:

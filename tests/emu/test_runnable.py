@@ -44,7 +44,6 @@ def test_an_unreadable_or_malformed_statistics_file_means_nothing_is_left_out(tm
     assert thread_runnable_seconds(str(path)) == 2.5
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_host_phase_past_its_modelled_time_is_left_out_of_the_sd(ipc_env):
     """A busy process on the job's only core, and a host phase modelled as 0 s: each phase's CPU
@@ -81,7 +80,6 @@ def test_time_the_job_is_blocked_counts_even_past_the_modelled_host_time(ipc_env
     assert got["wall"] - got["uncounted"] >= 1.6  # the blocked 1.6 s all count
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cpu_time_is_left_out_of_the_iteration_that_took_it(ipc_env):
     """An iteration ends inside the next host phase (after its backward and optimizer step): a

@@ -238,7 +238,6 @@ def test_a_bad_exit_grace_is_a_clear_error_before_anything_is_created(ipc_env):
     assert leftovers(ipc_env) == []
 
 
-@pytest.mark.slow
 def test_the_sd_log_is_json_lines_with_the_documented_fields(ipc_env, tmp_path):
     manager = start_manager("--answer", "0,5,5,0", "--notices", "3")
     app = python_process("tests.helpers.toy_app", "--app", "logged", "--epochs", "2", "--iterations", "6",

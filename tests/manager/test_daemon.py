@@ -18,7 +18,6 @@ from tests.conftest import ROOT, leftovers, python_process, wait_for
 from tests.helpers.processes import ManagerProcess, drain, first_line, stop_app, toy_app
 
 
-@pytest.mark.slow
 def test_a_notice_gets_the_exclusive_placement_on_the_least_used_gpu(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env, (90, 80, 20, 50))
     try:
@@ -67,7 +66,6 @@ def test_the_slowest_app_gets_the_util_branch_when_there_are_more_apps_than_gpus
     assert ratios[4] == [1, 1, 5, 3]  # applied from the iteration after the first epoch's end
 
 
-@pytest.mark.slow
 def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
@@ -84,7 +82,6 @@ def test_a_killed_app_is_collected_with_its_objects(ipc_env, tmp_path):
     assert [e["reason"] for e in manager.events("app_removed")] == ["process gone"]
 
 
-@pytest.mark.slow
 def test_a_restarted_manager_picks_up_live_apps(ipc_env, tmp_path):
     first = ManagerProcess(tmp_path, ipc_env)
     app = toy_app("survivor", "--epochs", "100000", "--iterations", "3", "--sleep", "0.05")
@@ -131,7 +128,6 @@ def test_a_flood_of_notices_from_32_apps_is_all_answered(ipc_env, tmp_path):
     assert leftovers(ipc_env) == []
 
 
-@pytest.mark.slow
 def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     manager = ManagerProcess(tmp_path, ipc_env)
     try:
@@ -150,7 +146,6 @@ def test_malformed_notices_are_logged_and_ignored(ipc_env, tmp_path):
     assert any("bytes, expected 76" in e for e in errors) and any("ghost" in e for e in errors)
 
 
-@pytest.mark.slow
 def test_second_manager_refuses_and_status_shows_apps(ipc_env, tmp_path, capsys):
     manager = ManagerProcess(tmp_path, ipc_env)
     app = toy_app("shown", "--epochs", "100000", "--iterations", "5", "--sleep", "0.05")

@@ -143,7 +143,6 @@ def test_a_forged_notice_does_not_drop_a_live_job(ipc_env, tmp_path):
     assert not [e for e in manager.events("app_removed") if e["reason"] == "finished"]
 
 
-@pytest.mark.slow
 def test_files_and_folders_are_private_under_umask_000(ipc_env, tmp_path):
     def open_umask() -> None:
         os.umask(0)

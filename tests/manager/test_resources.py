@@ -107,7 +107,6 @@ def run_with_private_mounts(tmp_path: Path, script: str, job: str, covered: str)
     return (tmp_path / "job.out").read_text(), (tmp_path / "manager.out").read_text()
 
 
-@pytest.mark.slow
 def test_a_full_dev_shm_leaves_jobs_training_and_the_manager_saying_why(ipc_env, tmp_path):
     """In a private mount namespace (root only): /dev/shm is a 64 KiB tmpfs, filled up."""
     job, manager = run_with_private_mounts(tmp_path, FULL_SHM_SCRIPT, JOB, "the backed-pages test covers it")
@@ -160,7 +159,6 @@ REFUSED_JOB = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_a_dev_shm_that_refuses_the_jobs_user_leaves_it_training_with_its_own_dr(ipc_env, tmp_path):
     """posix_ipc's PermissionsError is not an OSError: the session let it out of ``Session()``,
     where a missing or full /dev/shm (OSError) already left the job training detached."""

@@ -23,7 +23,6 @@ from tests.conftest import torchrun_args
 from tests.helpers.processes import running
 
 
-@pytest.mark.slow
 def test_profile_command_measures_a_real_script_and_the_session_resolves_the_name(ipc_env, tmp_path, capsys):
     status = drbalance([
         "profile", "toy", "--iterations", "30", "--warmup", "5", "--",
@@ -146,7 +145,6 @@ def test_a_solo_time_that_is_neither_seconds_nor_a_profile_name_is_named_as_such
 
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_profile_run_stopped_at_its_timeout_leaves_none_of_the_commands_processes_behind(tmp_path):
     import os
