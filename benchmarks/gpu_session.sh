@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, torchvision, pynvml; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0))"
 
 step "pytest: the CUDA tests (tests/client/test_parallel_cuda.py, tests/client/test_distributed_cuda.py)"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/client/test_parallel_cuda.py tests/client/test_distributed_cuda.py
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m "" -rs tests/client/test_parallel_cuda.py tests/client/test_distributed_cuda.py
 echo "pytest rc=$?"
 
 step "what a chunk time covers (benchmarks.cuda_chunk_time, ResNet-50, batch 64)"

@@ -1,4 +1,4 @@
-"""The performance model of ``fair`` and ``f-sched``: every app's iteration time under any DRs,
+"""The performance model of ``plan``: every app's iteration time under any DRs,
 learned online from the apps' records (no torch, nothing from the simulator).
 
 For app i with n_ig samples of its batch B_i on GPU g (k_i GPUs with samples), in seconds::
