@@ -21,8 +21,8 @@ from drbalance.jsonlog import read_json_lines
 from drbalance.manager.daemon import Manager, ManagerSettings
 from drbalance.manager.utilization import ScriptedSource
 from tests.conftest import leftovers, python_process, torchrun_args, wait_for
-from tests.helpers.ddp import ManagerProcess, ScriptPolicy, check_counting, read_ready, spawn
-from tests.helpers.processes import kill_running
+from tests.helpers.ddp import ScriptPolicy, check_counting, read_ready, spawn
+from tests.helpers.processes import ManagerProcess, kill_running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -171,7 +171,7 @@ def test_a_manager_decision_reaches_every_rank_at_the_same_global_batch(ipc_env,
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(ipc_env, tmp_path, victim):
-    manager = ManagerProcess(tmp_path, ipc_env)
+    manager = ManagerProcess(tmp_path, ipc_env, (60, 40), "--policy", "observe")
     job = torchrun(tmp_path / "torchrun", 2, "--app", "ddpjob", "--epochs", "50", "--iterations", "10",
                    "--sleep", "0.05", "--decide-every", "2")
     neighbour = None
@@ -196,7 +196,7 @@ def test_a_rank_killed_mid_job_leaves_neither_the_manager_nor_other_jobs_stuck(i
         assert json_lines(out)[-1]["done"]
     finally:
         kill_running(job, neighbour)
-        assert manager.stop() == 0
+        assert manager.stop()[0] == 0
     assert leftovers(ipc_env) == []
 
 

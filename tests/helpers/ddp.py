@@ -4,17 +4,14 @@ manager on two scripted GPUs."""
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 from drbalance.client.distributed import MAX_EXCHANGE_INTERVAL, exchange_interval
-from drbalance.jsonlog import read_json_lines
 from drbalance.policy.base import Decision
 from drbalance.ratio import DataRatio
-from tests.conftest import python_process, wait_for
 from tests.helpers import ddp_workers
 
 
@@ -51,28 +48,6 @@ def check_counting(ranks: list[dict]) -> None:
 
 
 # --- with a manager, under torchrun -----------------------------------------------------------------
-
-
-class ManagerProcess:
-    """``python -m drbalance.manager.cli`` on 2 scripted GPUs in the test's namespace."""
-
-    def __init__(self, tmp_path: Path, names, policy: str = "observe") -> None:
-        util = tmp_path / "util.json"
-        util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [60, 40]}]}))
-        self.log_path = tmp_path / "manager.jsonl"
-        self.process = python_process("drbalance.manager.cli", "--source", f"scripted:{util}", "--policy", policy,
-                                      "--log", str(self.log_path), "--sample-period", "0.1")
-        wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None, 60)
-        assert self.process.poll() is None, self.process.communicate()
-
-    def events(self, kind: str) -> list[dict]:
-        return [e for e in read_json_lines(self.log_path) if e["event"] == kind] if self.log_path.exists() else []
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.communicate(timeout=30)
-        return self.process.returncode
 
 
 class ScriptPolicy:

@@ -107,7 +107,7 @@ def applied_ratios(app: str) -> list[tuple[int, list[int]]]:
 
 
 def kill_a_rank_and_check_the_manager(job, manager, app: str, victim: int) -> None:
-    """Kill rank ``victim`` of the running ``job`` (SIGKILL) once ``manager`` (tests.helpers.ddp.ManagerProcess)
+    """Kill rank ``victim`` of the running ``job`` (SIGKILL) once ``manager`` (tests.helpers.processes.ManagerProcess)
     has added ``app``: the job ends with an error, the manager removes the app, and it then answers
     another job (a toy app) that starts after the kill; the manager stops cleanly."""
     neighbour = None
@@ -127,4 +127,4 @@ def kill_a_rank_and_check_the_manager(job, manager, app: str, victim: int) -> No
         assert neighbour.returncode == 0, err[-2000:]
     finally:
         kill_running(job, neighbour)
-        assert manager.stop() == 0
+        assert manager.stop()[0] == 0

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import leftovers, python_process, torchrun_args
 from tests.helpers import integration_checks as checks
-from tests.helpers.ddp import ManagerProcess
+from tests.helpers.processes import ManagerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,7 +61,7 @@ def test_every_rank_gets_the_global_batch_gradient_for_an_uneven_ratio_and_after
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", JOBS)
 def test_a_rank_killed_mid_run_leaves_the_manager_free_for_other_jobs(ipc_env, tmp_path, framework):
-    manager = ManagerProcess(tmp_path, ipc_env)
+    manager = ManagerProcess(tmp_path, ipc_env, (60, 40), "--policy", "observe")
     job = start(framework, tmp_path, "--epochs", "50", "--sleep", "0.05", "--decide-every", "2")
     checks.kill_a_rank_and_check_the_manager(job, manager, JOBS[framework][1], victim=1)
     assert leftovers(ipc_env) == []
