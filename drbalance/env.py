@@ -131,6 +131,23 @@ def _owned_folder(path: Path, uid: int) -> bool:
     return info.st_uid == uid and stat.S_ISDIR(info.st_mode)
 
 
+def system_dir() -> Path:
+    """``DRBALANCE_SYSTEM_DIR``: where a machine's system manager (``drbalance-manager --system``)
+    keeps its socket and lock, one sub-folder per namespace (default ``/run/drbalance``).
+
+    Every user's jobs look there first and attach to the system manager they find; without one,
+    to their user's own manager. An absolute path (ValueError otherwise). Whether a job trusts what
+    it finds there: ``drbalance.ipc.system``.
+    """
+    value = os.environ.get("DRBALANCE_SYSTEM_DIR")
+    if not value:
+        return Path(defaults.SYSTEM_DIR)
+    if not os.path.isabs(value):
+        raise ValueError(f"DRBALANCE_SYSTEM_DIR={value!r} is not an absolute path; give e.g. "
+                         f"{os.path.abspath(value)!r}")
+    return Path(value)
+
+
 def profile_output() -> Path | None:
     """``DRBALANCE_PROFILE_OUTPUT``: set by ``drbalance profile``; puts a session in solo-measurement mode.
 

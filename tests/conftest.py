@@ -118,6 +118,7 @@ def ipc_env(monkeypatch, tmp_path) -> IpcNames:
     monkeypatch.setenv("DRBALANCE_NAMESPACE", namespace)
     monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("DRBALANCE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("DRBALANCE_SYSTEM_DIR", str(tmp_path / "system"))  # no system manager unless a test makes one
     monkeypatch.setenv("DRBALANCE_PROFILES", str(tmp_path / "profiles.json"))
     monkeypatch.delenv("DRBALANCE_PROFILE_OUTPUT", raising=False)
     monkeypatch.delenv("DRBALANCE_NO_MANAGER", raising=False)
