@@ -56,10 +56,10 @@ from drbalance.ipc.link import (
     DEFAULT_SEND_TIMEOUT,
     DetachedLink,
     ManagerLink,
-    PosixManagerLink,
 )
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.ipc.private import UnsafePath
+from drbalance.ipc.system_link import AutoLink
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
@@ -286,7 +286,7 @@ class Session:
         if self.measurement_output is not None or self._no_manager:
             return DetachedLink()
         try:
-            return PosixManagerLink(self.names, self.app, self.clock)
+            return AutoLink(self.names, self.app, self.clock)
         except (OSError, posix_ipc.Error) as error:  # no /dev/shm, full, or refusing this user: train on alone
             logger.warning("drbalance: POSIX IPC unavailable (%s); training %r with its own DR %s",
                            error, self.app, self.own_ratio)

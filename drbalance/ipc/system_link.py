@@ -13,6 +13,7 @@ A manager that stops closes the connection: the job sees no manager at its next 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from drbalance.ipc.discovery import AppNameInUse
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice
 from drbalance.ipc.link import DetachedLink, ManagerLink, PosixManagerLink, command_for
 from drbalance.ipc.names import IpcNames
-from drbalance.ipc.peer import PeerRefused, check_manager
+from drbalance.ipc.peer import Peer, PeerRefused, check_manager, peer_of
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import AppRecord
 from drbalance.ratio import DataRatio
@@ -320,3 +321,68 @@ class AutoLink:
                 link.close()
         self.system = self.user = None
         self.current = DetachedLink()
+
+
+def running_system_manager(namespace: str) -> Peer | None:
+    """The system manager that listens in ``namespace`` now, as the kernel names it; None when
+    none does (no folder, no listener, or one that is not the folder owner's)."""
+    try:
+        place = system.find(namespace)
+    except (UnsafePath, OSError, ValueError):
+        return None
+    if place is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        folder = place.open_folder()
+        try:
+            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+        finally:
+            os.close(folder)
+        peer = peer_of(sock)
+    except (OSError, PeerRefused):
+        return None
+    finally:
+        sock.close()
+    return peer if peer.uid in (place.owner, 0) else None
+
+
+class SystemStatusError(RuntimeError):
+    """A system manager runs but its status cannot be had; the text says why."""
+
+
+def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict | None:
+    """The status of the system manager of ``namespace`` as this user may see it (its own jobs by
+    name, others' as anonymous load: ``drbalance.manager.visibility``), or None when no system
+    manager runs there. ``SystemStatusError`` when one runs but gives no usable answer."""
+    try:
+        place = system.find(namespace)
+    except (UnsafePath, OSError, ValueError) as error:
+        raise SystemStatusError(f"not trusting the system manager's folder: {error}") from None
+    if place is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        folder = place.open_folder()
+        try:
+            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+        finally:
+            os.close(folder)
+        check_manager(sock, (place.owner, 0))
+        if not wire.send(sock, wire.Kind.STATUS, timeout=timeout) or not wire.wait_readable(sock, timeout):
+            raise SystemStatusError(f"the system manager at {place.socket} did not answer within {timeout:g} s")
+        message = wire.receive(sock, frozenset({wire.Kind.STATUS_REPLY, wire.Kind.REFUSED}), size=wire.MAX_REPLY,
+                               max_fds=0)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None  # its folder stays after it stopped (it is in /run): no system manager runs
+    except (OSError, EOFError, wire.WireError, PeerRefused) as error:
+        raise SystemStatusError(f"cannot ask the system manager at {place.socket}: {error}") from None
+    finally:
+        sock.close()
+    if message is None or message.kind == wire.Kind.REFUSED:
+        reason = wire.refusal(message.payload)[1] if message is not None else "no answer"
+        raise SystemStatusError(f"the system manager refused the status request: {reason}")
+    try:
+        return json.loads(message.payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise SystemStatusError(f"the system manager's status is not JSON: {error}") from None

@@ -21,6 +21,7 @@ must not is refused; descriptors that came with a refused message are closed at 
 
 from __future__ import annotations
 
+import array
 import enum
 import errno
 import math
@@ -44,6 +45,7 @@ MAX_REASON = 1000
 MAX_REPLY = 256 * 1024
 """Bytes of a status reply at most (a socket's default send buffer holds about 200 KiB more)."""
 SEND_BUFFER = MAX_REPLY + 64 * 1024
+_FD = array.array("i")  # a descriptor's C type in SCM_RIGHTS data
 
 
 class Kind(enum.IntEnum):
@@ -166,11 +168,13 @@ def receive(sock: socket.socket, allowed: frozenset[Kind], size: int = MAX_REQUE
     """The next message on a non-blocking ``sock``, or None when none is waiting. ``EOFError`` when
     the peer closed the connection; ``WireError`` for a message the protocol does not allow."""
     try:
-        data, fds, flags, _ = socket.recv_fds(sock, size, max_fds, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        data, ancillary, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(max_fds * _FD.itemsize),
+                                                 socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
     except (BlockingIOError, InterruptedError):
         return None
     except ConnectionResetError:
         raise EOFError("the peer reset the connection") from None
+    fds = _descriptors(ancillary)
     if not data and not fds:
         raise EOFError("the peer closed the connection")
     return decode(data, fds, flags, allowed)
@@ -184,10 +188,8 @@ def send(sock: socket.socket, kind: Kind, payload: bytes = b"", fds: tuple[int, 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if fds:
-                socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-            else:
-                sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
             return True
         except InterruptedError:
             continue
@@ -203,6 +205,17 @@ def send(sock: socket.socket, kind: Kind, payload: bytes = b"", fds: tuple[int, 
             if error.errno == errno.EMSGSIZE:
                 raise WireError(f"a {kind.name} message of {len(data)} bytes does not fit the socket") from None
             raise
+
+
+def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors ``SCM_RIGHTS`` items of ``recvmsg``'s ancillary data installed in this process
+    (``socket.recv_fds`` of Python 3.11 drops the call's flags, so ``MSG_DONTWAIT`` would be lost)."""
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % _FD.itemsize
+            fds.extend(array.array("i", payload[:usable]))
+    return fds
 
 
 def wait_readable(sock: socket.socket, timeout: float) -> bool:

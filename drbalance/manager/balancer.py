@@ -59,6 +59,14 @@ class SampleFailed(RuntimeError):
     """The utilisation source raised; its readings count as unavailable (a fault of ``sample``)."""
 
 
+class ManagerAlreadyRunning(RuntimeError):
+    """Another manager holds this namespace's lock."""
+
+
+class ManagerStartError(RuntimeError):
+    """The manager cannot start; the text says what, where, and what to do."""
+
+
 @dataclass(frozen=True)
 class ManagerSettings:
     """The daemon's options (seconds for periods; percent points for ``util_threshold``).
@@ -123,11 +131,13 @@ class Balancer:
         settings: ManagerSettings,
         source: UtilizationSource,
         table: AppTable,
+        namespace: str,
         clock: Clock | None = None,
         policy: Policy | None = None,
         metrics: ManagerMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.namespace = namespace
         self.metrics = metrics  # None: no metrics are kept (drbalance-manager without --metrics-port)
         self.source = source
         self.clock = clock or SystemClock()
@@ -374,6 +384,17 @@ class Balancer:
         self._reported[key] = now
         return True
 
+    def _forget_reports(self, now: float) -> None:
+        """Drop the problems not seen for ``REPORT_FORGET_SECONDS``, and say how many were not
+        named on stderr (at most every ``UNREPORTED_SAID_SECONDS``)."""
+        horizon = now - REPORT_FORGET_SECONDS
+        for key in [key for key, seen in self._reported.items() if seen < horizon]:
+            del self._reported[key]
+        if self._unreported and now - self._unreported_said >= UNREPORTED_SAID_SECONDS:
+            logger.warning("drbalance-manager: %d more problem(s) (other apps or reasons) were not named on stderr; "
+                           "the manager log records them", self._unreported)
+            self._unreported, self._unreported_said = 0, now
+
     def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
         """Log a problem (and name it on stderr) once while it stays; one past ``MAX_REPORTED`` is
         logged every time it is seen, as there is no room to remember it."""
@@ -384,6 +405,30 @@ class Balancer:
         self.log(event, **fields)
         if named:
             logger.warning("drbalance-manager: %s", fields.get("error", fields))
+
+    def status_document(self, now: float) -> dict[str, Any]:
+        """What ``drbalance status`` shows, as JSON-ready data (each subclass adds its own fields)."""
+        return {
+            "pid": os.getpid(), "namespace": self.namespace, "policy": self.policy.name,
+            "started": self._started_wall, "updated": self.clock.wall(), "gpus": self.gpu_count,
+            "util": list(self.window.values()), "decisions": self.decisions, "quiet_after": self.settings.quiet_after,
+            "apps": [self.app_status(entry, now) for entry in self.table.entries.values()],
+            "memory": [None if m is None else {"used": m.used, "total": m.total}
+                       for m in (self.server.memory or (None,) * self.gpu_count)],
+            "faults": dict(self.faults),
+            "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
+            "metrics": self.metrics.url() if self.metrics is not None else None,
+        }
+
+    def app_status(self, entry: AppEntry, now: float) -> dict[str, Any]:
+        """One app in ``status_document``."""
+        status = entry.status
+        dr, steered = self._server_dr(entry)
+        return {"name": entry.name, "pid": status.pid, "epoch": status.epoch, "epochs": status.epochs,
+                "iteration": status.iteration, "iterations_total": status.iterations_total, "sd": status.slowdown,
+                "dr": dr, "state": status.state.name, "sd_estimated": status.solo_estimated,
+                "updated_ago": now - status.updated_mono,
+                "quiet_for": None if entry.quiet_since is None else now - entry.quiet_since, "steered": steered}
 
     def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
         """The app's DR by the manager's GPU index (as in the manager log and the metrics), and
@@ -402,6 +447,10 @@ class Balancer:
                 shares[gpu] = ratio[slot]
         return shares, True
 
+    def metric_name(self, entry: AppEntry) -> str:
+        """The ``app`` label of an app's metrics."""
+        return entry.name
+
     def _update_metrics(self, now: float) -> None:
         """Swap in the metrics' view of the apps and GPUs (apps that left drop out of it)."""
         if self.metrics is None:
@@ -414,7 +463,8 @@ class Balancer:
                 shares = tuple(share / ratio.total for share in ratio.to_list())
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
-            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated))
+            apps.append(AppMetrics(self.metric_name(entry), status.slowdown, status.iteration_time, shares,
+                                   status.solo_estimated))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 

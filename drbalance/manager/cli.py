@@ -17,9 +17,12 @@ from drbalance.argtypes import (
     positive_int,
 )
 from drbalance.helptext import HelpFormatter, environment_epilog
+from drbalance.ipc import system
 from drbalance.ipc.private import UnsafePath
+from drbalance.manager.admission import UserLimits
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
+from drbalance.manager.system import SystemManager
 from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
@@ -126,6 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the metrics endpoint listens on: loopback only by default; e.g. 0.0.0.0 "
                         "or :: to let a Prometheus on another host scrape it (anyone who can reach the port "
                         "sees app names)")
+    system = parser.add_argument_group(
+        "system manager", "one manager for every user of the machine, started by the administrator "
+        "(docs/operations.md): jobs find it with no setting and attach to it before their user's own manager")
+    limits = UserLimits()
+    system.add_argument("--system", action="store_true",
+                        help="run as the machine's system manager, in DRBALANCE_SYSTEM_DIR/<namespace> (default "
+                        "/run/drbalance/<namespace>), as root or as the service user that owns that folder")
+    system.add_argument("--max-jobs-per-user", type=positive_int, default=limits.jobs, metavar="N",
+                        help="jobs one user may have attached at once; more are refused (with --system)")
+    system.add_argument("--max-connections-per-user", type=positive_int, default=limits.connections, metavar="N",
+                        help="connections one user may hold open at once (jobs, status views; with --system)")
+    system.add_argument("--notices-per-user", type=positive_float, default=limits.notices_per_second,
+                        metavar="PER_SECOND", help="notices taken from one user per second, with a burst of one "
+                        "second's worth; more are refused (with --system)")
+    system.add_argument("--show-names", action="store_true",
+                        help="show every job's user and name to every user in 'drbalance status' and in the "
+                        "metrics (default: a user sees other users' jobs only as anonymous load; with --system)")
     parser.add_argument("--duration", type=positive_float, default=None,
                         help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -166,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     # that arrives before the manager exists is kept and honoured once it does; a second one then
     # ends the process at once (a start-up that hangs, e.g. in a driver call, needs no SIGKILL).
     early_stop: list[str] = []
-    manager: Manager | None = None
+    manager: Manager | SystemManager | None = None
 
     def on_stop(number: int, frame: object) -> None:
         name = signal.Signals(number).name
@@ -194,7 +214,11 @@ def _serve(args: argparse.Namespace) -> int:
             util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
             log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep, plan_period=args.plan_period,
         )
-        source = open_source(args.source, args.gpus, namespace=namespace)
+        machine = _system_place(namespace) if args.system else None
+        source = open_source(args.source, args.gpus, namespace=namespace, machine=machine)
+    except ManagerStartError as error:
+        logger.error("drbalance-manager: %s", error)
+        return 1
     except (UtilizationUnavailable, ValueError) as error:
         logger.error("drbalance-manager: %s", error)
         return 2
@@ -206,7 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
     try:
-        manager = Manager(settings, source, metrics=metrics)
+        manager = _manager(args, settings, source, metrics)
     except ValueError as error:  # e.g. --dr-total 0, --sd-threshold -1
         source.close()
         logger.error("drbalance-manager: %s", error)
@@ -239,6 +263,25 @@ def _serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
     return 0
+
+
+def _system_place(namespace: str) -> system.SystemPlace:
+    """The system manager's folder, made where missing (``ManagerStartError`` naming what to do)."""
+    try:
+        return system.create(namespace)
+    except OSError as error:  # UnsafePath, PermissionError
+        raise ManagerStartError(
+            f"cannot use the system folder {system.system_root() / namespace}: {error}. Run the system manager as "
+            f"root, or as a service user to whom root gave {system.system_root()} (systemd: "
+            f"RuntimeDirectory=drbalance; docs/operations.md)") from None
+
+
+def _manager(args: argparse.Namespace, settings: ManagerSettings, source, metrics) -> Manager | SystemManager:
+    """The manager the options ask for: the machine's system manager (``--system``), else the user's own."""
+    if not args.system:
+        return Manager(settings, source, metrics=metrics)
+    limits = UserLimits(args.max_jobs_per_user, args.max_connections_per_user, args.notices_per_user)
+    return SystemManager(settings, source, metrics=metrics, limits=limits, show_names=args.show_names)
 
 
 if __name__ == "__main__":

@@ -48,12 +48,15 @@ from drbalance.ipc.private import (
     write_private,
 )
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
+from drbalance.ipc.system_link import running_system_manager
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.balancer import (  # noqa: F401 (ManagerSettings, SampleFailed: this module's API too)
     REPORT_FORGET_SECONDS,
     UNREPORTED_SAID_SECONDS,
     Balancer,
+    ManagerAlreadyRunning,
     ManagerSettings,
+    ManagerStartError,
     SampleFailed,
 )
 from drbalance.manager.listing import ShmLister, ShmListing
@@ -79,12 +82,8 @@ MAX_FOREIGN_NAMED = 1000
 the log once while it stays; a flood beyond them is counted, not kept."""
 
 
-class ManagerAlreadyRunning(RuntimeError):
-    """Another manager holds this namespace's lock."""
 
 
-class ManagerStartError(RuntimeError):
-    """The manager cannot start; the text says what, where, and what to do."""
 
 
 def _lock_owner(fd: int, tries: int = 10) -> str:
@@ -148,7 +147,7 @@ class Manager(Balancer):
         metrics: ManagerMetrics | None = None,
     ) -> None:
         names = IpcNames.current(settings.namespace)
-        super().__init__(settings, source, AppTable(names), clock, policy, metrics)
+        super().__init__(settings, source, AppTable(names), names.namespace, clock, policy, metrics)
         self.names = names
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others, named: entry -> uid
         self.foreign_counts: dict[int, int] = {}  # per owner uid: their entries under our prefix, all counted
@@ -186,6 +185,12 @@ class Manager(Balancer):
             raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
         try:
             self._lock = ManagerLock(self.names.manager_lock())
+            system_manager = running_system_manager(self.names.namespace)
+            if system_manager is not None:
+                raise ManagerAlreadyRunning(
+                    f"the machine's system manager ({system_manager.describe()}) balances every user's jobs in "
+                    f"namespace {self.names.namespace!r}; jobs attach to it, so this user's manager would have "
+                    f"none. Use it (drbalance status shows it), or another namespace")
             other = other_live_manager(self.names)
             if other is not None:
                 raise ManagerAlreadyRunning(
@@ -206,7 +211,7 @@ class Manager(Balancer):
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
+        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "system", "status", "metrics")
         self._next = dict.fromkeys(tasks, now)
         if self._planner is not None:
             self._next["plan"] = now + self._planner.plan_period
@@ -302,6 +307,7 @@ class Manager(Balancer):
             ("runtime", settings.rescan_period, self._check_runtime_files),
             ("endpoint", settings.rescan_period, self._check_endpoint),
             ("rescan", settings.rescan_period, self._rescan),
+            ("system", settings.rescan_period, self._check_system_manager),
             ("status", settings.status_period, self._write_status),
             ("metrics", settings.status_period, self._update_metrics),
         )
@@ -449,6 +455,18 @@ class Manager(Balancer):
                 self._mark_quiet(entry, now)
 
 
+    def _check_system_manager(self, now: float) -> None:
+        """Stop when a system manager started in this namespace: jobs attach to it, and a job must
+        not be balanced by two managers."""
+        system_manager = running_system_manager(self.names.namespace)
+        if system_manager is not None:
+            self.log("fault", task="system", error=f"a system manager ({system_manager.describe()}) runs in "
+                     f"namespace {self.names.namespace!r}")
+            logger.warning("drbalance-manager: the machine's system manager (%s) now balances every user's jobs "
+                           "in namespace %r; stopping (the jobs attach to it)", system_manager.describe(),
+                           self.names.namespace)
+            self.request_stop("a system manager took over the namespace")
+
     def _rescan(self, now: float, listing: ShmListing | None = None) -> None:
         """Adopt live apps found through their claims; remove dead ones' objects; report objects of
         other users under this namespace's prefix: from ``listing`` if given, else from a listing
@@ -488,14 +506,7 @@ class Manager(Balancer):
         ``REPORT_FORGET_SECONDS``."""
         self._claims_left = {(app, token) for app, token in self._claims_left
                              if app in claims and claims[app] in (token, None)}
-        now = self.clock.monotonic()
-        horizon = now - REPORT_FORGET_SECONDS
-        for key in [key for key, seen in self._reported.items() if seen < horizon]:
-            del self._reported[key]
-        if self._unreported and now - self._unreported_said >= UNREPORTED_SAID_SECONDS:
-            logger.warning("drbalance-manager: %d more problem(s) (other apps or reasons) were not named on stderr; "
-                           "the manager log records them", self._unreported)
-            self._unreported, self._unreported_said = 0, now
+        self._forget_reports(self.clock.monotonic())
 
     def _consider_claim(self, app: str, now: float) -> str | None:
         """Adopt ``app`` if its claim's process runs, collect it if dead; the token it names."""
@@ -755,29 +766,11 @@ class Manager(Balancer):
 
     def _write_status(self, now: float) -> None:
         status = {
-            "pid": os.getpid(), "namespace": self.names.namespace, "policy": self.policy.name,
-            "started": self._started_wall, "updated": self.clock.wall(), "gpus": self.gpu_count,
-            "util": list(self.window.values()), "decisions": self.decisions,
-            "runtime_dir": str(self.names.runtime_dir()), "quiet_after": self.settings.quiet_after,
-            "log": str(self._log_path),
-            "apps": [
-                {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
-                 "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
-                 "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
-                 "sd_estimated": e.status.solo_estimated,
-                 "updated_ago": now - e.status.updated_mono,
-                 "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
-                 "steered": steered}
-                for e in self.table.entries.values() for dr, steered in (self._server_dr(e),)
-            ],
-            "memory": [None if m is None else {"used": m.used, "total": m.total}
-                       for m in (self.server.memory or (None,) * self.gpu_count)],
+            **self.status_document(now),
+            "runtime_dir": str(self.names.runtime_dir()), "log": str(self._log_path),
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
                         for entry, uid in sorted(self.foreign.items())[:MAX_FOREIGN_LISTED]],
             "foreign_total": max(len(self.foreign), sum(self.foreign_counts.values())),
-            "faults": dict(self.faults),
-            "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
-            "metrics": self.metrics.url() if self.metrics is not None else None,
         }
         write_private(self.names.manager_status(), json.dumps(status).encode(), private=True)
 

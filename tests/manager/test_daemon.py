@@ -368,7 +368,7 @@ def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(
     from drbalance.manager.utilization import ScriptedSource
 
     monkeypatch.setattr(balancer, "MAX_REPORTED", 50)
-    monkeypatch.setattr(daemon, "UNREPORTED_SAID_SECONDS", 0.0)
+    monkeypatch.setattr(balancer, "UNREPORTED_SAID_SECONDS", 0.0)
     script = tmp_path / "util.json"
     script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
     manager = daemon.Manager(daemon.ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
