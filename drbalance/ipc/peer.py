@@ -35,13 +35,11 @@ class PeerRefused(PermissionError):
 
 @dataclass(frozen=True)
 class Peer:
-    """A connected process as the kernel knows it: pid, uid, gid (``SO_PEERCRED``), and its start
-    time (clock ticks since boot, from /proc; 0 = unknown)."""
+    """A connected process as the kernel knows it: pid, uid, gid (``SO_PEERCRED``)."""
 
     pid: int
     uid: int
     gid: int
-    start_ticks: int = 0
 
     def describe(self) -> str:
         return f"pid {self.pid} of {user_name(self.uid)}"
@@ -53,17 +51,18 @@ def peer_of(sock: socket.socket) -> Peer:
     pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     if pid <= 0:
         raise PeerRefused(f"the peer of this connection has no process id here (pid {pid}: another pid namespace?)")
-    return Peer(pid, uid, gid, process_start_ticks(pid) or 0)
+    return Peer(pid, uid, gid)
 
 
 class ProcessHandle:
     """A pidfd of a peer's process: readable once that process has ended. ``open`` checks, after
-    opening it, that the pid still names the peer's process (same uid and start time), so the
-    handle never names a later process that took over the pid."""
+    opening it, that the pid still names a process of the peer's uid, and reads its start time
+    (``start_ticks``, clock ticks since boot, 0 = unknown), which a record must then name."""
 
     def __init__(self, fd: int, peer: Peer) -> None:
         self.fd: int | None = fd
         self.peer = peer
+        self.start_ticks = 0
 
     @classmethod
     def open(cls, peer: Peer) -> ProcessHandle:
@@ -78,9 +77,10 @@ class ProcessHandle:
         except OSError:
             handle.close()
             raise PeerRefused(f"{peer.describe()} ended before it could be registered") from None
-        if uid != peer.uid or (peer.start_ticks and ticks != peer.start_ticks) or handle.ended():
+        if uid != peer.uid or handle.ended():
             handle.close()
             raise PeerRefused(f"{peer.describe()} ended, and its pid now names another process")
+        handle.start_ticks = ticks
         return handle
 
     def ended(self) -> bool:

@@ -206,7 +206,7 @@ class Balancer:
         self.log("recovered", task=key, error=error, failures=failures)
         logger.warning("drbalance-manager: %s works again after %d failure(s) (last: %s)", key, failures, error)
 
-    def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
+    def decide(self, entry: AppEntry, trigger: str, generation: int, queued: float | None = None) -> DataRatio:
         """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
 
         Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
@@ -256,7 +256,7 @@ class Balancer:
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
-                 decide_us=spent * 1e6)
+                 decide_us=spent * 1e6, **({} if queued is None else {"queued_us": queued * 1e6}))
         for other, other_ratio in pushes.items():
             if other == entry.name:  # the deciding app's own DR is the answer above, never a push
                 self.log("push", app=other, branch=branch, refused="a push to the deciding app itself")

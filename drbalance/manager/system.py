@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import resource
 import selectors
@@ -47,7 +48,7 @@ from drbalance.policy import Policy
 logger = logging.getLogger("drbalance.manager")
 
 LISTEN_BACKLOG = 128
-ACCEPT_BUDGET = 32
+ACCEPT_BUDGET = 16
 """Connections accepted per turn at most (a flood of connections waits in the backlog)."""
 READ_BUDGET = 16
 """Messages read per user per turn at most (a flood of messages waits in its sockets)."""
@@ -71,6 +72,7 @@ class Connection:
         self.record: AppRecord | None = None
         self.process: ProcessHandle | None = None
         self.serial = 0  # the number metrics show for the job (visibility.metric_label)
+        self.login = ""  # the user's login name (looked up once: a uid without a passwd entry is slow to)
         self.last_refusal = -float("inf")
 
     def describe(self) -> str:
@@ -142,7 +144,7 @@ class SystemManager(Balancer):
         self.limits = limits or UserLimits()
         self.show_names = show_names
         self.admission = Admission(self.limits)
-        self.queue: NoticeQueue[tuple[Connection, Notice]] = NoticeQueue()
+        self.queue: NoticeQueue[tuple[Connection, Notice, float]] = NoticeQueue()  # (.., when it was read)
         self.place: system.SystemPlace | None = None
         self.connections: dict[int, Connection] = {}  # socket fd -> connection
         self.attached: dict[str, Connection] = {}  # app key -> its connection
@@ -151,6 +153,7 @@ class SystemManager(Balancer):
         self._lock_fd: int | None = None
         self._selector = selectors.DefaultSelector()
         self._serials = 0
+        self._told: dict[int, float] = {}  # per user: when a refused connection was last told why
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -356,13 +359,25 @@ class SystemManager(Balancer):
             self._selector.register(sock, selectors.EVENT_READ, connection)
 
     def _refuse_quietly(self, sock: socket.socket, peer: Peer, code: wire.Refusal, reason: str) -> None:
-        """Refuse a connection at once: one log line per user and reason while it lasts."""
-        try:
-            wire.send(sock, wire.Kind.REFUSED, wire.refusal_payload(code, reason))
-        except (OSError, wire.WireError):
-            pass
+        """Refuse a connection at once; the reason is sent at most once a second per user (a flood of
+        connections costs an accept and a close each), logged once per user and reason while it lasts."""
+        now = self.clock.monotonic()
+        if now - self._told.get(peer.uid, -math.inf) >= 1.0 / REFUSALS_PER_SECOND:
+            self._told[peer.uid] = now
+            try:
+                wire.send(sock, wire.Kind.REFUSED, wire.refusal_payload(code, reason))
+            except (OSError, wire.WireError):
+                pass
         sock.close()
-        self._report_once(("refused", str(peer.uid), reason), "refused", uid=peer.uid, user=user_name(peer.uid),
+        self._report_refusal("refused", peer, None, reason)
+
+    def _report_refusal(self, event: str, peer: Peer, app: str | None, reason: str) -> None:
+        """Log a refusal once per user and reason while it lasts (names looked up only then)."""
+        key = (event, str(peer.uid), reason)
+        if key in self._reported:
+            self._reported[key] = self.clock.monotonic()
+            return
+        self._report_once(key, event, what="message", app=app, uid=peer.uid, user=user_name(peer.uid),
                           pid=peer.pid, error=reason)
 
     def _read_user(self, connections: list[Connection]) -> None:
@@ -405,9 +420,7 @@ class SystemManager(Balancer):
 
     def _refuse(self, connection: Connection, code: wire.Refusal, reason: str, event: str = "invalid") -> None:
         """Log a refusal (stderr once per user and reason) and tell the peer, at most once a second."""
-        self._report_once((event, str(connection.peer.uid), reason), event, what="message", app=connection.app,
-                          uid=connection.peer.uid, user=user_name(connection.peer.uid), pid=connection.peer.pid,
-                          error=reason)
+        self._report_refusal(event, connection.peer, connection.app, reason)
         now = self.clock.monotonic()
         if now - connection.last_refusal >= 1.0 / REFUSALS_PER_SECOND:
             connection.last_refusal = now
@@ -471,13 +484,13 @@ class SystemManager(Balancer):
         self._serials += 1
         connection.app, connection.key, connection.record, connection.process = app, key, record, process
         connection.serial = self._serials
+        connection.login = login_name(peer.uid)
         self.attached[key] = connection
         self._selector.register(process, selectors.EVENT_READ, process)
 
     def _tell(self, connection: Connection, code: wire.Refusal, reason: str) -> None:
         """A refusal that is not an attack (a name in use, a limit): logged once per user and reason."""
-        self._report_once(("refused", str(connection.peer.uid), reason), "refused", uid=connection.peer.uid,
-                          user=user_name(connection.peer.uid), pid=connection.peer.pid, error=reason)
+        self._report_refusal("refused", connection.peer, connection.app, reason)
         try:
             wire.send(connection.sock, wire.Kind.REFUSED, wire.refusal_payload(code, reason))
         except (OSError, wire.WireError):
@@ -498,11 +511,15 @@ class SystemManager(Balancer):
                          f"a notice for app {notice.app!r} of pid {notice.pid} on the connection of app "
                          f"{connection.app!r}, pid {peer.pid} (the kernel's): refused")
             return
+        if notice.kind == NoticeKind.FINISH:  # no decision to make: taken at once, before the job closes
+            self.queue.drop(peer.uid, connection.key)
+            self.handle(connection, notice)
+            return
         refusal = self.admission.notice_refusal(peer.uid, self.clock.monotonic())
         if refusal is not None:
             self._refuse(connection, wire.Refusal.LIMIT, refusal, event="refused")
             return
-        self.queue.put(peer.uid, connection.key, (connection, notice))
+        self.queue.put(peer.uid, connection.key, (connection, notice, self.clock.monotonic()))
 
     def _send_status(self, connection: Connection) -> None:
         document = status_for(self.system_status(), connection.peer.uid, os.geteuid(), self.show_names)
@@ -528,7 +545,7 @@ class SystemManager(Balancer):
         app = super().app_status(entry, now)
         connection = self.attached.get(entry.name)
         if connection is not None:
-            app.update(name=connection.app, uid=connection.peer.uid, user_login=login_name(connection.peer.uid))
+            app.update(name=connection.app, uid=connection.peer.uid, user_login=connection.login)
         return app
 
     def _close(self, connection: Connection, reason: str | None) -> None:
@@ -577,13 +594,15 @@ class SystemManager(Balancer):
             item = self.queue.pop()
             if item is None:
                 return
-            _, (connection, notice) = item
+            _, (connection, notice, received) = item
             if connection.key is None or self.attached.get(connection.key) is not connection:
                 continue  # it left meanwhile
-            self._run_task("notice", lambda _now, c=connection, n=notice: self.handle(c, n), self.clock.monotonic())
+            self._run_task("notice", lambda _now, c=connection, n=notice, r=received: self.handle(c, n, r),
+                           self.clock.monotonic())
 
-    def handle(self, connection: Connection, notice: Notice) -> None:
-        """Steps 3-6 for a job's notice (already checked to be its own)."""
+    def handle(self, connection: Connection, notice: Notice, received: float | None = None) -> None:
+        """Steps 3-6 for a job's notice (already checked to be its own; ``received``: when it was
+        read, monotonic seconds, for the decision's ``queued_us``)."""
         now = self.clock.monotonic()
         key = connection.key
         entry = self.table.get(key)
@@ -598,24 +617,24 @@ class SystemManager(Balancer):
                 return
         self._refresh_all(now)
         trigger = "register" if notice.kind == NoticeKind.REGISTER else "boundary"
-        self.decide(entry, trigger, notice.seq)
+        self.decide(entry, trigger, notice.seq, None if received is None else self.clock.monotonic() - received)
         if self.metrics is not None:
             self.metrics.exchange(self.clock.wall() - notice.sent_wall)
 
     def _admit(self, connection: Connection, now: float) -> AppEntry | None:
         """Add an attached job to the table at its first notice (its record holds a status by then)."""
         peer = connection.peer
+        ticks = connection.process.start_ticks if connection.process is not None else 0
         try:
             status = connection.record.read_status()
-            if status.pid != peer.pid or (peer.start_ticks and status.start_ticks
-                                          and status.start_ticks != peer.start_ticks):
+            if status.pid != peer.pid or (ticks and status.start_ticks and status.start_ticks != ticks):
                 raise RecordError(f"the record of app {connection.app!r} names pid {status.pid}; the kernel says "
                                   f"its connection is pid {peer.pid}: refused")
         except (RecordEmpty, RecordError) as error:
             self._refuse(connection, wire.Refusal.INVALID, str(error))
             return None
         entry = AppEntry(connection.key, SocketChannel(connection), status, now, owner_pid=peer.pid,
-                         owner_ticks=peer.start_ticks)
+                         owner_ticks=ticks)
         self.table.entries[connection.key] = entry
         self._log_added(entry, "notice")
         return entry
@@ -641,7 +660,7 @@ class SystemManager(Balancer):
         connection = self.attached.get(entry.name)
         if connection is None:
             return entry.name
-        return metric_label(connection.app, login_name(connection.peer.uid), connection.serial, self.show_names)
+        return metric_label(connection.app, connection.login, connection.serial, self.show_names)
 
 
 class _Refused(PeerRefused):
