@@ -50,7 +50,8 @@ trying drbalance on Slurm by hand (docs/slurm.md). Runs as root; no systemd need
   env     print the shell settings that reach the cluster: eval "\$($PROG env)"
   stop    cancel every job, end every process start started (by pid) and any job step
           left behind; fine when nothing runs. Logs stay in the cluster folder.
-  status  what runs (exit 0: everything, 1: part of it, 3: nothing)
+  status  what runs (exit 0: everything, 1: part of it, 3: nothing, 4: unknown: not root);
+          start and stop need root too
 
 Environment:
   DRBALANCE_SLURM_DIR            the cluster folder: configuration, state, logs, pid files,
@@ -176,7 +177,11 @@ ensure_packages() {
     command -v apt-get >/dev/null || unsupported "needs ${missing[*]} (slurm-wlm, munge) and this machine has no apt-get"
     say "installing slurm-wlm and munge (missing: ${missing[*]})"
     local log=/tmp/drbalance-slurm-apt.$$.log
-    if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; } >"$log" 2>&1; then
+    # One installation at a time from this script (other worktrees' tests may start clusters at
+    # once); apt's own locks are waited for, not failed on, when something else holds them.
+    local apt=(apt-get -q -o DPkg::Lock::Timeout=300)
+    if ! flock /var/lock/drbalance-slurm-apt.lock bash -c '"$@" update && DEBIAN_FRONTEND=noninteractive "$@" install -y slurm-wlm munge' \
+        apt "${apt[@]}" >"$log" 2>&1; then
         tail -n 15 "$log" >&2
         unsupported "cannot install slurm-wlm and munge from Debian's packages (apt-get's output: $log)"
     fi
@@ -441,6 +446,8 @@ cmd_start() {
     elif [[ $state == partly ]]; then
         cmd_status >&2 || true
         die "partly running in $CLUSTER_DIR: run '$PROG stop' first"
+    elif [[ -n $(leftover_pids) ]]; then
+        die "processes of an earlier run in $CLUSTER_DIR are still there ($(echo $(leftover_pids))): run '$PROG stop' first"
     fi
     ensure_packages
     export PATH=/usr/sbin:/usr/bin:$PATH
@@ -518,6 +525,7 @@ cmd_stop() {
 }
 
 cmd_status() {
+    ((EUID == 0)) || { say "status needs root (it checks each pid's environment)"; exit 4; }
     check_settings
     local name file pid state
     while IFS=$'\t' read -r name file; do
