@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# How long the Slurm test cluster (tests/slurm/cluster.sh) takes to start and to stop: as is, and
-# beside two busy loops (on a 2-core machine, more runnable work than cores).
+# How long the Slurm test cluster (tests/slurm/cluster.sh) takes to start and to stop: alone (pass
+# "alone": nothing added to the machine's load) and beside two busy loops (pass "busy": on a
+# 2-core machine, more runnable work than cores). Each pass notes the load average.
 #
 #   bash benchmarks/slurm_cluster_time.sh [CYCLES]     # default 5 cycles per pass; needs root
 #
@@ -61,7 +62,7 @@ run_pass() {  # name
 
 exec > >(tee "$result")
 echo "$(nproc) cores, $(slurmd -V), $cycles cycles per pass, cluster.sh start/stop (packages installed)"
-run_pass quiet
+run_pass alone
 python3 -c "while True: pass" >/dev/null 2>&1 & burners+=($!)
 python3 -c "while True: pass" >/dev/null 2>&1 & burners+=($!)
 run_pass busy

@@ -13,6 +13,7 @@ of its users in the run's common folder) and take turns on it (a lock each test 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +25,9 @@ USER_NAMES = ("drbslurm1", "drbslurm2")  # made on first use, left on the machin
 
 
 @pytest.fixture(scope="session")
-def shared_slurm_cluster(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterator[SharedCluster]:
+def shared_slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedCluster]:
     root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # pytest-of-<user>/pytest-<n>/, above every worker's popen-gw<i>
     yield SharedCluster(root)
 

@@ -159,6 +159,19 @@ def test_scancel_ends_a_running_job_by_sigterm_then_sigkill_after_killwait(slurm
     wait_for(lambda: not user_processes(user), timeout=KILL_WAIT + 60)
 
 
+def test_a_requeued_job_runs_again(slurm_cluster, slurm_users, job_folders):
+    user = slurm_users[0]
+    folder = job_folders[user.name]
+    runs = folder / "runs"
+    job = slurm_cluster.sbatch(f"#!/bin/bash\necho \"run ${{SLURM_RESTART_COUNT:-0}}\" >> {runs}\n{HOLD}\n",
+                               "--requeue", user=user, folder=folder)
+    slurm_cluster.wait_job(job, ("RUNNING",))
+    wait_for(runs.exists, timeout=60)
+    slurm_cluster.run(["scontrol", "requeue", str(job)], user=user)
+    wait_for(lambda: runs.read_text().splitlines() == ["run 0", "run 1"], timeout=120)
+    assert slurm_cluster.job(job)["Restarts"] == "1"
+
+
 def test_jobs_of_two_users_run_as_those_users_side_by_side(slurm_cluster, slurm_users, job_folders):
     jobs = {}
     for user in slurm_users:
