@@ -110,6 +110,13 @@ def test_a_batch_job_sees_slurm_job_gpus_and_no_step_gpus(slurm_cluster, slurm_u
     assert "SLURM_STEP_GPUS" not in seen
 
 
+def test_a_job_given_no_gpu_has_no_cuda_visible_devices_not_even_the_submitters(slurm_cluster, slurm_users):
+    env = slurm_cluster.client_env(slurm_users[0], CUDA_VISIBLE_DEVICES="3")
+    seen = env_lines(slurm_cluster.run(["srun", "env"], user=slurm_users[0], env=env).stdout)
+    assert "CUDA_VISIBLE_DEVICES" not in seen and "SLURM_STEP_GPUS" not in seen
+    assert seen["SLURM_JOB_ID"]  # it did run under Slurm
+
+
 def test_shards_of_one_gpu_go_to_jobs_of_two_users_at_once(slurm_cluster, slurm_users, job_folders):
     first_user, second_user = slurm_users
     job, first = held_job(slurm_cluster, job_folders[first_user.name], first_user, "-w", "n2", "--gres=shard:2")
