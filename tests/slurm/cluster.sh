@@ -506,6 +506,11 @@ stop_everything() {
     if [[ -n $leftovers ]]; then
         say "ending processes left behind: $(echo $leftovers)"
         for pid in $leftovers; do kill -KILL "$pid" 2>/dev/null || true; done
+        local tenths=$((DAEMON_STOP_WAIT * 10))
+        for pid in $leftovers; do
+            while is_alive "$pid" && ((tenths-- > 0)); do sleep 0.1; done
+            is_alive "$pid" && say "pid $pid is still there after SIGKILL (uninterruptible?)"
+        done
     fi
     while IFS=$'\t' read -r name file; do rm -f -- "$file"; done < <(tracked)
 }
