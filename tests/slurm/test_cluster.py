@@ -209,7 +209,8 @@ def test_stop_ends_every_process_and_job_of_a_cluster_and_stop_again_is_fine(slu
     the job's slurmstepd is left for stop to find."""
     user = slurm_users[1]
     other = SlurmCluster(Path(f"/tmp/drbalance-slurm-stoptest-{os.getpid()}"), free_port_base(1 + len(NODES)))
-    env = {**other.script_env(), "DRBALANCE_NODE_MANAGER_CMD": "env > manager-%n.env; sleep 600 & wait"}
+    manager = "env > m.part && mv m.part manager-%n.env; sleep 600 & wait"  # writes its environment, waits
+    env = {**other.script_env(), "DRBALANCE_NODE_MANAGER_CMD": manager}
     try:
         for kill_controller in (False, True):
             started = run_script("start", env, 300)
