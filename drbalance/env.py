@@ -148,6 +148,22 @@ def system_dir() -> Path:
     return Path(value)
 
 
+def slurm_node() -> str:
+    """``SLURMD_NODENAME`` (set by Slurm in a job's tasks, and by an administrator for a node's
+    manager), else this machine's short host name: the node's ``NodeName`` in slurm.conf."""
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+
+
+def slurm_app_name() -> str | None:
+    """A job's app name under Slurm, ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (the job name's characters
+    an app name may not hold made ``_``, at most 48 characters in all); None outside a Slurm job."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9]+", job_id):
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("SLURM_JOB_NAME", "") or "job").lstrip(".-") or "job"
+    return f"{name[:47 - len(job_id)]}-{job_id}"
+
+
 def profile_output() -> Path | None:
     """``DRBALANCE_PROFILE_OUTPUT``: set by ``drbalance profile``; puts a session in solo-measurement mode.
 

@@ -150,10 +150,20 @@ def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None
     return value
 
 
+def _slurm_app_name() -> str:
+    """The app name of a Slurm job (``env.slurm_app_name``); ValueError outside one."""
+    name = env.slurm_app_name()
+    if name is None:
+        raise ValueError("app=None names the app after its Slurm job (<SLURM_JOB_NAME>-<SLURM_JOB_ID>), but this "
+                         "process is not in one (no SLURM_JOB_ID): give app='a-name'")
+    return name
+
+
 class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
-    Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
+    Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace; None in a
+    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
     loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
     job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
@@ -172,7 +182,7 @@ class Session:
     def __init__(
         self,
         model: RatioTarget,
-        app: str,
+        app: str | None,
         epochs: int,
         iterations_per_epoch: int | Sized,
         solo_time: float | str | None = None,
@@ -191,7 +201,7 @@ class Session:
         if not (hasattr(model, "set_ratio") and hasattr(model, "ratio")):
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
         self.model = model
-        self.app = check_app_name(app)
+        self.app = check_app_name(app if app is not None else _slurm_app_name())
         epochs, start_epoch = _whole(epochs), _whole(start_epoch)
         self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
         if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:

@@ -25,6 +25,8 @@ from drbalance.clock import Clock, SystemClock
 from drbalance.ipc.layout import AppCommand, RecordError
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
+from drbalance.manager.slurm import DEFAULT_PERIOD as DEFAULT_WEIGHT_PERIOD
+from drbalance.manager.slurm import SlurmWeight, new_job_slowdown
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
@@ -94,6 +96,7 @@ class ManagerSettings:
     log_path: Path | None = None
     log_max_bytes: int | None = DEFAULT_LOG_MAX_BYTES
     log_keep: int = DEFAULT_LOG_KEEP
+    slurm_weight_period: float = DEFAULT_WEIGHT_PERIOD  # seconds between weight updates (--slurm-weight)
     plan_period: float | None = None  # seconds between a planning policy's plans (None: the policy's own)
 
     def __post_init__(self) -> None:
@@ -101,7 +104,7 @@ class ManagerSettings:
             raise ValueError(f"the plan period (--plan-period) must be a positive number of seconds; "
                              f"got {self.plan_period!r}")
         for name in ("sample_period", "util_log_period", "heartbeat_period", "gc_period", "rescan_period",
-                     "status_period", "quiet_after"):
+                     "status_period", "quiet_after", "slurm_weight_period"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
@@ -162,6 +165,8 @@ class Balancer:
         self._log_path: Path | None = None
         self._next: dict[str, float] = {}
         self._started_wall = 0.0
+        self.slurm: SlurmWeight | None = None  # --slurm-weight: this node's weight in Slurm
+        self._weight_due = -math.inf  # when the node's weight is next computed (monotonic seconds)
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to end after the current turn (safe from a signal handler)."""
@@ -405,6 +410,23 @@ class Balancer:
         self.log(event, **fields)
         if named:
             logger.warning("drbalance-manager: %s", fields.get("error", fields))
+
+    def _slurm_weight(self, now: float) -> None:
+        """``--slurm-weight``: collect the last ``scontrol`` run (logged; a failure is this task's
+        fault), and every ``slurm_weight_period`` seconds set the node's weight from the SD a new job
+        would have here (``drbalance.manager.slurm``)."""
+        if self.slurm is None:
+            return
+        done = self.slurm.poll(now)
+        if done is not None:
+            self.log("slurm_weight", node=self.slurm.node, weight=done.weight, predicted_sd=done.slowdown,
+                     command=" ".join(done.command), returncode=done.returncode, output=done.output)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(done.command)} failed ({done.returncode}): {done.output}")
+        if now >= self._weight_due:
+            self._weight_due = now + self.settings.slurm_weight_period
+            views = self.table.views(self.config.dr_total, self.server)
+            self.slurm.update(new_job_slowdown(views, self.gpu_count), now)
 
     def status_document(self, now: float) -> dict[str, Any]:
         """What ``drbalance status`` shows, as JSON-ready data (each subclass adds its own fields)."""

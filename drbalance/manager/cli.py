@@ -22,6 +22,7 @@ from drbalance.ipc.private import UnsafePath
 from drbalance.manager.admission import UserLimits
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
+from drbalance.manager.slurm import SlurmWeight
 from drbalance.manager.system import SystemManager
 from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
@@ -146,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--show-names", action="store_true",
                         help="show every job's user and name to every user in 'drbalance status' and in the "
                         "metrics (default: a user sees other users' jobs only as anonymous load; with --system)")
+    slurm = parser.add_argument_group("Slurm", "a manager on a Slurm node (docs/slurm.md)")
+    slurm.add_argument("--slurm-weight", action="store_true",
+                       help="set this node's Weight in Slurm to 100 x the slow-down a new job would have here, so "
+                       "Slurm starts new jobs where they are slowed least (runs 'scontrol update NodeName=NODE "
+                       "Weight=W' when it changes; needs Slurm operator rights)")
+    slurm.add_argument("--slurm-node", default=None, metavar="NODE",
+                       help="this node's NodeName in slurm.conf (default: SLURMD_NODENAME, else the short host name)")
+    slurm.add_argument("--slurm-weight-period", type=positive_float, default=defaults.slurm_weight_period,
+                       metavar="SECONDS", help="seconds between weight updates")
     parser.add_argument("--duration", type=positive_float, default=None,
                         help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -213,6 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
             dr_total=args.dr_total, sample_period=args.sample_period, window=args.window,
             util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
             log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep, plan_period=args.plan_period,
+            slurm_weight_period=args.slurm_weight_period,
         )
         machine = _system_place(namespace) if args.system else None
         source = open_source(args.source, args.gpus, namespace=namespace, machine=machine)
@@ -279,9 +290,13 @@ def _system_place(namespace: str) -> system.SystemPlace:
 def _manager(args: argparse.Namespace, settings: ManagerSettings, source, metrics) -> Manager | SystemManager:
     """The manager the options ask for: the machine's system manager (``--system``), else the user's own."""
     if not args.system:
-        return Manager(settings, source, metrics=metrics)
-    limits = UserLimits(args.max_jobs_per_user, args.max_connections_per_user, args.notices_per_user)
-    return SystemManager(settings, source, metrics=metrics, limits=limits, show_names=args.show_names)
+        manager = Manager(settings, source, metrics=metrics)
+    else:
+        limits = UserLimits(args.max_jobs_per_user, args.max_connections_per_user, args.notices_per_user)
+        manager = SystemManager(settings, source, metrics=metrics, limits=limits, show_names=args.show_names)
+    if args.slurm_weight:
+        manager.slurm = SlurmWeight(args.slurm_node or env.slurm_node())
+    return manager
 
 
 if __name__ == "__main__":

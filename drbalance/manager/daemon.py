@@ -211,7 +211,8 @@ class Manager(Balancer):
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "system", "status", "metrics")
+        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "system", "status", "metrics",
+                 "slurm")
         self._next = dict.fromkeys(tasks, now)
         if self._planner is not None:
             self._next["plan"] = now + self._planner.plan_period
@@ -244,6 +245,8 @@ class Manager(Balancer):
             self._endpoint.close()
             self._endpoint = None
         self._remove_own_status()
+        if self.slurm is not None:
+            self.slurm.close()
         try:
             self.source.close()
         except Exception as error:  # the stop goes on: its log record, the lock
@@ -310,6 +313,7 @@ class Manager(Balancer):
             ("system", settings.rescan_period, self._check_system_manager),
             ("status", settings.status_period, self._write_status),
             ("metrics", settings.status_period, self._update_metrics),
+            ("slurm", 1.0, self._slurm_weight),
         )
         for key, period, task in tasks:
             if now >= self._next[key]:

@@ -188,7 +188,7 @@ class SystemManager(Balancer):
                  owner=user_name(self.place.owner), limits=asdict(self.limits), show_names=self.show_names,
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "metrics"), now)
+        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "metrics", "slurm"), now)
         logger.info("drbalance-manager: system manager of namespace %r at %s, policy %r, %d GPU(s), log %s",
                     self.namespace, self.place.socket, self.policy.name, self.gpu_count, self._log_path)
 
@@ -260,6 +260,8 @@ class SystemManager(Balancer):
             self._remove_socket()
             self._listener.close()
             self._listener = None
+        if self.slurm is not None:
+            self.slurm.close()
         try:
             self.source.close()
         except Exception as error:  # the stop goes on: its log record, the lock
@@ -326,7 +328,8 @@ class SystemManager(Balancer):
                                   ("util_log", settings.util_log_period, self._log_utilization),
                                   ("gc", settings.gc_period, self._collect_garbage),
                                   ("idle", settings.gc_period, self._close_idle),
-                                  ("metrics", settings.status_period, self._update_metrics)):
+                                  ("metrics", settings.status_period, self._update_metrics),
+                                  ("slurm", 1.0, self._slurm_weight)):
             if now >= self._next[key]:
                 self._next[key] = now + period
                 self._run_task(key, task, now)
