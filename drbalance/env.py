@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import warnings
 from pathlib import Path
 
 from drbalance import defaults
@@ -61,7 +62,8 @@ def runtime_dir() -> Path:
     """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
+    Default: ``$XDG_RUNTIME_DIR/drbalance`` (when that is a folder of this user: a stale value copied
+    from another machine is warned about and passed over), else ``/run/user/<uid>/drbalance``, else
     ``/tmp/drbalance-<uid>`` (``~/.local/state/drbalance/run-<host>`` when another user took that
     name first; ``_tmp_runtime_dir``). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
@@ -81,7 +83,11 @@ def runtime_dir() -> Path:
     uid = os.getuid()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "drbalance"
+        if _owned_folder(Path(xdg), uid):
+            return Path(xdg) / "drbalance"
+        warnings.warn(f"XDG_RUNTIME_DIR={xdg!r} is not a folder of this user on this machine (a setting copied from "
+                      f"another machine or login, as a batch job's environment is?): drbalance's runtime folder is "
+                      f"its next default instead", RuntimeWarning, stacklevel=2)
     login_dir = Path(_LOGIN_DIR.format(uid=uid))
     if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"

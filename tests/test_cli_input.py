@@ -748,3 +748,18 @@ def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path, capsys):
     assert cli.main(["launch", "e2e-a", "--run-dir", str(taken)]) == 1
     assert f"run directory {taken} exists and is not a folder" in capsys.readouterr().err
     assert taken.read_text() == "mine\n"
+
+
+def test_a_slurm_jobs_app_name_is_its_job_name_and_id(monkeypatch):
+    from drbalance import env
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert env.slurm_app_name() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train resnet.sh")
+    assert env.slurm_app_name() == "train_resnet.sh-4711"
+    monkeypatch.setenv("SLURM_JOB_NAME", "-" + "x" * 80)  # too long, and a first character an app name refuses
+    name = env.slurm_app_name()
+    assert name.endswith("-4711") and len(name) == 48 and name[0] == "x"
+    monkeypatch.setenv("SLURM_JOB_ID", "4711; rm -rf")  # not a job id: not a Slurm job
+    assert env.slurm_app_name() is None
