@@ -63,6 +63,7 @@ class ProcessHandle:
         self.fd: int | None = fd
         self.peer = peer
         self.start_ticks = 0
+        self.pids: tuple[int, ...] = (peer.pid,)  # its pid in each pid namespace from ours inward (NSpid)
 
     @classmethod
     def open(cls, peer: Peer) -> ProcessHandle:
@@ -81,6 +82,7 @@ class ProcessHandle:
             handle.close()
             raise PeerRefused(f"{peer.describe()} ended, and its pid now names another process")
         handle.start_ticks = ticks
+        handle.pids = namespace_pids(peer.pid) or (peer.pid,)
         return handle
 
     def ended(self) -> bool:
@@ -99,6 +101,19 @@ class ProcessHandle:
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
+
+
+def namespace_pids(pid: int) -> tuple[int, ...]:
+    """Process ``pid``'s pid in each pid namespace from ours inward (``NSpid`` in /proc/<pid>/status):
+    a job in a container knows itself by the last; () when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return tuple(int(part) for part in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
 
 
 def check_record_descriptor(fd: int, peer: Peer, size: int) -> None:

@@ -509,7 +509,7 @@ class SystemManager(Balancer):
         if connection.app is None:
             self._refuse(connection, wire.Refusal.INVALID, "a notice before the job attached its record")
             return
-        if notice.pid != peer.pid or notice.app != connection.app:
+        if notice.pid not in connection.process.pids or notice.app != connection.app:
             self._refuse(connection, wire.Refusal.INVALID,
                          f"a notice for app {notice.app!r} of pid {notice.pid} on the connection of app "
                          f"{connection.app!r}, pid {peer.pid} (the kernel's): refused")
@@ -628,15 +628,16 @@ class SystemManager(Balancer):
         """Add an attached job to the table at its first notice (its record holds a status by then)."""
         peer = connection.peer
         ticks = connection.process.start_ticks if connection.process is not None else 0
+        pids = connection.process.pids if connection.process is not None else (peer.pid,)
         try:
             status = connection.record.read_status()
-            if status.pid != peer.pid or (ticks and status.start_ticks and status.start_ticks != ticks):
+            if status.pid not in pids or (ticks and status.start_ticks and status.start_ticks != ticks):
                 raise RecordError(f"the record of app {connection.app!r} names pid {status.pid}; the kernel says "
                                   f"its connection is pid {peer.pid}: refused")
         except (RecordEmpty, RecordError) as error:
             self._refuse(connection, wire.Refusal.INVALID, str(error))
             return None
-        entry = AppEntry(connection.key, SocketChannel(connection), status, now, owner_pid=peer.pid,
+        entry = AppEntry(connection.key, SocketChannel(connection), status, now, owner_pid=status.pid,
                          owner_ticks=ticks)
         self.table.entries[connection.key] = entry
         self._log_added(entry, "notice")

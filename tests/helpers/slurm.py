@@ -23,6 +23,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -112,7 +113,8 @@ class SlurmCluster:
 
     def script_env(self) -> dict[str, str]:
         """The environment ``cluster.sh`` runs in for this cluster."""
-        return {**os.environ, "DRBALANCE_SLURM_DIR": str(self.folder), "DRBALANCE_SLURM_PORT": str(self.port)}
+        return {**os.environ, "DRBALANCE_SLURM_DIR": str(self.folder), "DRBALANCE_SLURM_PORT": str(self.port),
+                "DRBALANCE_PYTHON": sys.executable}  # the node managers' (drbalance's system manager)
 
     def client_env(self, user: SlurmUser | None = None, **extra: str) -> dict[str, str]:
         """This environment plus what ``cluster.sh env`` prints (and ``extra``), HOME the user's."""

@@ -35,6 +35,14 @@ readonly MUNGE_DIR=$CLUSTER_DIR/munge
 readonly MUNGE_SOCKET=$MUNGE_DIR/run/munge.socket
 readonly MUNGE_PID=$MUNGE_DIR/run/munged.pid
 readonly CTLD_DIR=$CLUSTER_DIR/ctld
+readonly REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# Each node's manager, by default drbalance's system manager on the node's emulated GPUs, setting
+# the node's Slurm Weight (docs/slurm.md); DRBALANCE_NODE_MANAGER_CMD=none: no node managers.
+readonly DEFAULT_NODE_MANAGER="env PYTHONPATH=$REPO ${DRBALANCE_PYTHON:-python3} -m drbalance.manager.cli --system \
+--source emulated:4 --policy fair --slurm-weight --slurm-node %n --slurm-weight-period 2 --sample-period 0.2"
+NODE_MANAGER_CMD=${DRBALANCE_NODE_MANAGER_CMD-$DEFAULT_NODE_MANAGER}
+[[ $NODE_MANAGER_CMD == none ]] && NODE_MANAGER_CMD=""
+readonly NODE_MANAGER_CMD
 
 usage() {
     cat <<EOF
@@ -45,7 +53,7 @@ trying drbalance on Slurm by hand (docs/slurm.md). Runs as root; no systemd need
 
   start   install slurm-wlm and munge from Debian's packages if absent, write the
           configuration, start munged, slurmctld and one slurmd per node (and, if
-          DRBALANCE_NODE_MANAGER_CMD is set, one command per node), and wait until both
+          DRBALANCE_NODE_MANAGER_CMD is not 'none', one manager per node), and wait until both
           nodes are idle in sinfo. Says so and changes nothing if the cluster already runs.
   env     print the shell settings that reach the cluster: eval "\$($PROG env)"
   stop    cancel every job, end every process start started (by pid) and any job step
@@ -61,6 +69,10 @@ Environment:
   DRBALANCE_NODE_MANAGER_CMD     a command started once per node with the cluster, %n replaced
                                  by the node's name, in that node's environment (node.env),
                                  output to <cluster>/<node>/manager.log; stopped with it
+                                 [drbalance's system manager on the node's 4 emulated GPUs, with
+                                 --slurm-weight; 'none': no node managers]
+  DRBALANCE_PYTHON               the Python with drbalance's dependencies that the default node
+                                 manager runs with [python3]
 
 Exit status: 0 done, 1 failed (the reason and the logs' last lines on stderr), 2 usage,
 3 this machine cannot host the cluster (not root, packages not installable, no mknod).
@@ -226,6 +238,7 @@ fresh_cluster_dir() {
 node_environment() {
     local node=$1
     echo "DRBALANCE_SYSTEM_DIR=$CLUSTER_DIR/$node/system"
+    echo "DRBALANCE_EMULATED_GPUS=$GPUS_PER_NODE"  # the node's GPUs are emulated: jobs train on them
 }
 
 # GPU device files: nodes n1, n2 get minor numbers 0-3 and 4-7 (no two nodes share a file).
@@ -356,11 +369,11 @@ start_slurmd() {
 # before the slurmds (so it runs before any job); stopped after every job has ended, by SIGTERM
 # to its process group.
 start_node_managers() {
-    [[ -n ${DRBALANCE_NODE_MANAGER_CMD:-} ]] || return 0
+    [[ -n $NODE_MANAGER_CMD ]] || return 0
     local node dir command variables pid
     for node in "${NODES[@]}"; do
         dir=$CLUSTER_DIR/$node
-        command=${DRBALANCE_NODE_MANAGER_CMD//%n/$node}
+        command=${NODE_MANAGER_CMD//%n/$node}
         mapfile -t variables <"$dir/node.env"
         # Not a process-group leader, so setsid makes the session without a fork: $! stays the
         # manager's pid through setsid's and bash's exec.
@@ -374,7 +387,7 @@ start_node_managers() {
 }
 
 check_node_managers_alive() {
-    [[ -n ${DRBALANCE_NODE_MANAGER_CMD:-} ]] || return 0
+    [[ -n $NODE_MANAGER_CMD ]] || return 0
     local node
     for node in "${NODES[@]}"; do
         pid_from "$CLUSTER_DIR/$node/manager.pid" >/dev/null \
