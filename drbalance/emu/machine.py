@@ -296,8 +296,8 @@ class MachineHome(GpuHome):
 
     def release(self, gpus: Sequence[EmulatedGpu]) -> dict[int, list[int]]:
         """Close ``gpus`` and the home. The system manager's (``makes``) also removes every GPU,
-        with ``emulated.json``, when no job holds ``emulated.json``; else it returns every GPU's
-        index with the pids it can see mapping it."""
+        with ``emulated.json``, when no job holds ``emulated.json``; else it returns the GPUs it
+        sees mapped, with the pids (every GPU, with none, when it sees no job's mapping)."""
         for gpu in gpus:
             gpu.close()
         try:
@@ -350,7 +350,8 @@ class MachineHome(GpuHome):
         except BlockingIOError:
             names = [self.segment_name(index) for index in range(self.spec.count)]
             users = objects.shm_users_of(names)  # the pids this user may see: all of them for root
-            return {index: users[name] for index, name in enumerate(names)}
+            seen = {index: users[name] for index, name in enumerate(names) if users[name]}
+            return seen or {index: [] for index in range(self.spec.count)}  # in use by jobs it cannot see
         if _published(self._folder_fd, self._spec_fd):  # not replaced by another manager's meanwhile
             _remove_published(self._folder_fd, self.place, self.spec)
         return {}
