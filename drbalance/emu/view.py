@@ -34,7 +34,8 @@ from drbalance.ipc.system import SystemPlace
 class EmulatedView:
     """A job's emulated devices: device ``d`` is GPU ``indices[d]`` (UUID ``uuids[d]``) of the
     machine's GPUs in ``place``, or of this user's own in ``namespace`` (``place`` None);
-    ``total``: the GPUs there are; ``memory_bytes``: each one's memory size."""
+    ``total``: the GPUs there are; ``memory_bytes``: each one's memory size; ``visible``: the
+    ``CUDA_VISIBLE_DEVICES`` they were chosen by (None: unset)."""
 
     place: SystemPlace | None
     namespace: str
@@ -42,6 +43,7 @@ class EmulatedView:
     uuids: tuple[str, ...]
     total: int
     memory_bytes: int
+    visible: str | None = None
 
     @property
     def count(self) -> int:
@@ -52,10 +54,10 @@ class EmulatedView:
         """Which GPUs the job sees, for messages."""
         whose = (f"the machine's {self.total} emulated GPUs ({self.place.emulated})" if self.place is not None
                  else f"this user's {self.total} emulated GPUs")
-        shown = os.environ.get(VARIABLE)
-        if shown is None:
+        if self.visible is None:
             return whose
-        return f"{self.count} of {whose}, as {VARIABLE}={shown!r} gives: GPU(s) {', '.join(map(str, self.indices))}"
+        return (f"{self.count} of {whose}, as {VARIABLE}={self.visible!r} gives: GPU(s) "
+                f"{', '.join(map(str, self.indices))}")
 
 
 def emulated_view(count: int, memory_bytes: int = DEFAULT_MEMORY_BYTES, namespace: str | None = None) -> EmulatedView:
@@ -82,7 +84,7 @@ def emulated_view(count: int, memory_bytes: int = DEFAULT_MEMORY_BYTES, namespac
         where = f"this user's {count} emulated GPUs"
     indices = visible_devices(uuids, where)
     return EmulatedView(place, names.namespace, indices, tuple(uuids[index] for index in indices), len(uuids),
-                        memory_bytes)
+                        memory_bytes, os.environ.get(VARIABLE))
 
 
 def open_view(view: EmulatedView, devices: Sequence[int] | None = None,

@@ -150,6 +150,30 @@ def test_a_job_set_up_on_the_machines_gpus_gone_since_is_a_clear_error(machine):
         open_view(view)
 
 
+def test_a_forked_child_such_as_a_data_loader_worker_keeps_no_hold_on_the_machines_gpus(machine):
+    source = EmulatedSource.for_machine(machine, "2:1GiB", None)
+    gpus = job_gpus()
+    reader, writer = os.pipe()
+    started_reader, started_writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker that outlives its parent's GPUs: it closed its copies when it was forked
+        os.close(writer)
+        os.write(started_writer, b"s")
+        os.read(reader, 1)
+        os._exit(0)
+    os.close(reader)
+    os.close(started_writer)
+    try:
+        assert os.read(started_reader, 1) == b"s"  # the child runs: its fork handlers ran
+        release_emulated_gpus(gpus)
+        source.close()
+        assert source.left_in_use == {} and machine_segments(machine) == []
+    finally:
+        os.close(writer)
+        os.close(started_reader)
+        os.waitpid(child, 0)
+
+
 # --- planted look-alikes -------------------------------------------------------------------------
 def test_a_planted_lock_file_or_spec_is_refused_with_its_name(machine):
     source = EmulatedSource.for_machine(machine, "2:1GiB", [0])
