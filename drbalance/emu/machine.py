@@ -147,9 +147,13 @@ class MachineHome(GpuHome):
     @classmethod
     def open(cls, place: SystemPlace) -> MachineHome | None:
         """The machine's emulated GPUs as ``emulated.json`` publishes them, for a job; None when the
-        folder has no ``emulated.json`` (its system manager emulates no GPUs). ``UnsafePath`` for a
-        folder or file a job must not trust, ``ValueError`` for a spec it cannot read."""
-        folder = place.open_folder()
+        folder has no ``emulated.json`` (its system manager emulates no GPUs) or is gone.
+        ``UnsafePath`` for a folder or file a job must not trust, ``ValueError`` for a spec it
+        cannot read."""
+        try:
+            folder = place.open_folder()
+        except FileNotFoundError:
+            return None
         try:
             for _ in range(OPEN_ATTEMPTS):
                 spec_fd = _open_spec(folder, place)
