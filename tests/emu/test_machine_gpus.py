@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import stat
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -91,6 +93,24 @@ def test_a_system_manager_not_the_folders_owner_is_refused(machine):
     with pytest.raises(UnsafePath, match="only the system owner makes the machine's emulated GPUs"):
         EmulatedSource.for_machine(foreign, "2", None)
     assert os.listdir(machine.folder) == []
+
+
+def test_two_nodes_with_two_system_dirs_on_one_machine_have_different_gpus(machine, monkeypatch):
+    first = EmulatedSource.for_machine(machine, "2:1GiB", None)
+    other_root = Path(tempfile.mkdtemp(prefix="drbalance-system-"))
+    try:
+        os.chmod(other_root, 0o755)
+        monkeypatch.setenv("DRBALANCE_SYSTEM_DIR", str(other_root / "system"))
+        second = EmulatedSource.for_machine(system.create(machine.namespace), "2:1GiB", None)
+        assert not set(first.gpu_uuids()) & set(second.gpu_uuids())
+        assert emulated_view(2, GIB).uuids == second.gpu_uuids()  # a job finds its own node's GPUs
+        assert {gpu.segment.name for gpu in first.gpus}.isdisjoint(gpu.segment.name for gpu in second.gpus)
+        second.close()
+    finally:
+        shutil.rmtree(other_root, ignore_errors=True)
+    monkeypatch.setenv("DRBALANCE_SYSTEM_DIR", str(machine.root))
+    assert emulated_view(2, GIB).uuids == first.gpu_uuids()
+    first.close()
 
 
 # --- a job's view ----------------------------------------------------------------------------------
