@@ -763,4 +763,3 @@ def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path, capsys):
     assert cli.main(["launch", "e2e-a", "--run-dir", str(taken)]) == 1
     assert f"run directory {taken} exists and is not a folder" in capsys.readouterr().err
     assert taken.read_text() == "mine\n"
-
