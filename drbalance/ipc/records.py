@@ -175,21 +175,23 @@ class Segment:
         self.words = memoryview(mapping).cast("I")  # native uint32: atomic aligned loads/stores
 
     @classmethod
-    def create(cls, name: str, kind: SegmentKind) -> Segment:
-        memory, mapping = objects.create_shared_memory(name, SEGMENT_SIZE)
+    def create(cls, name: str, kind: SegmentKind, mode: int = objects.PRIVATE_MODE) -> Segment:
+        """Create the segment ``name`` (``posix_ipc.ExistentialError`` if it exists), mode 0600 or ``mode``."""
+        memory, mapping = objects.create_shared_memory(name, SEGMENT_SIZE, mode)
         segment = cls(name, memory, mapping, kind)
         segment._write_header()
         return segment
 
     @classmethod
-    def open(cls, name: str, kind: SegmentKind) -> Segment:
+    def open(cls, name: str, kind: SegmentKind, owner: int | None = None) -> Segment:
         """Open an existing segment and check its header.
 
         ``RecordError`` if it is not a readable segment of this layout, ``objects.ForeignObject``
-        if it is not this user's, ``posix_ipc.ExistentialError`` if it does not exist.
+        if it is not this user's (``owner``: that user's or root's), ``posix_ipc.ExistentialError``
+        if it does not exist.
         """
         try:
-            memory, mapping = objects.open_shared_memory(name)
+            memory, mapping = objects.open_shared_memory(name, owner=owner)
         except ValueError as error:
             raise SegmentTruncated(f"{name}: {error}") from None
         try:
