@@ -459,9 +459,24 @@ class EmulatedSource:
     @classmethod
     def open(cls, argument: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> EmulatedSource:
         """This user's emulated GPUs of ``namespace``: ``argument`` is ``N`` or ``N:MEMORY`` (empty:
-        ``DRBALANCE_EMULATED_GPUS``); ``gpus``: the indices reported (default all)."""
+        ``DRBALANCE_EMULATED_GPUS``); ``gpus``: the indices reported (default all). Where the
+        machine's system folder publishes emulated GPUs (``emulated.json``), the jobs of the
+        namespace train on those, so the source reads them: the load of every user's jobs, as NVML
+        reads a real GPU's (it never makes or removes the machine's GPUs)."""
+        from drbalance.emu.machine import MachineHome
+        from drbalance.emu.view import machine_place
+
         spec = emulated_spec(argument)
-        return cls(IpcNames.current(namespace), _reported(gpus, spec.count), memory_bytes=spec.memory_bytes)
+        names = IpcNames.current(namespace)
+        place = machine_place(names.namespace)
+        home = MachineHome.open(place) if place is not None else None
+        if home is not None:
+            try:
+                return cls(home, _reported(gpus, home.spec.count), memory_bytes=home.spec.memory_bytes)
+            except BaseException:
+                home.close()
+                raise
+        return cls(names, _reported(gpus, spec.count), memory_bytes=spec.memory_bytes)
 
     @classmethod
     def for_machine(cls, place: SystemPlace, argument: str | None, gpus: Sequence[int] | None,

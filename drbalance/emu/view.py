@@ -69,7 +69,7 @@ def emulated_view(count: int, memory_bytes: int = DEFAULT_MEMORY_BYTES, namespac
         raise ValueError(f"need at least one emulated GPU; got {count!r}")
     check_memory_size(memory_bytes)
     names = IpcNames.current(namespace)
-    place = _machine_place(names.namespace)
+    place = machine_place(names.namespace)
     spec = _machine_spec(place) if place is not None else None
     if place is not None and spec is not None:
         if (spec.count, spec.memory_bytes) != (count, memory_bytes):
@@ -120,7 +120,7 @@ def _open_home(view: EmulatedView) -> GpuHome:
     return home
 
 
-def _machine_place(namespace: str) -> SystemPlace | None:
+def machine_place(namespace: str) -> SystemPlace | None:
     """The system manager's folder of ``namespace``; None, with one warning, where a job must not
     trust it or ``DRBALANCE_SYSTEM_DIR`` is bad."""
     try:
