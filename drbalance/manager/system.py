@@ -188,7 +188,7 @@ class SystemManager(Balancer):
                  owner=user_name(self.place.owner), limits=asdict(self.limits), show_names=self.show_names,
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "metrics", "slurm"), now)
+        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "metrics", "slurm", "socket"), now)
         logger.info("drbalance-manager: system manager of namespace %r at %s, policy %r, %d GPU(s), log %s",
                     self.namespace, self.place.socket, self.policy.name, self.gpu_count, self._log_path)
 
@@ -329,10 +329,38 @@ class SystemManager(Balancer):
                                   ("gc", settings.gc_period, self._collect_garbage),
                                   ("idle", settings.gc_period, self._close_idle),
                                   ("metrics", settings.status_period, self._update_metrics),
-                                  ("slurm", 1.0, self._slurm_weight)):
+                                  ("slurm", 1.0, self._slurm_weight),
+                                  ("socket", settings.rescan_period, self._check_socket)):
             if now >= self._next[key]:
                 self._next[key] = now + period
                 self._run_task(key, task, now)
+
+    def _check_socket(self, now: float) -> None:
+        """Listen again when the socket file is gone or is not the one bound (removed by a cleanup
+        of /run, or the folder removed and made again): jobs could not connect any more. Jobs
+        already connected keep their connections."""
+        try:
+            folder = self.place.open_folder()
+        except FileNotFoundError:
+            folder = None
+        try:
+            info = None if folder is None else os.stat(system.SOCKET_NAME, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        finally:
+            if folder is not None:
+                os.close(folder)
+        if info is not None and (info.st_dev, info.st_ino) == self._socket_id:
+            return
+        self.place = system.create(self.namespace)
+        listener = self._listen()
+        self._selector.unregister(self._listener)
+        self._listener.close()
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self.log("repaired", what="socket", error=f"{self.place.socket} was removed or replaced; listening again")
+        logger.warning("drbalance-manager: the socket %s was removed or replaced; listening there again",
+                       self.place.socket)
 
     # --- connections ----------------------------------------------------------------------------
     def _accept(self) -> None:

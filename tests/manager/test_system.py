@@ -173,3 +173,13 @@ def test_per_user_limits_refuse_jobs_connections_and_notices(ipc_env, tmp_path):
         code, err = machine.stop()
         assert code == 0, err
     assert json.dumps(machine.events("refused"))  # logged
+
+
+def test_a_removed_socket_is_made_again_and_jobs_attach_there(machine, ipc_env):
+    (machine.folder / "manager.sock").unlink()
+    wait_for(lambda: machine.events("repaired"), timeout=30)
+    client = RawClient(ipc_env.namespace)
+    try:
+        assert client.attach("after").kind == wire.Kind.WELCOME
+    finally:
+        client.close()
