@@ -25,7 +25,7 @@ from drbalance.ipc.discovery import AppNameInUse
 from drbalance.ipc.layout import AppCommand, AppStatus, ManagerBeat, Notice
 from drbalance.ipc.link import DetachedLink, ManagerLink, PosixManagerLink, command_for
 from drbalance.ipc.names import IpcNames
-from drbalance.ipc.peer import Peer, PeerRefused, check_manager, peer_of
+from drbalance.ipc.peer import Peer, PeerRefused, check_manager
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import AppRecord
 from drbalance.ratio import DataRatio
@@ -37,6 +37,26 @@ ATTACH_TIMEOUT = 2.0
 gives at its next turn; a manager that does not answer in time is taken as absent, and the job
 looks again at its later reports)."""
 _FROM_MANAGER = frozenset({wire.Kind.WELCOME, wire.Kind.REFUSED, wire.Kind.COMMAND})
+
+
+def connect(place: system.SystemPlace) -> tuple[socket.socket, Peer]:
+    """A connection to the system manager's socket in ``place``, reached through the checked
+    folder's descriptor (so the folder checked is the folder used), and the listener, whose uid the
+    kernel says is the system owner's or root's (``PeerRefused`` otherwise; ``UnsafePath`` for a
+    socket file that is not one; ``FileNotFoundError``, ``ConnectionRefusedError`` with no listener)."""
+    folder = place.open_folder()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        info = os.stat(system.SOCKET_NAME, dir_fd=folder, follow_symlinks=False)
+        if not stat.S_ISSOCK(info.st_mode):
+            raise UnsafePath(place.socket, "is not a socket")
+        sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+        return sock, check_manager(sock, (place.owner, 0))
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(folder)
 
 
 class SystemManagerLink:
@@ -108,23 +128,7 @@ class SystemManagerLink:
         return True
 
     def _connect(self) -> socket.socket:
-        """A connection to the manager's socket, reached through the checked folder's descriptor
-        (so the folder checked is the folder used), whose listener the kernel says is the system
-        owner's or root's."""
-        folder = self.place.open_folder()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            info = os.stat(system.SOCKET_NAME, dir_fd=folder, follow_symlinks=False)
-            if not stat.S_ISSOCK(info.st_mode):
-                raise UnsafePath(self.place.socket, "is not a socket")
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
-            check_manager(sock, (self.place.owner, 0))
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            os.close(folder)
-        return sock
+        return connect(self.place)[0]
 
     def _answer(self, sock: socket.socket) -> wire.Message | None:
         """The manager's ``WELCOME`` or ``REFUSED`` to an attach (None after ``attach_timeout``)."""
@@ -328,23 +332,13 @@ def running_system_manager(namespace: str) -> Peer | None:
     none does (no folder, no listener, or one that is not the folder owner's)."""
     try:
         place = system.find(namespace)
-    except (UnsafePath, OSError, ValueError):
+        if place is None:
+            return None
+        sock, peer = connect(place)
+    except (OSError, ValueError):  # UnsafePath, PeerRefused are OSErrors
         return None
-    if place is None:
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        folder = place.open_folder()
-        try:
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
-        finally:
-            os.close(folder)
-        peer = peer_of(sock)
-    except (OSError, PeerRefused):
-        return None
-    finally:
-        sock.close()
-    return peer if peer.uid in (place.owner, 0) else None
+    sock.close()
+    return peer
 
 
 class SystemStatusError(RuntimeError):
@@ -361,14 +355,9 @@ def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict 
         raise SystemStatusError(f"not trusting the system manager's folder: {error}") from None
     if place is None:
         return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock = None
     try:
-        folder = place.open_folder()
-        try:
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
-        finally:
-            os.close(folder)
-        check_manager(sock, (place.owner, 0))
+        sock, _ = connect(place)
         if not wire.send(sock, wire.Kind.STATUS, timeout=timeout) or not wire.wait_readable(sock, timeout):
             raise SystemStatusError(f"the system manager at {place.socket} did not answer within {timeout:g} s")
         message = wire.receive(sock, frozenset({wire.Kind.STATUS_REPLY, wire.Kind.REFUSED}), size=wire.MAX_REPLY,
@@ -378,7 +367,8 @@ def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict 
     except (OSError, EOFError, wire.WireError, PeerRefused) as error:
         raise SystemStatusError(f"cannot ask the system manager at {place.socket}: {error}") from None
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
     if message is None or message.kind == wire.Kind.REFUSED:
         reason = wire.refusal(message.payload)[1] if message is not None else "no answer"
         raise SystemStatusError(f"the system manager refused the status request: {reason}")

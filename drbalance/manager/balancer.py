@@ -168,6 +168,30 @@ class Balancer:
         self.slurm: SlurmWeight | None = None  # --slurm-weight: this node's weight in Slurm
         self._weight_due = -math.inf  # when the node's weight is next computed (monotonic seconds)
 
+    def finish(self, reason: str) -> None:
+        """The end of a stop that every manager does: the Slurm weight's run, the utilisation source
+        (emulated GPUs still used by jobs stay, and are named), the ``stop`` record, the log. Each
+        step is attempted whatever the others do."""
+        if self.slurm is not None:
+            self.slurm.close()
+        try:
+            self.source.close()
+        except Exception as error:  # the stop goes on: its log record, the lock
+            logger.error("drbalance-manager: closing the utilisation source failed: %s", error)
+        in_use = dict(getattr(self.source, "left_in_use", {}))  # emulated GPUs: jobs still map them
+        if in_use:
+            logger.info("drbalance-manager: emulated GPU(s) %s are still used by pid(s) %s and stay; the manager of "
+                        "namespace %r that stops when no job uses them removes them", sorted(in_use),
+                        sorted({pid for pids in in_use.values() for pid in pids}), self.namespace)
+        self.log("stop", reason=reason, decisions=self.decisions,
+                 **({"gpus_left_in_use": {str(gpu): pids for gpu, pids in in_use.items()}} if in_use else {}))
+        if self._log is not None:
+            lost = self._log.close()
+            if lost:
+                logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
+                             lost, self._log_path, self.faults.get("log", "disk full?"))
+            self._log = None
+
     def request_stop(self, reason: str) -> None:
         """Ask the loop to end after the current turn (safe from a signal handler)."""
         if self.stopping is None:  # the first reason is the one that counts

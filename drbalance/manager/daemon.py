@@ -245,26 +245,7 @@ class Manager(Balancer):
             self._endpoint.close()
             self._endpoint = None
         self._remove_own_status()
-        if self.slurm is not None:
-            self.slurm.close()
-        try:
-            self.source.close()
-        except Exception as error:  # the stop goes on: its log record, the lock
-            logger.error("drbalance-manager: closing the utilisation source failed: %s", error)
-        in_use = dict(getattr(self.source, "left_in_use", {}))  # emulated GPUs: jobs still map them
-        if in_use:
-            logger.info("drbalance-manager: emulated GPU(s) %s are still used by pid(s) %s and stay in %s; a "
-                        "manager of namespace %r that stops when no job uses them removes them", sorted(in_use),
-                        sorted({pid for pids in in_use.values() for pid in pids}), objects.SHM_DIR,
-                        self.names.namespace)
-        self.log("stop", reason=reason, decisions=self.decisions,
-                 **({"gpus_left_in_use": {str(gpu): pids for gpu, pids in in_use.items()}} if in_use else {}))
-        if self._log is not None:
-            lost = self._log.close()
-            if lost:
-                logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
-                             lost, self._log_path, self.faults.get("log", "disk full?"))
-            self._log = None
+        self.finish(reason)
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -260,16 +260,7 @@ class SystemManager(Balancer):
             self._remove_socket()
             self._listener.close()
             self._listener = None
-        if self.slurm is not None:
-            self.slurm.close()
-        try:
-            self.source.close()
-        except Exception as error:  # the stop goes on: its log record, the lock
-            logger.error("drbalance-manager: closing the utilisation source failed: %s", error)
-        self.log("stop", reason=reason, decisions=self.decisions)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self.finish(reason)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

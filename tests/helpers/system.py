@@ -31,6 +31,7 @@ from drbalance.ipc.records import AppRecord
 from drbalance.jsonlog import read_json_lines
 from drbalance.ratio import DataRatio
 from tests.conftest import ROOT, wait_for
+from tests.helpers.as_user import UserProcess
 
 USER_A = 4201
 USER_B = 4202
@@ -175,51 +176,17 @@ class SystemManagerProcess:
 
 
 def as_user(uid: int, function, *args, timeout: float = 120.0):
-    """``function(*args)`` run in a forked child as ``uid`` (its own group, no others); its result
-    (JSON-able) or a ``RuntimeError`` with the child's exception. The child is a copy of this
-    process, so the interpreter need not be reachable by ``uid``."""
-    import select
-    import traceback
+    """``function(*args)`` run in a forked child as ``uid`` (its own group, no others:
+    ``tests.helpers.as_user.UserProcess``); its result (JSON-able), or a ``RuntimeError`` naming what
+    it raised. The child is a copy of this process, so the interpreter need not be reachable by ``uid``."""
+    result = UserProcess(uid, uid, _call, function, *args).result(timeout)
+    if isinstance(result, str):  # "ErrorClass: text": what the function raised
+        raise RuntimeError(f"as uid {uid}: {result}")
+    return result
 
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the test
-        status = 1
-        try:
-            os.close(reader)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                payload = {"result": function(*args)}
-            except BaseException as error:  # reported to the parent, which raises it
-                payload = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
-            data = json.dumps(payload).encode()
-            while data:
-                data = data[os.write(writer, data):]
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(writer)
-    chunks = []
-    deadline = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([reader], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(reader)
-            raise TimeoutError(f"the process of uid {uid} did not finish within {timeout} s")
-        chunk = os.read(reader, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(reader)
-    os.waitpid(pid, 0)
-    payload = json.loads(b"".join(chunks) or b'{"error": "no answer"}')
-    if "error" in payload:
-        raise RuntimeError(f"as uid {uid}: {payload['error']}\n{payload.get('trace', '')}")
-    return payload["result"]
+
+def _call(_channel, function, *args):
+    return function(*args)
 
 
 class RawClient:
