@@ -155,14 +155,19 @@ def system_dir() -> Path:
 
 
 def slurm_node() -> str:
-    """``SLURMD_NODENAME`` (set by Slurm in a job's tasks, and by an administrator for a node's
-    manager), else this machine's short host name: the node's ``NodeName`` in slurm.conf."""
+    """``SLURMD_NODENAME``: the Slurm node this process runs on, which Slurm sets in a job's tasks:
+    a job spanning nodes names its part on each after it, and a node's manager sets that node's
+    weight (``--slurm-weight``).
+
+    Default: this machine's short host name.
+    """
     return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
 
 
 def slurm_app_name() -> str | None:
-    """A job's app name under Slurm, ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (the job name's characters
-    an app name may not hold made ``_``, at most 48 characters in all); None outside a Slurm job."""
+    """``SLURM_JOB_ID``: with ``SLURM_JOB_NAME``, the app name of a Slurm job that gives none:
+    ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (characters an app name may not hold made underscores, at most 48
+    in all). None outside a Slurm job (or with an id that is not a number)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9]+", job_id):
         return None
