@@ -62,8 +62,7 @@ def runtime_dir() -> Path:
     """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``$XDG_RUNTIME_DIR/drbalance`` (when that is a folder of this user: a stale value copied
-    from another machine is warned about and passed over), else ``/run/user/<uid>/drbalance``, else
+    Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
     ``/tmp/drbalance-<uid>`` (``~/.local/state/drbalance/run-<host>`` when another user took that
     name first; ``_tmp_runtime_dir``). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
@@ -73,6 +72,9 @@ def runtime_dir() -> Path:
     folder in each working directory). It is created with mode 0700 and checked before use
     (``drbalance.ipc.private``): never reached through another user's symbolic link, never another
     user's or writable by others.
+
+    An ``XDG_RUNTIME_DIR`` that is not a folder of this user here (a value copied from another
+    machine, as a batch job's environment is) is passed over, with a warning.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
     if value:
