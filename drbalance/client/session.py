@@ -26,7 +26,9 @@ A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates 
 every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
 the record and SD log; the manager's DR reaches the other ranks through the job's own process
 group, with the job's next control exchange (every K steps, ``drbalance.client.distributed.JobSync``),
-and every rank uses it from the same global batch on. See docs/ddp.md.
+and every rank uses it from the same global batch on. A job whose ranks are on several nodes is
+one app per node: each node's leader (its lowest rank) talks to its node's manager as
+``<app>@<node>`` about its node's local ranks (``NodeSync``). See docs/ddp.md.
 """
 
 from __future__ import annotations
