@@ -937,10 +937,13 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
 
         As :meth:`propose_ratio`, the proposal rides on the next control exchange and every rank
         composes the same DR from it (the node shares times each node's local DR), used from the
-        same global batch on; the other nodes' shares and local DRs stay as they are.
-        ``ValueError`` for a DR this node cannot use.
+        same global batch on; the other nodes' shares and local DRs stay as they are. On a job of
+        one node this is :meth:`propose_ratio`. ``ValueError`` for a DR this node cannot use.
         """
         state = self._balance
+        if not state.layout.spans:
+            self.propose_ratio(ratio)
+            return
         node = state.layout.node_of[state.rank]
         name = state.layout.names[node]
         checked = check_rank_ratio(ratio, len(state.layout.ranks(node)), where=f"node {name}'s DR")
