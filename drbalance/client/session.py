@@ -165,7 +165,8 @@ class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace; None in a
-    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``),
+    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``; kept as ``job_app``; a DDP job spanning nodes is
+    ``<app>@<node>`` to each node's manager, ``session.app``),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
     loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
     job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
@@ -205,9 +206,8 @@ class Session:
         self.job = JobSync.of(model)  # None unless a DDP job: then only its leader(s) talk to a manager
         # a job spanning nodes: each node's leader publishes its node's part as the app <app>@<node>
         self.model = self.job.steered if self.job is not None else model
-        self.app = check_app_name(app if app is not None else _slurm_app_name())
-        if self.job is not None:
-            self.app = self.job.app_name(self.app)
+        self.job_app = check_app_name(app if app is not None else _slurm_app_name())  # the name given
+        self.app = self.job.app_name(self.job_app) if self.job is not None else self.job_app
         epochs, start_epoch = _whole(epochs), _whole(start_epoch)
         self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
         if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
