@@ -499,7 +499,7 @@ class _BalanceState:
                 self.split_ratio = ratio
             self.split = split
         if self.balancer is not None and self.node_proposal is None:
-            self.node_proposal = self.balancer.propose(self.split)
+            self.node_proposal = self.balancer.propose(self.current_split())
 
     def _read_device_counts(self) -> None:
         pending, self.device_counts = self.device_counts, None
