@@ -45,6 +45,13 @@ The DR itself lives in a :class:`~drbalance.client.sampler.RatioSchedule` shared
 the manager link uses) rides on the next control exchange and becomes every rank's DR from the
 same global batch on (at most K steps later, no extra communication); ``agree_ratio`` does the
 same at once, as a collective of its own.
+
+A job whose ranks are on several nodes (``node_layout``, found when the model is wrapped) composes
+its DR of the node shares and each node's local DR (:mod:`drbalance.client.nodes`): each node's
+leader proposes its node's local DR (``propose_local_ratio``: what its node's manager sent), global
+rank 0 the node shares (from the ranks' speeds), both riding on the control exchange, and every
+rank composes the same DR from the same global batch on. A ``Session`` steers such a job through
+:class:`NodeSync`: one app per node, ``<app>@<node>``.
 """
 
 from __future__ import annotations
