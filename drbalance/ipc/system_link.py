@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import system, wire
@@ -74,6 +75,10 @@ class SystemManagerLink:
         except (FileNotFoundError, ConnectionRefusedError):
             self.problem = f"no system manager listens at {self.place.socket}"
             return False
+        except BlockingIOError:
+            self.problem = (f"the system manager at {self.place.socket} accepts no connection within "
+                            f"{self.attach_timeout:g} s (stopped, hung or overloaded)")
+            return False
         except (UnsafePath, PeerRefused) as error:
             self.problem = f"not trusting {self.place.socket}: {error}"
             self._report(f"trust:{error}", "drbalance: %s", self.problem)
@@ -117,7 +122,7 @@ class SystemManagerLink:
             info = os.stat(system.SOCKET_NAME, dir_fd=folder, follow_symlinks=False)
             if not stat.S_ISSOCK(info.st_mode):
                 raise UnsafePath(self.place.socket, "is not a socket")
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+            connect_within(sock, f"/proc/self/fd/{folder}/{system.SOCKET_NAME}", self.attach_timeout)
             check_manager(sock, (self.place.owner, 0))
         except BaseException:
             sock.close()
@@ -323,6 +328,17 @@ class AutoLink:
         self.current = DetachedLink()
 
 
+def connect_within(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect the Unix socket ``sock`` to ``path``, waiting at most ``timeout`` seconds for room in
+    the listener's queue: a stopped or hung manager accepts nothing, and a plain ``connect`` would
+    wait for it for ever once its queue is full (``BlockingIOError`` then; ``SO_SNDTIMEO`` bounds
+    the kernel's wait)."""
+    seconds = max(0.0, timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000)))
+    sock.connect(path)
+
+
 def running_system_manager(namespace: str) -> Peer | None:
     """The system manager that listens in ``namespace`` now, as the kernel names it; None when
     none does (no folder, no listener, or one that is not the folder owner's)."""
@@ -336,7 +352,7 @@ def running_system_manager(namespace: str) -> Peer | None:
     try:
         folder = place.open_folder()
         try:
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+            connect_within(sock, f"/proc/self/fd/{folder}/{system.SOCKET_NAME}", ATTACH_TIMEOUT)
         finally:
             os.close(folder)
         peer = peer_of(sock)
@@ -365,7 +381,7 @@ def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict 
     try:
         folder = place.open_folder()
         try:
-            sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+            connect_within(sock, f"/proc/self/fd/{folder}/{system.SOCKET_NAME}", timeout)
         finally:
             os.close(folder)
         check_manager(sock, (place.owner, 0))
@@ -375,6 +391,9 @@ def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict 
                                max_fds=0)
     except (FileNotFoundError, ConnectionRefusedError):
         return None  # its folder stays after it stopped (it is in /run): no system manager runs
+    except BlockingIOError:
+        raise SystemStatusError(f"the system manager at {place.socket} accepts no connection within {timeout:g} s "
+                                f"(stopped, hung or overloaded)") from None
     except (OSError, EOFError, wire.WireError, PeerRefused) as error:
         raise SystemStatusError(f"cannot ask the system manager at {place.socket}: {error}") from None
     finally:

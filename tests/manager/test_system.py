@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import threading
 import time
 
 import pytest
 
-from drbalance.ipc import wire
+from drbalance.ipc import system, wire
+from drbalance.ipc.system_link import SystemManagerLink, SystemStatusError, read_system_status
 from drbalance.manager.status import read_status
 from tests.conftest import wait_for
 from tests.helpers.processes import ManagerProcess, first_line, stop_app, toy_app
@@ -173,3 +177,42 @@ def test_per_user_limits_refuse_jobs_connections_and_notices(ipc_env, tmp_path):
         code, err = machine.stop()
         assert code == 0, err
     assert json.dumps(machine.events("refused"))  # logged
+
+
+def test_a_job_and_the_status_do_not_wait_on_a_stopped_system_manager_whose_queue_is_full(machine, ipc_env):
+    """A stopped (or hung) system manager accepts no connection: once its listen queue is full, a
+    job that connects must not wait for it (its start and every later look would hang)."""
+    place = system.find(ipc_env.namespace)
+    os.kill(machine.process.pid, signal.SIGSTOP)
+    held, outcome = [], {}
+    try:
+        while True:  # the queue filled, as another user's connections can fill it
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            try:
+                sock.connect(str(place.socket))
+            except BlockingIOError:
+                sock.close()
+                break
+            held.append(sock)
+
+        def start_a_job_and_ask_the_status() -> None:
+            link = SystemManagerLink(place, "late", attach_timeout=1.0)
+            outcome["attached"], outcome["problem"] = link.sock is not None, link.problem
+            link.close()
+            try:
+                read_system_status(ipc_env.namespace, timeout=1.0)
+            except SystemStatusError as error:
+                outcome["status"] = str(error)
+
+        job = threading.Thread(target=start_a_job_and_ask_the_status, daemon=True)
+        job.start()
+        job.join(timeout=30)
+        returned = not job.is_alive()
+    finally:
+        os.kill(machine.process.pid, signal.SIGCONT)
+        for sock in held:
+            sock.close()
+    job.join(timeout=60)
+    assert returned, "the job waited for a stopped system manager to accept its connection"
+    assert outcome["attached"] is False and "accepts no connection" in outcome["problem"], outcome
+    assert "accepts no connection" in outcome["status"], outcome
