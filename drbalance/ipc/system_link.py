@@ -37,6 +37,11 @@ ATTACH_TIMEOUT = 2.0
 """Seconds a job waits for a system manager's welcome when it attaches (an answer the manager
 gives at its next turn; a manager that does not answer in time is taken as absent, and the job
 looks again at its later reports)."""
+LOOK_AGAIN_SECONDS = 5.0
+"""Seconds after an attach that waited in vain (no welcome within ``ATTACH_TIMEOUT``, or no room in
+the manager's queue) before a job tries again: a stopped or hung manager would otherwise cost
+every look, a session's start (three looks in a row) and each boundary, the whole wait. A job
+alone looks for a manager every 5 s of reports as well."""
 _FROM_MANAGER = frozenset({wire.Kind.WELCOME, wire.Kind.REFUSED, wire.Kind.COMMAND})
 
 
@@ -60,6 +65,7 @@ class SystemManagerLink:
         self._published: DataRatio | None = None
         self._status: AppStatus | None = None
         self._reported: set[str] = set()
+        self._look_again = -float("inf")  # monotonic time before which no attach is tried (LOOK_AGAIN_SECONDS)
         try:
             self._attach(first=True)
         except BaseException:
@@ -78,6 +84,7 @@ class SystemManagerLink:
         except BlockingIOError:
             self.problem = (f"the system manager at {self.place.socket} accepts no connection within "
                             f"{self.attach_timeout:g} s (stopped, hung or overloaded)")
+            self._look_again = self.clock.monotonic() + LOOK_AGAIN_SECONDS
             return False
         except (UnsafePath, PeerRefused) as error:
             self.problem = f"not trusting {self.place.socket}: {error}"
@@ -99,6 +106,7 @@ class SystemManagerLink:
         if answer is None:
             sock.close()
             self.problem = f"the system manager did not answer within {self.attach_timeout:g} s"
+            self._look_again = self.clock.monotonic() + LOOK_AGAIN_SECONDS
             return False
         if answer.kind == wire.Kind.REFUSED:
             sock.close()
@@ -179,7 +187,7 @@ class SystemManagerLink:
 
     def manager(self) -> ManagerBeat | None:
         self._pump()
-        if self.sock is None and not self._attach():
+        if self.sock is None and (self.clock.monotonic() < self._look_again or not self._attach()):
             return None
         welcome = self.welcome
         return ManagerBeat(welcome.pid, welcome.gpu_count, welcome.dr_total, welcome.started, self.clock.monotonic())

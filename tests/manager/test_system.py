@@ -14,9 +14,10 @@ import time
 import pytest
 
 from drbalance.ipc import system, wire
-from drbalance.ipc.system_link import SystemManagerLink, SystemStatusError, read_system_status
+from drbalance.ipc.system_link import LOOK_AGAIN_SECONDS, SystemManagerLink, SystemStatusError, read_system_status
 from drbalance.manager.status import read_status
 from tests.conftest import wait_for
+from tests.helpers.clock import ManualClock
 from tests.helpers.processes import ManagerProcess, first_line, stop_app, toy_app
 from tests.helpers.system import RawClient, SystemManagerProcess
 
@@ -216,3 +217,25 @@ def test_a_job_and_the_status_do_not_wait_on_a_stopped_system_manager_whose_queu
     assert returned, "the job waited for a stopped system manager to accept its connection"
     assert outcome["attached"] is False and "accepts no connection" in outcome["problem"], outcome
     assert "accepts no connection" in outcome["status"], outcome
+
+
+def test_a_job_that_waited_in_vain_for_a_stopped_system_manager_looks_again_only_later(machine, ipc_env):
+    """A look at a stopped system manager costs the attach wait; a job does not pay it again at its
+    next looks (a session's start looks three times in a row), only after ``LOOK_AGAIN_SECONDS``."""
+    place = system.find(ipc_env.namespace)
+    clock = ManualClock()
+    os.kill(machine.process.pid, signal.SIGSTOP)
+    link = None
+    try:
+        link = SystemManagerLink(place, "late", clock=clock, attach_timeout=0.2)  # no welcome: not attached
+        tries = []
+        connect = link._connect
+        link._connect = lambda: tries.append(clock.monotonic()) or connect()
+        assert link.manager() is None and link.manager() is None
+        assert tries == []
+        clock.advance(LOOK_AGAIN_SECONDS)
+        assert link.manager() is None and tries == [LOOK_AGAIN_SECONDS]
+    finally:
+        os.kill(machine.process.pid, signal.SIGCONT)
+        if link is not None:
+            link.close()
