@@ -628,8 +628,9 @@ class SystemManager(Balancer):
         try:
             status = connection.record.read_status()
             if status.pid != peer.pid or (ticks and status.start_ticks and status.start_ticks != ticks):
-                raise RecordError(f"the record of app {connection.app!r} names pid {status.pid}; the kernel says "
-                                  f"its connection is pid {peer.pid}: refused")
+                raise RecordError(f"the record of app {connection.app!r} names pid {status.pid} started at "
+                                  f"{status.start_ticks}; the kernel says its connection is pid {peer.pid} started at "
+                                  f"{ticks} (clock ticks since boot): refused")
         except (RecordEmpty, RecordError) as error:
             self._refuse(connection, wire.Refusal.INVALID, str(error))
             return None

@@ -4,6 +4,7 @@ Other users' jobs: test_system_users.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from drbalance.ipc import system, wire
+from drbalance.ipc.objects import process_start_ticks
 from drbalance.ipc.system_link import LOOK_AGAIN_SECONDS, SystemManagerLink, SystemStatusError, read_system_status
 from drbalance.manager.status import read_status
 from tests.conftest import wait_for
@@ -119,6 +121,25 @@ def test_a_notice_or_record_naming_another_process_is_refused_and_reported(machi
     invalid = wait_for(lambda: [e for e in machine.events() if e["event"] == "invalid"], timeout=30)
     assert any("pid 1" in e["error"] for e in invalid)
     assert not machine.events("decision")  # nothing was decided on a lie
+
+
+def test_a_record_naming_another_start_time_is_refused_saying_so(machine, ipc_env):
+    """The pid is right, the process start time is not (a record of an earlier process of that
+    pid): the refusal names the start times, not only the pids (which agree)."""
+    client = RawClient(ipc_env.namespace)
+    try:
+        assert client.attach("reborn").kind == wire.Kind.WELCOME
+        client.publish("reborn")
+        status = client.record.read_status()
+        ticks = process_start_ticks(os.getpid())
+        client.record.write_status(dataclasses.replace(status, start_ticks=ticks + 7))
+        client.notice("reborn")
+        answer = client.answer()
+        assert answer.kind == wire.Kind.REFUSED
+        assert f"started at {ticks + 7}" in wire.refusal(answer.payload)[1], wire.refusal(answer.payload)[1]
+        assert f"started at {ticks}" in wire.refusal(answer.payload)[1]
+    finally:
+        client.close()
 
 
 def test_a_record_that_is_not_a_sealed_memfd_is_refused(machine, ipc_env, tmp_path):

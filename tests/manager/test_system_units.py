@@ -178,6 +178,22 @@ def test_a_passed_record_must_be_a_sealed_memfd_of_the_peer_of_the_records_size(
             os.close(fd)
 
 
+def test_a_passed_record_sealed_against_writing_is_refused_saying_so():
+    """The manager writes its commands into the record: one sealed against writing cannot be
+    mapped for that, and is refused with the reason (not an unexplained "Operation not permitted")."""
+    me = Peer(os.getpid(), os.geteuid(), os.getegid())
+    resizing = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    for write_seal in (fcntl.F_SEAL_WRITE, 0x10):  # F_SEAL_WRITE, F_SEAL_FUTURE_WRITE (Linux 5.1)
+        fd = os.memfd_create("w", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SEGMENT_SIZE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, resizing | write_seal | fcntl.F_SEAL_SEAL)
+            with pytest.raises(PeerRefused, match="sealed against writing"):
+                check_record_descriptor(fd, me, SEGMENT_SIZE)
+        finally:
+            os.close(fd)
+
+
 def test_a_notice_keeps_its_format_inside_a_message():
     notice = Notice(NoticeKind.BOUNDARY, 42, 7, "job", 1.5)
     message = wire.decode(wire.encode(wire.Kind.NOTICE, notice.encode()), [], 0, frozenset({wire.Kind.NOTICE}))
