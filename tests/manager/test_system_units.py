@@ -8,17 +8,20 @@ import os
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from drbalance.ipc import system, wire
-from drbalance.ipc.layout import SEGMENT_SIZE, Notice, NoticeKind
+from drbalance.ipc.layout import SEGMENT_SIZE, AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.peer import Peer, PeerRefused, check_record_descriptor
 from drbalance.ipc.private import UnsafePath
-from drbalance.ipc.records import AppRecord
+from drbalance.ipc.records import AppRecord, RecordBusy
 from drbalance.manager.admission import Admission, NoticeQueue, TokenBucket, UserLimits
+from drbalance.manager.system import Connection, SocketChannel
 from drbalance.manager.visibility import ANONYMOUS, status_for
+from drbalance.ratio import DataRatio
 from tests.helpers.neighbour import needs_second_user
 
 
@@ -192,6 +195,34 @@ def test_a_passed_record_sealed_against_writing_is_refused_saying_so():
                 check_record_descriptor(fd, me, SEGMENT_SIZE)
         finally:
             os.close(fd)
+
+
+def test_the_system_manager_never_waits_on_a_record_its_owner_keeps_mid_write(monkeypatch):
+    """A job (another user's) can keep its record's seqlock counter odd, a new value each time:
+    reading it must cost the system manager no wait (it keeps the job's last valid status), or
+    every decision, for every user's jobs, would wait about 20 ms per such record."""
+    job_side = AppRecord.create_sealed("busy")
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection = Connection(right, Peer(os.getpid(), os.geteuid(), os.getegid()), 0.0)
+    connection.record = AppRecord.adopt(os.dup(job_side.segment.memory.fd), "busy", "record of 'busy'")
+    try:
+        now = time.time()
+        job_side.write_status(AppStatus(os.getpid(), "busy", AppState.RUNNING, DataRatio([1, 1], 2), 0, 2, 1, 10, 5,
+                                        1, 1.0, 0.1, 1.0, now, now, time.monotonic()))
+        channel = SocketChannel(connection)
+        assert channel.read_status().app == "busy"
+        sleeps = []
+        monkeypatch.setattr(time, "sleep", sleeps.append)
+        words, index = job_side.status_area.words, job_side.status_area.counter_index
+        for odd in (1001, 1003, 1005):  # a write "under way", another one at every read
+            words[index] = odd
+            with pytest.raises(RecordBusy):
+                channel.read_status()
+        assert sleeps == []
+    finally:
+        connection.close()
+        job_side.close()
+        left.close()
 
 
 def test_a_notice_keeps_its_format_inside_a_message():
