@@ -4,6 +4,7 @@ the wire format, the checks of a passed record, and which system folder a job tr
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import stat
@@ -14,14 +15,18 @@ from pathlib import Path
 import pytest
 
 from drbalance.ipc import system, wire
-from drbalance.ipc.layout import SEGMENT_SIZE, AppState, AppStatus, Notice, NoticeKind
+from drbalance.ipc.layout import LAYOUT_VERSION, SEGMENT_SIZE, AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.peer import Peer, PeerRefused, check_record_descriptor
 from drbalance.ipc.private import UnsafePath
 from drbalance.ipc.records import AppRecord, RecordBusy
+from drbalance.jsonlog import read_json_lines
 from drbalance.manager.admission import Admission, NoticeQueue, TokenBucket, UserLimits
-from drbalance.manager.system import Connection, SocketChannel
+from drbalance.manager.balancer import ManagerSettings
+from drbalance.manager.system import PROBLEM_LINES_PER_SECOND, Connection, SocketChannel, SystemManager
+from drbalance.manager.utilization import ScriptedSource
 from drbalance.manager.visibility import ANONYMOUS, status_for
 from drbalance.ratio import DataRatio
+from tests.helpers.clock import ManualClock
 from tests.helpers.neighbour import needs_second_user
 
 
@@ -292,3 +297,39 @@ def test_a_link_or_a_writable_folder_on_the_way_is_refused(root_tmp):
         system.find("ns")
     os.chown(link, 0, 0, follow_symlinks=False)  # root's link is followed
     assert system.find("ns").root == link
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a system dir is trusted only where root made it; CI runs as root")
+def test_one_users_junk_messages_write_few_lines_to_the_manager_log_the_rest_are_counted(root_tmp, tmp_path):
+    """Every malformed message is refused; but junk with a reason of its own each must not write a
+    line apiece to the administrator's log (one user could rotate it away, and slow the manager
+    down for everyone): past ``PROBLEM_LINES_PER_SECOND`` a user's lines are counted (``withheld``)."""
+    script = tmp_path / "util.json"
+    script.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [10, 20]}]}))
+    clock = ManualClock(start=1000.0)  # still while the junk is read: no new allowance
+    manager = SystemManager(ManagerSettings(namespace="junk", log_path=tmp_path / "m.jsonl"),
+                            ScriptedSource(script, clock), clock=clock)
+    manager.start()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    junk = 100
+    try:
+        sock.connect(str(manager.place.socket))
+        for pid in range(1, junk + 1):  # "pid -N is not a process id": a reason of its own each
+            payload = Notice.STRUCT.pack(Notice.MAGIC, LAYOUT_VERSION, 2, 0, -pid, 1, b"junk", 1.0)
+            assert wire.send(sock, wire.Kind.NOTICE, payload, timeout=5)
+        assert wire.send(sock, wire.Kind.STATUS, timeout=5)  # answered once all the junk before it was read
+        answers = []
+        while wire.Kind.STATUS_REPLY not in answers:
+            manager.turn()
+            while wire.wait_readable(sock, 0):
+                answers.append(wire.receive(sock, frozenset(wire.Kind), size=wire.MAX_REPLY).kind)
+        clock.advance(manager.settings.gc_period)
+        manager.turn()
+    finally:
+        sock.close()
+        manager.stop()
+    events = list(read_json_lines(tmp_path / "m.jsonl"))
+    lines = [e for e in events if e["event"] == "invalid"]
+    withheld = [e for e in events if e["event"] == "withheld"]
+    assert len(lines) == PROBLEM_LINES_PER_SECOND, len(lines)
+    assert sum(e["count"] for e in withheld) == junk - len(lines) and withheld[0]["uid"] == os.geteuid()
