@@ -629,6 +629,7 @@ def corrupt(lab: Lab, randoms: int, rounds: int) -> dict:
     exchanged = json.loads(lab.out("witness.json").read_text())
     answered = [x for _, x, _ in exchanged["exchanges"] if x is not None and x >= 0]
     invalid = manager.log.of("invalid")
+    withheld = sum(e["count"] for e in manager.log.of("withheld"))
     removed = manager.log.of("app_removed")
     return {"answers": attacks, "manager_alive": alive, "still_answering_user_a": still_answering,
             "user_a_exchanges": len(exchanged["exchanges"]), "user_a_answered": len(answered),
@@ -638,6 +639,9 @@ def corrupt(lab: Lab, randoms: int, rounds: int) -> dict:
             "user_b_removals": dict(collections.Counter(e["reason"] for e in removed
                                                         if e["app"].startswith(f"{USER_B}:"))),
             "invalid_logged": len(invalid), "invalid_reasons_distinct": len({e["error"] for e in invalid}),
+            "invalid_lines_withheld": withheld,
+            "her_corrupted_record_kept_its_last_valid_status_logged": sum(
+                1 for e in invalid if e.get("what") == "record" and e["app"] == f"{USER_B}:b-corrupt"),
             "invalid_logged_with_another_uid_than_hers": sum(1 for e in invalid if e.get("uid") not in (USER_B, None)),
             "descriptors_left_over": fds_after, "exit_status": code, **manager.outcome()}
 

@@ -405,7 +405,8 @@ class SystemManager(Balancer):
             self.log("withheld", uid=uid, user=user_name(uid), count=count)
         self._withheld.clear()
         for uid in [uid for uid, allowance in self._problem_lines.items()
-                    if allowance.tokens >= PROBLEM_LINES_PER_SECOND and not self.admission.connections.get(uid)]:
+                    if allowance.tokens + (now - allowance.updated) * allowance.rate >= allowance.rate
+                    and not self.admission.connections.get(uid)]:
             del self._problem_lines[uid]  # a full allowance of a user with no connection: nothing to keep
 
     def _read_user(self, connections: list[Connection]) -> None:
