@@ -46,6 +46,9 @@ def test_summary_counts_worse_runs_by_the_never_worse_rule_and_gaps_to_the_syste
     assert per_user["median_gap_to_system"] == pytest.approx(((1.32 - 1.25) + (1.30 - 1.40)) / 2)
     assert (per_user["above_system"], per_user["below_system"]) == (1, 1)
     assert rows[("all", "system")]["runs"] == 2
+    text = system_gain.tables(summary(outcomes, [2]))
+    assert "| default | calibrated | 2 | 1.350 / 1.350 | 1.325 / 1.325, 1 worse | 1.310 / 1.310, 1 worse |" in text
+    assert "| default | calibrated | -0.015; 1 above, 1 below |" in text
 
 
 def test_user_counts_are_distinct_positive_integers():
@@ -70,4 +73,4 @@ def test_a_small_sweep_writes_its_table_and_every_run(tmp_path, capsys):
             got = by_arm[(interference, arm)]
             assert got["worse"] == (got["max_sd"] > base["max_sd"] + NOT_WORSE_MARGIN
                                     or got["mean_sd"] > base["mean_sd"] + NOT_WORSE_MARGIN)
-    assert "| default | gavel | per-user 2 | 1 |" in capsys.readouterr().out
+    assert "| default | gavel | 1 | " in capsys.readouterr().out
