@@ -51,7 +51,7 @@ from drbalance.emu.gpus import (
     release_at_exit,
     release_emulated_gpus,
 )
-from drbalance.emu.runnable import thread_runnable_seconds
+from drbalance.emu.runnable import job_runnable_seconds
 from drbalance.ipc.names import IpcNames
 from drbalance.workload.models import ModelCosts, estimate_costs
 
@@ -122,7 +122,7 @@ class EmulatedBackend(CpuBackend):
         self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
         self._pool: ThreadPoolExecutor | None = None
         self._last_device_end: float | None = None
-        self._runnable_mark: tuple[int, float | None] | None = None  # (thread, runnable time) at the last device end
+        self._runnable_mark: float | None = None  # the job's runnable seconds when the host phase under way began
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
         self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
@@ -141,23 +141,34 @@ class EmulatedBackend(CpuBackend):
 
     def uncounted_seconds(self) -> float:
         """Seconds by which this backend's host phases overran their modelled host time while the
-        forward's thread ran on this machine's CPU or waited for a core: the session leaves them
-        out of the job's SD and iteration times (``SlowdownTracker``).
+        job's threads ran on this machine's CPU or waited for a core: the session leaves them out
+        of the job's SD and iteration times (``SlowdownTracker``).
 
-        That CPU work (each chunk's forward and backward, the optimizer step) stands for work the
-        modelled server does on its GPU, which the device phase already charges; on a 2-core
+        That CPU work (each chunk's forward and backward on PyTorch's threads, the optimizer step,
+        the data loader's workers) stands for work the modelled server does on its GPU or its many
+        cores, which the device phase and the modelled host time already charge; on a 2-core
         machine emulating a 4-GPU server it also queues for cores and memory bandwidth the
-        server's jobs would not share. An overrun is left out up to the thread's runnable time
-        since the last device phase (``drbalance.emu.runnable``): time it was blocked (the
-        manager's answer, a data-loader worker) counts, and so does the whole device phase (the
-        wait for the emulated GPU is what is emulated). A host phase the modelled time holds
-        leaves nothing out (it sleeps the rest). docs/emulation.md.
+        server's jobs would not share. An overrun is left out up to the job's runnable time since
+        the last device phase (every thread of the process and of its children, summed:
+        ``drbalance.emu.runnable``): time in which none of them could run (the manager's answer,
+        a file) counts, and so does the whole device phase (the wait for the emulated GPU is what
+        is emulated). A host phase the modelled time holds leaves nothing out (it sleeps the
+        rest). docs/emulation.md.
 
-        The host phase under way counts as it goes, past the last phase's modelled time: an
-        iteration ends (``Session.step``) inside the next host phase, after the backward and the
-        optimizer step, so the overrun is left out of the iteration whose time it took.
+        The first host phase begins at the first call (a ``Session`` makes it when it starts), so
+        the set-up before the first forward (the first batch, the cost measurement) is host work
+        like any other. The host phase under way counts as it goes, past the last phase's modelled
+        time: an iteration ends (``Session.step``) inside the next host phase, after the backward
+        and the optimizer step, so the overrun is left out of the iteration whose time it took.
         """
+        if self._last_device_end is None and self._last_target is None:
+            self._mark(time.monotonic())  # the first host phase starts here
         return self._uncounted + self._overrun_so_far()
+
+    def _mark(self, now: float) -> None:
+        """A host phase starts at ``now``: the job's runnable time is read as its zero."""
+        self._last_device_end = now
+        self._runnable_mark = job_runnable_seconds()
 
     def _overrun_so_far(self) -> float:
         """Of the host phase under way (since the last device phase ended): its time past the last
@@ -169,7 +180,7 @@ class EmulatedBackend(CpuBackend):
 
     def _grant(self, overrun: float) -> float:
         """Of the host phase under way, ``overrun`` seconds past its modelled time: what is left out
-        of it, at most the thread's runnable time since the last device phase, never less than
+        of it, at most the job's runnable time since the last device phase, never less than
         granted before (kept in ``_granted``)."""
         if overrun > self._granted:
             runnable = self._runnable_since_mark()
@@ -178,14 +189,12 @@ class EmulatedBackend(CpuBackend):
         return self._granted
 
     def _runnable_since_mark(self) -> float | None:
-        """Seconds the calling thread was runnable since the last device phase ended; None when
-        that is unknown: no device phase since the last host phase, no statistics, or the phase
-        ended on another thread (then nothing is left out)."""
-        mark = self._runnable_mark
-        if mark is None or mark[1] is None or mark[0] != threading.get_ident():
+        """Seconds the job's threads were runnable (summed) since the host phase under way began;
+        None when that is unknown: no such phase, or no statistics (then nothing is left out)."""
+        if self._runnable_mark is None:
             return None
-        runnable = thread_runnable_seconds()
-        return None if runnable is None else runnable - mark[1]
+        runnable = job_runnable_seconds()
+        return None if runnable is None else runnable - self._runnable_mark
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
@@ -317,8 +326,7 @@ class EmulatedBackend(CpuBackend):
             # large time scale; the interpreter waits for the pool's threads at exit).
             cancel.set()
             raise
-        self._last_device_end = time.monotonic()
-        self._runnable_mark = (threading.get_ident(), thread_runnable_seconds())
+        self._mark(time.monotonic())
         # a replica's time is its device phase as its GPU served it: the wait, the slices and the
         # turns given to other jobs. The real CPU forward is host work here (the host phase counts
         # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU.
@@ -338,7 +346,7 @@ class EmulatedBackend(CpuBackend):
 
     def _close_host_phase(self, overrun: float, target: float) -> None:
         """The host phase ends ``overrun`` seconds past its modelled time ``target``: as much of it as
-        the thread was runnable since the last device phase ended is left uncounted (at least what
+        the job was runnable since the phase began is left uncounted (at least what
         ``uncounted_seconds`` already counted of it)."""
         self._uncounted += self._grant(overrun)
         self._granted, self._runnable_mark, self._last_target = 0.0, None, target
