@@ -453,8 +453,17 @@ class Session:
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time or UNKNOWN_SOLO_SECONDS,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
-            slots=self._slot_statuses(), solo_estimated=self.estimator is not None,
+            slots=self._slot_statuses(), solo_estimated=self.estimator is not None, sd_bound=self.sd_bound,
         )
+
+    @property
+    def sd_bound(self) -> bool:
+        """Whether the SD is a lower bound, not the SD: a solo time estimated online that can
+        still only be too high (``drbalance.solo_estimate``)."""
+        if self.estimator is None:
+            return False
+        estimate = self.estimator.estimate
+        return estimate is None or estimate.upper_bound
 
     def _last_batch(self) -> int:
         sizes = getattr(self.model, "last_chunk_sizes", None)
@@ -719,7 +728,7 @@ class Session:
         if self.estimator is not None:  # the SD's solo time is this job's own estimate
             estimate = self.estimator.estimate
             record.update(solo_estimated=True, solo_time=tracker.solo_time,
-                          solo_basis=None if estimate is None else estimate.basis)
+                          solo_basis=None if estimate is None else estimate.basis, sd_bound=self.sd_bound)
         record.update(extra)
         self.log.write(record)
         if event != "report":

@@ -1077,7 +1077,7 @@ class Manager:
                 {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
                  "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
-                 "sd_estimated": e.status.solo_estimated,
+                 "sd_estimated": e.status.solo_estimated, "sd_bound": e.status.sd_bound,
                  "updated_ago": now - e.status.updated_mono,
                  "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
                  "steered": steered}
@@ -1123,7 +1123,8 @@ class Manager:
                 shares = tuple(share / ratio.total for share in ratio.to_list())
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
-            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated))
+            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated,
+                                   status.sd_bound))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 
