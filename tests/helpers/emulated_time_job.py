@@ -1,9 +1,8 @@
 """A training loop on one emulated GPU, pinned to one CPU core, with (or without) a busy process
 pinned to the same core: prints JSON with what the emulated backend left uncounted, what the
-session's SD tracker left out, the thread's runnable time, the loop's wall time (seconds) and the
-session's final SD.
+session's SD tracker left out, the loop's wall time (seconds) and the session's final SD.
 
-Usage: python -m tests.helpers.runnable_job [options]; every option in seconds unless said:
+Usage: python -m tests.helpers.emulated_time_job [options]; every option in seconds unless said:
 --host: the modelled host time of an iteration (0: every host phase overruns it).
 --device: the modelled device time of an iteration (default 0.01).
 --burner: a busy process on the job's core.
@@ -35,7 +34,6 @@ from torch import nn
 from drbalance.client import BalancedDataParallel
 from drbalance.client.emulated import EmulatedBackend
 from drbalance.client.session import Session
-from drbalance.emu.runnable import thread_runnable_seconds
 from drbalance.ipc.link import DetachedLink
 from drbalance.workload.models import ModelCosts
 
@@ -88,17 +86,17 @@ def main() -> None:
     worker = Worker() if args.thread_work else None
     try:
         time.sleep(0.2)  # the burner pinned and spinning
-        costs = ModelCosts("runnable", fixed=args.device, per_sample=0.0, dp_overhead=0.0,
+        costs = ModelCosts("emulated-time", fixed=args.device, per_sample=0.0, dp_overhead=0.0,
                            host_ratio=args.host / args.device)
         backend = EmulatedBackend(1, costs)
         model = BalancedDataParallel(nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
                                                    nn.Linear(args.width, args.width)), backend=backend)
-        session = Session(model, "runnable", epochs=1, iterations_per_epoch=ITERATIONS,
+        session = Session(model, "emulated-time", epochs=1, iterations_per_epoch=ITERATIONS,
                           solo_time=ITERATIONS * (args.host + args.device), link=DetachedLink(), sd_log=False,
                           handle_sigterm=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.randn(256, args.width)
-        runnable, started = thread_runnable_seconds(), time.monotonic()
+        started = time.monotonic()
         burn(args.setup_cpu)
         marks = []
         for iteration in range(ITERATIONS):
@@ -117,7 +115,7 @@ def main() -> None:
         tracker = session.tracker.uncounted_seconds
         after = backend.uncounted_seconds()
         print(json.dumps({"uncounted": before, "tracker": tracker, "uncounted_after": after,
-                          "runnable": thread_runnable_seconds() - runnable, "wall": wall,
+                          "wall": wall,
                           "iterations": [b - a for a, b in zip(marks, marks[1:])], "device": args.device,
                           "sd": session.slowdown}))
         session.close()
