@@ -700,6 +700,8 @@ class Session:
         self._attached_pid = 0
         self._awaiting = None
         self._cadence = self._boundary_due = None
+        if getattr(self.link, "objects_pending", False):
+            return  # the link said why no manager can reach this job (e.g. /dev/shm full): one warning
         if not self._warned_absent and self.measurement_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",

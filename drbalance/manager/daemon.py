@@ -96,6 +96,10 @@ MAX_FOREIGN_NAMED = 1000
 the log once while it stays; a flood beyond them is counted, not kept."""
 
 
+class NotLive(Exception):
+    """An app's record says it is not running (``FINISHED``): it gets no decision."""
+
+
 class ManagerAlreadyRunning(RuntimeError):
     """Another manager holds this namespace's lock."""
 
@@ -534,7 +538,9 @@ class Manager:
         the command goes back in the app's own order. Policies see every DR at the manager's DR
         total, whatever total the app's record carries, and a new DR is sent at that total; a DR
         kept is sent as the app has it (a job takes a command only at its manager's total, or
-        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR.
+        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR,
+        and so does one whose record says it finished (branch ``finished``): the snapshot leaves it
+        out, and a policy asked about it would fail.
         """
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         app_old = entry.effective_ratio()
@@ -542,7 +548,12 @@ class Manager:
         next_boundary = None
         pushes: dict[str, DataRatio] = {}
         try:
+            if entry.status.state == AppState.FINISHED:  # its record says it ended: in no snapshot, so no policy
+                raise NotLive("its record says it finished (a FINISH notice removes a job that ends)")
             view = entry.view(self.config.dr_total, self.server)
+        except NotLive as error:
+            view = None
+            old, ratio, branch, details = app_old, app_old, "finished", {"error": str(error)}
         except Unmapped as error:
             view = None
             old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
