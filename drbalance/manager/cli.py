@@ -20,7 +20,7 @@ from drbalance.helptext import HelpFormatter, environment_epilog
 from drbalance.ipc.private import UnsafePath
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
-from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
+from drbalance.manager.utilization import MAX_WINDOW, UtilizationSource, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
 logger = logging.getLogger("drbalance.manager")
@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dr-total", type=positive_int, default=defaults.dr_total,
                         help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch; 1..65535 (a record's "
                         "shares are 16-bit)")
-    parser.add_argument("--source", default="nvml",
+    parser.add_argument("--source", default=None,
                         help="utilisation source: 'nvml' (real GPUs), 'emulated[:N[:MEMORY]]' (emulated GPUs; "
-                        "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")
+                        "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests) (default: 'nvml'; "
+                        "where NVML finds no GPU and DRBALANCE_EMULATED_GPUS is set, 'emulated', as for the jobs)")
     parser.add_argument("--gpus", type=parse_gpus, default=None,
                         help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
     parser.add_argument("--sample-period", type=sample_period, default=defaults.sample_period,
@@ -130,6 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
+
+
+NO_GPU_HINT = ("; without NVIDIA GPUs (or their driver), run on emulated GPUs: drbalance-manager --source "
+               "emulated:4, with DRBALANCE_EMULATED_GPUS=4 for the jobs (or set it for both: the manager then "
+               "starts on them) (docs/emulation.md)")
+"""What a manager that finds no NVML adds to the error: the way on a machine without GPUs."""
+
+
+def open_default_source(gpus: list[int] | None, namespace: str) -> UtilizationSource:
+    """The source without ``--source``: NVML; where it finds no GPU and ``DRBALANCE_EMULATED_GPUS``
+    is set, that many emulated GPUs, as a job's ``BalancedDataParallel`` of this environment
+    chooses (CUDA where there is one, else the variable's emulated GPUs)."""
+    try:
+        return open_source("nvml", gpus, namespace=namespace)
+    except UtilizationUnavailable as error:
+        if not env.emulated_gpus():
+            raise
+        logger.info("drbalance-manager: no NVIDIA GPU (%s); on DRBALANCE_EMULATED_GPUS=%s emulated GPUs",
+                    error, env.emulated_gpus())
+        return open_source("emulated", gpus, namespace=namespace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,8 +215,12 @@ def _serve(args: argparse.Namespace) -> int:
             util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
             log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep, plan_period=args.plan_period,
         )
-        source = open_source(args.source, args.gpus, namespace=namespace)
-    except (UtilizationUnavailable, ValueError) as error:
+        source = open_default_source(args.gpus, namespace) if args.source is None else \
+            open_source(args.source, args.gpus, namespace=namespace)
+    except UtilizationUnavailable as error:
+        logger.error("drbalance-manager: %s%s", error, NO_GPU_HINT if args.source in (None, "nvml") else "")
+        return 2
+    except ValueError as error:
         logger.error("drbalance-manager: %s", error)
         return 2
     except UnsafePath as error:  # e.g. emulated GPUs in a runtime directory others can write: the path is to blame
