@@ -446,7 +446,7 @@ class Session:
     def _status(self, now: float) -> AppStatus:
         tracker = self.tracker
         return AppStatus(
-            pid=self.pid, app=self.app, state=self._state, ratio=self.model.ratio,
+            pid=self.pid, app=self.app, state=self._state, ratio=self._steered_ratio(),
             epoch=tracker.epoch, epochs=self.plan.epochs, iteration=tracker.done,
             iterations_total=self.plan.total, iterations_per_epoch=self.plan.iterations_per_epoch,
             notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
@@ -455,6 +455,14 @@ class Session:
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
             slots=self._slot_statuses(), solo_estimated=self.estimator is not None, sd_bound=self.sd_bound,
         )
+
+    def _steered_ratio(self) -> DataRatio:
+        """The DR the manager should count as the job's: the model's; for a DDP job, the one it
+        has proposed to its ranks if that is still on its way (the next control exchange carries
+        it). Published as the model's in force instead, a manager that decides again before the
+        exchange sees the old DR, keeps it, and its "keep" (sent as the job has it) withdrew the
+        proposal: the job never took the manager's DR."""
+        return self.job.ratio if self.job is not None else self.model.ratio
 
     @property
     def sd_bound(self) -> bool:
