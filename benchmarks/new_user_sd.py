@@ -11,7 +11,9 @@ is loaded on purpose by ``--busy`` shell loops (``while :; do :; done``), as a s
 
 Cases, one after another, each with a manager of its own in a namespace of its own:
 
-- **alone**: one job, four emulated GPUs. Its SD should read about 1.
+- **alone**: one job, four emulated GPUs (the script wraps its model over all of them; the manager
+  decides where it trains). Its SD should read about 1 once it trains as it would alone on one GPU.
+- **alone1**: one job, one emulated GPU. Its SD should read about 1.
 - **profiled**: ``drbalance profile`` measures the script alone, then the job runs with that
   profile (``--solo-time NAME``) on four emulated GPUs. Its SD should read about 1, and the
   report should not list the measuring run.
@@ -85,9 +87,9 @@ class Case:
         self.manager: subprocess.Popen | None = None
 
     def start_manager(self) -> None:
+        """The README's manager on a machine without GPUs: ``DRBALANCE_EMULATED_GPUS=N drbalance-manager``."""
         self.manager = subprocess.Popen(
-            [sys.executable, "-m", "drbalance.manager.cli", "--source", f"emulated:{self.gpus}",
-             "--log", str(self.logs / "manager.jsonl")],
+            [sys.executable, "-m", "drbalance.manager.cli", "--log", str(self.logs / "manager.jsonl")],
             env=self.env, stdout=subprocess.DEVNULL, stderr=(self.folder / "manager.err").open("w"))
         deadline = time.monotonic() + 120
         while not (self.folder / "run").exists() or not self.drbalance("status").returncode == 0:
@@ -142,17 +144,24 @@ def job_result(log: Path) -> dict[str, Any]:
             "uncounted_share": finish.get("uncounted", 0.0) / finish["elapsed"]}
 
 
-def run_alone(work: Path, options: list[str]) -> dict[str, Any]:
-    case = Case(work, "alone", 4)
+def run_alone(work: Path, options: list[str], gpus: int) -> dict[str, Any]:
+    name = "alone" if gpus == 4 else f"alone{gpus}"
+    case = Case(work, name, gpus)
     case.start_manager()
     try:
-        table = wait_all([case.job("alone", options)], case, status_after=20)
+        table = wait_all([case.job(name, options)], case, status_after=20)
     finally:
         case.stop_manager()
     report = case.drbalance("report", "--no-plots")
-    result = job_result(case.logs / "alone.sd.jsonl")
+    result = job_result(case.logs / f"{name}.sd.jsonl")
+    result["dr_final"] = _last_dr(case.logs / f"{name}.sd.jsonl")
     return {"jobs": {"alone": result}, "status": table, "report": report.stdout + report.stderr,
             "met": abs(result["final_sd"] - 1.0) <= ALONE_RANGE and not result["sd_bound"]}
+
+
+def _last_dr(log: Path) -> list[int]:
+    """The DR of a job's last SD-log record."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()][-1]["dr"]
 
 
 def run_profiled(work: Path, options: list[str], profile_iterations: int) -> dict[str, Any]:
@@ -168,6 +177,7 @@ def run_profiled(work: Path, options: list[str], profile_iterations: int) -> dic
         case.stop_manager()
     report = case.drbalance("report", "--no-plots")
     result = job_result(case.logs / "profiled.sd.jsonl")
+    result["dr_final"] = _last_dr(case.logs / "profiled.sd.jsonl")
     return {"jobs": {"profiled": result}, "profile": profiled.stdout.strip(), "report": report.stdout + report.stderr,
             "met": abs(result["final_sd"] - 1.0) <= ALONE_RANGE}
 
@@ -206,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--profile-iterations", type=positive_int, default=12)
-    parser.add_argument("--cases", default="alone,profiled,pair", help="which cases, comma-separated")
+    parser.add_argument("--cases", default="alone,alone1,profiled,pair", help="which cases, comma-separated")
     parser.add_argument("--keep", action="store_true", help="keep the cases' folders (logs) and print where")
     add_no_write(parser)
     args = parser.parse_args(argv)
     options = ["--epochs", str(args.epochs), "--iterations", str(args.iterations), "--batch-size",
                str(args.batch_size), "--image-size", str(args.image_size)]
-    runners = {"alone": lambda work: run_alone(work, options),
+    runners = {"alone": lambda work: run_alone(work, options, 4), "alone1": lambda work: run_alone(work, options, 1),
                "profiled": lambda work: run_profiled(work, options, args.profile_iterations),
                "pair": lambda work: run_pair(work, options)}
     work = Path(tempfile.mkdtemp(prefix="drbalance-new-user-"))
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 def summary_of(case: dict[str, Any]) -> dict[str, Any]:
     """The numbers of a case worth a line: per job its final SD and, when shared, its measured slowdowns."""
     keys = ("final_sd", "sd_bound", "slowdown_emulated", "slowdown_wall", "step_emulated", "step_wall",
-            "solo_iteration")
+            "solo_iteration", "dr_final")
     return {"met": case["met"], **{app: {key: round(job[key], 3) if isinstance(job[key], float) else job[key]
                                          for key in keys if key in job} for app, job in case["jobs"].items()}}
 
