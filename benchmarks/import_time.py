@@ -7,8 +7,10 @@ Every training process (a job, each DDP rank, each test process) imports the cli
 starts fresh interpreters in turn: one that imports ``torch`` alone and one that imports
 ``torch`` and then ``drbalance.client``, each timing its imports with ``time.perf_counter`` (so
 interpreter start-up is not in either). Medians over the repeats; the client's cost is the second
-import's time. Also records whether ``torch._dynamo`` was loaded (it is loaded only by what
-compiles). Writes ``benchmarks/results/import_time.json``.
+import's time. Each interpreter then makes a ``torch.optim.SGD``, as a training script does next:
+PyTorch's optimizers load ``torch._dynamo`` themselves, so that time is recorded too (the
+client's and the optimizer's together are what a training job pays before its first step).
+Writes ``benchmarks/results/import_time.json``.
 """
 
 from __future__ import annotations
@@ -31,20 +33,24 @@ PROBE = (
     "torch_done = time.perf_counter()\n"
     "if sys.argv[1] == 'client':\n"
     "    import drbalance.client\n"
-    "print(torch_done - started, time.perf_counter() - torch_done, 'torch._dynamo' in sys.modules)\n"
+    "client_done = time.perf_counter()\n"
+    "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # what a training script makes next\n"
+    "print(torch_done - started, client_done - torch_done, time.perf_counter() - client_done,\n"
+    "      'torch._dynamo' in sys.modules)\n"
 )
 
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def probe(what: str, tree: Path = ROOT) -> tuple[float, float, bool]:
+def probe(what: str, tree: Path = ROOT) -> tuple[float, float, float, bool]:
     """One fresh interpreter: seconds to import torch, seconds to import the client (of the
-    checkout ``tree``) after it (0 for ``torch``), and whether dynamo ended up loaded."""
+    checkout ``tree``) after it (0 for ``torch``), seconds to make a ``torch.optim.SGD`` after
+    that, and whether dynamo ended up loaded (torch's optimizers load it themselves)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", PROBE, what], capture_output=True, text=True, check=True,
                          timeout=600, env=env, cwd=tree).stdout.split()
-    return float(out[0]), float(out[1]), out[2] == "True"
+    return float(out[0]), float(out[1]), float(out[2]), out[3] == "True"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,25 +60,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="another checkout whose client is timed beside this one's")
     add_no_write(parser)
     args = parser.parse_args(argv)
-    torch_alone, client, baseline, dynamo, baseline_dynamo = [], [], [], [], []
+    torch_alone, optimizer_alone, client, client_optimizer, baseline, baseline_optimizer = [], [], [], [], [], []
     for _ in range(args.repeats):
-        torch_alone.append(probe("torch")[0])
-        _, then, loaded = probe("client")
-        client.append(then)
-        dynamo.append(loaded)
+        first, _, then, _ = probe("torch")
+        torch_alone.append(first)
+        optimizer_alone.append(then)
+        _, imported, then, _ = probe("client")
+        client.append(imported)
+        client_optimizer.append(imported + then)
         if args.baseline is not None:
-            _, then, loaded = probe("client", args.baseline)
-            baseline.append(then)
-            baseline_dynamo.append(loaded)
+            _, imported, then, _ = probe("client", args.baseline)
+            baseline.append(imported)
+            baseline_optimizer.append(imported + then)
     torch_s = statistics.median(torch_alone)
     result = {"repeats": args.repeats, "torch_s": torch_s, "client_after_torch_s": statistics.median(client),
-              "client_over_torch": statistics.median(client) / torch_s, "dynamo_loaded": any(dynamo),
-              "samples": {"torch": torch_alone, "client": client}}
+              "client_over_torch": statistics.median(client) / torch_s,
+              "optimizer_after_torch_s": statistics.median(optimizer_alone),
+              "client_and_optimizer_after_torch_s": statistics.median(client_optimizer),
+              "samples": {"torch": torch_alone, "optimizer": optimizer_alone, "client": client,
+                          "client_and_optimizer": client_optimizer}}
     if baseline:
         result.update(baseline_tree=str(args.baseline), baseline_client_after_torch_s=statistics.median(baseline),
                       baseline_client_over_torch=statistics.median(baseline) / torch_s,
-                      baseline_dynamo_loaded=any(baseline_dynamo))
-        result["samples"]["baseline"] = baseline
+                      baseline_client_and_optimizer_after_torch_s=statistics.median(baseline_optimizer))
+        result["samples"].update(baseline=baseline, baseline_client_and_optimizer=baseline_optimizer)
     print(json.dumps({key: value for key, value in result.items() if key != "samples"}, indent=2))
     save("import_time", "benchmarks.import_time", argv, result, args.no_write)
     return 0

@@ -106,7 +106,8 @@ class EmulatedBackend(CpuBackend):
         self.chosen_by_environment = False
         self._uncounted = 0.0  # seconds of host phases left out of the job's time (uncounted_seconds)
         self._granted = 0.0  # of the host phase under way: what uncounted_seconds has left out so far
-        self._last_target: float | None = None  # the last host phase's modelled seconds
+        self._included = 0.0  # ... and what it has counted so far
+        self._credit: float | None = None  # the last host phase's modelled seconds: what the one under way counts
         self._open_state()
 
     @classmethod
@@ -134,8 +135,8 @@ class EmulatedBackend(CpuBackend):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._uncounted = self._granted = 0.0
-        self._last_target = None
+        self._uncounted = self._granted = self._included = 0.0
+        self._credit = None
         self._open_state()
 
     def uncounted_seconds(self) -> float:
@@ -156,20 +157,26 @@ class EmulatedBackend(CpuBackend):
 
         The first host phase begins at the first call (a ``Session`` makes it when it starts), so
         the set-up before the first forward (the first batch, the cost measurement) is host work
-        like any other. The host phase under way counts as it goes, past the last phase's modelled
-        time: an iteration ends (``Session.step``) inside the next host phase, after the backward
-        and the optimizer step, so the overrun is left out of the iteration whose time it took.
+        like any other. The host phase under way is left out as it goes, past the last phase's
+        modelled time: an iteration ends (``Session.step``) inside the next host phase, after the
+        backward and the optimizer step, so the overrun is left out of the iteration whose time it
+        took. The phase's own modelled time is known only when the forward that ends it comes
+        (after a DR change, with other replicas); the phase then counts its own, or what was
+        counted of it already if that is more: the job's time never runs backwards.
         """
-        if self._last_device_end is None and self._last_target is None:
+        if self._last_device_end is None and self._credit is None:
             self._last_device_end = time.monotonic()  # the first host phase starts here
         return self._uncounted + self._overrun_so_far()
 
     def _overrun_so_far(self) -> float:
         """Of the host phase under way (since the last device phase ended): its time past the last
-        phase's modelled time, never less than counted before."""
-        target = self._last_target
-        if target is not None and self._last_device_end is not None:
-            self._granted = max(self._granted, time.monotonic() - self._last_device_end - target)
+        phase's modelled time (``_credit``), never less than left out before. What it has counted
+        so far (its time less that) is kept in ``_included``."""
+        credit = self._credit
+        if credit is not None and self._last_device_end is not None:
+            elapsed = time.monotonic() - self._last_device_end
+            self._granted = max(self._granted, elapsed - credit)
+            self._included = max(self._included, elapsed - self._granted)
         return self._granted
 
     @property
@@ -319,15 +326,14 @@ class EmulatedBackend(CpuBackend):
         spent = now - self._last_device_end if self._last_device_end is not None else forward_cpu
         if target > spent:
             time.sleep(target - spent)
-            self._close_host_phase(0.0, target)
-        else:
-            self._close_host_phase(spent - target, target)
+            spent += time.monotonic() - now  # a sleep this machine ends late: left out like any overrun
+        self._close_host_phase(spent, target)
 
-    def _close_host_phase(self, overrun: float, target: float) -> None:
-        """The host phase ends ``overrun`` seconds past its modelled time ``target``: left out (at
-        least what ``uncounted_seconds`` already left out of it)."""
-        self._uncounted += max(self._granted, overrun)
-        self._granted, self._last_target = 0.0, target
+    def _close_host_phase(self, spent: float, target: float) -> None:
+        """The host phase ends after ``spent`` seconds, modelled as ``target``: it counts ``target``
+        (or what it counted already, if more: see ``uncounted_seconds``), the rest is left out."""
+        self._uncounted += spent - max(target, self._included)
+        self._granted, self._included, self._credit = 0.0, 0.0, target
 
     def close(self) -> None:
         """Release memory reservations and close the emulated GPUs, removing those no other process

@@ -732,8 +732,8 @@ class Session:
             "iterations_total": self.plan.total, "sd": tracker.slowdown(now),
             "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
         }
-        uncounted = tracker.uncounted_seconds
-        if uncounted > 0:  # emulated GPUs: this machine's CPU time the SD leaves out
+        uncounted = tracker.uncounted_at(now)
+        if uncounted > 0:  # emulated GPUs: this machine's time the SD leaves out
             record["uncounted"] = uncounted
         if self.estimator is not None:  # the SD's solo time is this job's own estimate
             estimate = self.estimator.estimate

@@ -37,9 +37,9 @@ def test_a_host_phase_the_modelled_time_holds_leaves_nothing_out_of_it(ipc_env):
     """The modelled host time (0.5 s) holds the CPU work (a narrow model: about a millisecond a
     step alone, tens with the burner and a loaded machine) and its wait for the core: the phase
     sleeps the rest, and the job's time is the modelled one (only sleeps that end late, a few
-    milliseconds each, are left out)."""
+    milliseconds each, are left out, and the set-up before the first forward)."""
     got = _job("--host", 0.5, "--burner", "--width", 64)
-    assert got["uncounted"] < 16 * 0.05
+    assert sum(got["iterations"]) / len(got["iterations"]) == pytest.approx(0.5 + 0.01, rel=0.02)
     assert got["sd"] == pytest.approx(1.0, abs=0.05)
 
 
@@ -97,3 +97,21 @@ def test_device_phases_count_as_modelled_beside_a_busy_process(ipc_env):
     emulated = got["wall"] - got["uncounted"]
     assert emulated == pytest.approx(16 * 0.05, rel=0.05)
     assert all(iteration == pytest.approx(0.05, rel=0.1) for iteration in got["iterations"]), got["iterations"]
+
+
+@pytest.mark.timeout(300)
+def test_a_dr_change_that_shortens_the_host_time_never_runs_the_jobs_time_backwards(ipc_env):
+    """Spread over 4 emulated GPUs, each host phase models 0.09 s of DataParallel overhead; after
+    iteration 8 the batch goes whole on one GPU (none). The host phase under way when the DR
+    changes was counted at the old phase's 0.09 s; counting it then at its own 0 s took time
+    back, and the iteration after the change read 0 s (an SD extrapolated from it, far too low).
+    Every iteration takes at least its device phase."""
+    # 0.1 s of CPU work before each step: the host phase under way has passed the old 0.09 s then
+    got = _job("--gpus", 4, "--overhead", 0.03, "--device", 0.02, "--consolidate-at", 8, "--thread-work", 0.1,
+               "--width", 64)
+    iterations = got["iterations"]  # from the second on
+    assert min(iterations) >= 0.9 * 0.02, iterations
+    # spread: the overhead and a device phase (a step ends part-way through a host phase, so one
+    # iteration may take some of the next one's: their mean is exact); whole: a device phase
+    assert sum(iterations[:6]) / 6 == pytest.approx(0.09 + 0.02, rel=0.05), iterations
+    assert iterations[-1] == pytest.approx(0.02, rel=0.1)

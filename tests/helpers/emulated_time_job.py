@@ -14,6 +14,9 @@ a cost measurement).
 --thread-work: CPU work per step done by a second thread of the job while the loop waits for it
 (as PyTorch's intra-op threads and a data loader's workers do).
 --width: the model's width (default 512: tens of milliseconds of CPU work a step beside the burner).
+--gpus: emulated GPUs the batch is spread over, evenly (default 1); --overhead: DataParallel's
+modelled host time per extra replica (default 0); --consolidate-at N: after iteration N the whole
+batch goes on the first GPU (a DR change that shortens the modelled host time).
 Also prints each iteration's time as the session's tracker counted it (but the first's).
 The session's solo time is the modelled one: iterations x (host + device).
 """
@@ -76,8 +79,11 @@ def main() -> None:
     for option, default in (("--host", 0.0), ("--device", 0.01), ("--sleep", 0.0), ("--first-step-cpu", 0.0),
                             ("--setup-cpu", 0.0), ("--thread-work", 0.0)):
         parser.add_argument(option, type=float, default=default)
+    parser.add_argument("--overhead", type=float, default=0.0)
     parser.add_argument("--burner", action="store_true")
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--consolidate-at", type=int, default=None)
     args = parser.parse_args()
     core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
@@ -86,17 +92,17 @@ def main() -> None:
     worker = Worker() if args.thread_work else None
     try:
         time.sleep(0.2)  # the burner pinned and spinning
-        costs = ModelCosts("emulated-time", fixed=args.device, per_sample=0.0, dp_overhead=0.0,
+        costs = ModelCosts("emulated-time", fixed=args.device, per_sample=0.0, dp_overhead=args.overhead,
                            host_ratio=args.host / args.device)
-        backend = EmulatedBackend(1, costs)
+        backend = EmulatedBackend(args.gpus, costs)
         model = BalancedDataParallel(nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),
                                                    nn.Linear(args.width, args.width)), backend=backend)
+        started = time.monotonic()  # the session's time, and so what it leaves out, starts here
         session = Session(model, "emulated-time", epochs=1, iterations_per_epoch=ITERATIONS,
                           solo_time=ITERATIONS * (args.host + args.device), link=DetachedLink(), sd_log=False,
                           handle_sigterm=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = torch.randn(256, args.width)
-        started = time.monotonic()
         burn(args.setup_cpu)
         marks = []
         for iteration in range(ITERATIONS):
@@ -108,6 +114,8 @@ def main() -> None:
                 worker.run(args.thread_work)
             session.step()
             marks.append(session.tracker.last_mark)
+            if iteration + 1 == args.consolidate_at:
+                model.set_ratio([1] + [0] * (args.gpus - 1))
             time.sleep(args.sleep)
         wall = time.monotonic() - started
         # the phase under way keeps counting between reads: the tracker's is read between two of the backend's
