@@ -20,6 +20,12 @@ Cases, one after another, each with a manager of its own in a namespace of its o
 - **pair**: one emulated GPU. First one job alone on it (the reference), then two jobs at once
   (they share the GPU throughout). Each shared job's final SD should read its *measured slowdown*:
   its mean step time shared over the reference's mean step time alone.
+- **pair-scaled**: as *pair*, with the training script ``drbalance launch`` starts
+  (``python -m drbalance.runs.train``: ResNet-50's cost table, 4 real images standing for 32,
+  ``--time-scale 10``), whose device time (about 1 s a step) outweighs this machine's CPU work:
+  the two jobs meet on the GPU as on the modelled server, and lose time there. At ``--time-scale
+  1`` (*pair*) a script's device phases are milliseconds between seconds of CPU work, so two jobs
+  seldom meet on the GPU and lose little there.
 
 Step times are measured from each job's SD log: the mean over its iterations after the first
 (its ``finish`` record's time less that of its first record past iteration 1, over the iterations
@@ -103,8 +109,8 @@ class Case:
             self.manager.send_signal(signal.SIGTERM)
             self.manager.wait(timeout=120)
 
-    def job(self, app: str, options: Sequence[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(SCRIPT), "--app", app, *options], env=self.env,
+    def job(self, app: str, options: Sequence[str], command: Sequence[str] = (str(SCRIPT),)) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *command, "--app", app, *options], env=self.env,
                                 stdout=(self.folder / f"{app}.out").open("w"), stderr=subprocess.STDOUT)
 
     def drbalance(self, *args: str) -> subprocess.CompletedProcess:
@@ -182,12 +188,19 @@ def run_profiled(work: Path, options: list[str], profile_iterations: int) -> dic
             "met": abs(result["final_sd"] - 1.0) <= ALONE_RANGE}
 
 
-def run_pair(work: Path, options: list[str]) -> dict[str, Any]:
-    case = Case(work, "pair", 1)
+TRAIN = ("-m", "drbalance.runs.train")
+SCALED = ["--model", "resnet50", "--devices", "emulated:1", "--batch-size", "4", "--sample-scale", "8",
+          "--time-scale", "10", "--no-progress"]
+
+
+def run_pair(work: Path, options: list[str], name: str = "pair", command: Sequence[str] = (str(SCRIPT),),
+             status_after: float = 20) -> dict[str, Any]:
+    case = Case(work, name, 1)
     case.start_manager()
     try:
-        wait_all([case.job("reference", options)], case)
-        table = wait_all([case.job("first", options), case.job("second", options)], case, status_after=20)
+        wait_all([case.job("reference", options, command)], case)
+        table = wait_all([case.job("first", options, command), case.job("second", options, command)], case,
+                         status_after=status_after)
     finally:
         case.stop_manager()
     report = case.drbalance("report", "--no-plots")
@@ -216,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--profile-iterations", type=positive_int, default=12)
-    parser.add_argument("--cases", default="alone,alone1,profiled,pair", help="which cases, comma-separated")
+    parser.add_argument("--cases", default="alone,alone1,profiled,pair,pair-scaled",
+                        help="which cases, comma-separated")
     parser.add_argument("--keep", action="store_true", help="keep the cases' folders (logs) and print where")
     add_no_write(parser)
     args = parser.parse_args(argv)
@@ -224,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                str(args.batch_size), "--image-size", str(args.image_size)]
     runners = {"alone": lambda work: run_alone(work, options, 4), "alone1": lambda work: run_alone(work, options, 1),
                "profiled": lambda work: run_profiled(work, options, args.profile_iterations),
-               "pair": lambda work: run_pair(work, options)}
+               "pair": lambda work: run_pair(work, options),
+               "pair-scaled": lambda work: run_pair(work, ["--epochs", str(args.epochs), "--iterations",
+                                                            str(args.iterations), *SCALED],
+                                                    "pair-scaled", TRAIN, status_after=10)}
     work = Path(tempfile.mkdtemp(prefix="drbalance-new-user-"))
     results: dict[str, Any] = {"busy_loops": args.busy, "script": str(SCRIPT.relative_to(ROOT)), "options": options,
                                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cases": {}}
