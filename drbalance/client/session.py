@@ -462,15 +462,32 @@ class Session:
     def _status(self, now: float) -> AppStatus:
         tracker = self.tracker
         return AppStatus(
-            pid=self.pid, app=self.app, state=self._state, ratio=self.model.ratio,
+            pid=self.pid, app=self.app, state=self._state, ratio=self._steered_ratio(),
             epoch=tracker.epoch, epochs=self.plan.epochs, iteration=tracker.done,
             iterations_total=self.plan.total, iterations_per_epoch=self.plan.iterations_per_epoch,
             notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time or UNKNOWN_SOLO_SECONDS,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
-            slots=self._slot_statuses(), solo_estimated=self.estimator is not None,
+            slots=self._slot_statuses(), solo_estimated=self.estimator is not None, sd_bound=self.sd_bound,
         )
+
+    def _steered_ratio(self) -> DataRatio:
+        """The DR the manager should count as the job's: the model's; for a DDP job, the one it
+        has proposed to its ranks if that is still on its way (the next control exchange carries
+        it). Published as the model's in force instead, a manager that decides again before the
+        exchange sees the old DR, keeps it, and its "keep" (sent as the job has it) withdrew the
+        proposal: the job never took the manager's DR."""
+        return self.job.ratio if self.job is not None else self.model.ratio
+
+    @property
+    def sd_bound(self) -> bool:
+        """Whether the SD is a lower bound, not the SD: a solo time estimated online that can
+        still only be too high (``drbalance.solo_estimate``)."""
+        if self.estimator is None:
+            return False
+        estimate = self.estimator.estimate
+        return estimate is None or estimate.upper_bound
 
     def _last_batch(self) -> int:
         sizes = getattr(self.model, "last_chunk_sizes", None)
@@ -707,6 +724,8 @@ class Session:
         self._attached_pid = 0
         self._awaiting = None
         self._cadence = self._boundary_due = None
+        if getattr(self.link, "objects_pending", False):
+            return  # the link said why no manager can reach this job (e.g. /dev/shm full): one warning
         if not self._warned_absent and self.measurement_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",
@@ -729,13 +748,13 @@ class Session:
             "iterations_total": self.plan.total, "sd": tracker.slowdown(now),
             "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
         }
-        uncounted = tracker.uncounted_seconds
-        if uncounted > 0:  # emulated GPUs: this machine's CPU time the SD leaves out
+        uncounted = tracker.uncounted_at(now)
+        if uncounted > 0:  # emulated GPUs: this machine's time the SD leaves out
             record["uncounted"] = uncounted
         if self.estimator is not None:  # the SD's solo time is this job's own estimate
             estimate = self.estimator.estimate
             record.update(solo_estimated=True, solo_time=tracker.solo_time,
-                          solo_basis=None if estimate is None else estimate.basis)
+                          solo_basis=None if estimate is None else estimate.basis, sd_bound=self.sd_bound)
         record.update(extra)
         self.log.write(record)
         if event != "report":

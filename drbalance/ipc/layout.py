@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from drbalance.ipc.names import APP_NAME_PATTERN
 from drbalance.ratio import MAX_TOTAL, DataRatio
 
-LAYOUT_VERSION = 3  # 3: the status flag FLAG_SOLO_ESTIMATED
+LAYOUT_VERSION = 4  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: FLAG_SD_BOUND
 MAX_GPUS = 32
 SEGMENT_SIZE = 8192
 SEGMENT_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, status offset, command offset
@@ -83,7 +83,8 @@ def _shares(ratio: DataRatio) -> list[int]:
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
 FLAG_SOLO_ESTIMATED = 4  # the solo time (and so the SD) is estimated online, not given (layout version 3)
-STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED
+FLAG_SD_BOUND = 8  # the estimated solo time can only be too high: the SD is a lower bound (layout version 4)
+STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND
 COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
 SLOT_FIELDS = struct.Struct(f"<{UUID_BYTES}sdddq")  # uuid, chunk s, chunk samples, bytes/sample, max samples
@@ -152,6 +153,8 @@ class AppStatus:
     keep (0 = a slot may be emptied, as DataParallel allows; DDP ranks need >= 1). ``slots``: one
     ``SlotStatus`` per DR entry, or empty when nothing is known. ``solo_estimated``: the solo time
     is the job's own online estimate (``drbalance.solo_estimate``), not a given or profiled one.
+    ``sd_bound``: that estimate can still only be too high, so the SD is a lower bound (shown as
+    such, never as the SD: ``drbalance.solo_estimate``).
     """
 
     pid: int
@@ -175,6 +178,7 @@ class AppStatus:
     min_share: int = 0
     slots: tuple[SlotStatus, ...] = field(default=())
     solo_estimated: bool = False
+    sd_bound: bool = False
 
     HEAD = struct.Struct(f"<i48sBBBBHH{MAX_GPUS}HIIQQQQddddddQIHH")
     STRUCT_SIZE = HEAD.size + MAX_GPUS * SLOT_FIELDS.size
@@ -186,7 +190,8 @@ class AppStatus:
     def encode(self) -> bytes:
         flags = ((FLAG_SD_KNOWN if self.slowdown is not None else 0)
                  | (FLAG_ITER_TIME_KNOWN if self.iteration_time is not None else 0)
-                 | (FLAG_SOLO_ESTIMATED if self.solo_estimated else 0))
+                 | (FLAG_SOLO_ESTIMATED if self.solo_estimated else 0)
+                 | (FLAG_SD_BOUND if self.sd_bound else 0))
         head = self.HEAD.pack(
             self.pid, self.app.encode("ascii"), int(self.state), flags, len(self.ratio), 0,
             self.ratio.total, 0, *_shares(self.ratio),
@@ -244,7 +249,7 @@ class AppStatus:
         )
         return cls(pid, _name(raw_name, where), app_state, ratio, epoch, epochs, iteration, iterations_total,
                    per_epoch, notice_seq, sd, it, solo_time, start_wall, updated_wall, updated_mono,
-                   start_ticks, batch, min_share, slots, bool(flags & FLAG_SOLO_ESTIMATED))
+                   start_ticks, batch, min_share, slots, bool(flags & FLAG_SOLO_ESTIMATED), bool(flags & FLAG_SD_BOUND))
 
 
 @dataclass(frozen=True)

@@ -131,13 +131,28 @@ def _malformed(status: Any) -> str | None:
 
 def sd_text(app: dict[str, Any]) -> str:
     """An app's SD for the tables: ``1.23``, ``~1.23`` when it divides by the job's own estimate of its
-    solo-run time (the job was given none), ``-`` while unknown."""
+    solo-run time (the job was given none), ``>=0.41`` while that estimate can only be too high (the
+    SD is at least that), ``-`` while unknown."""
     if app.get("sd") is None:
         return "-"
+    if app.get("sd_bound") is True:
+        return f">={app['sd']:.2f}"
     return f"{'~' if app.get('sd_estimated') is True else ''}{app['sd']:.2f}"
 
 
 ESTIMATED_NOTE = "~ SD from the job's own estimate of its solo-run time (no solo_time given; docs/profiles.md)"
+BOUND_NOTE = (">= the SD is at least this: the job's estimate of its solo-run time can still only be too high "
+              "(docs/profiles.md)")
+
+
+def sd_notes(apps: list[dict[str, Any]]) -> list[str]:
+    """The notes that explain the marks ``sd_text`` put in a table of ``apps``."""
+    notes = []
+    if any(app.get("sd_estimated") is True and app.get("sd_bound") is not True for app in apps):
+        notes.append(ESTIMATED_NOTE)
+    if any(app.get("sd_bound") is True and app.get("sd") is not None for app in apps):
+        notes.append(BOUND_NOTE)
+    return notes
 
 
 def _duration(seconds: float) -> str:
@@ -178,8 +193,7 @@ def format_table(status: dict[str, Any]) -> str:
         )
     if not status["apps"]:
         lines.append("(no apps)")
-    if any(app.get("sd_estimated") is True for app in status["apps"]):
-        lines.append(ESTIMATED_NOTE)
+    lines += sd_notes(status["apps"])
     for item in status.get("foreign", []):
         lines.append(f"WARNING: /dev/shm/{printable(item.get('object'))} belongs to {printable(item.get('owner'))}: "
                      f"another user's object under this namespace's names (ignored, never trusted)")
@@ -256,8 +270,7 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
         lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd_text(app):>6} {epoch:>11}  {dr}")
     if not status["apps"]:
         lines.append("(no apps)")
-    if any(app.get("sd_estimated") is True for app in status["apps"]):
-        lines.append(ESTIMATED_NOTE)
+    lines += sd_notes(status["apps"])
     lines += fault_lines(status)
     return "\n".join(lines)
 
