@@ -306,6 +306,12 @@ class AutoLink:
         self.current = self.user
         return self.current
 
+    @property
+    def objects_pending(self) -> bool:
+        """Whether the user's link still has to make its record and semaphore (it said why, once:
+        ``PosixManagerLink.objects_pending``) and no system manager holds the job."""
+        return self.current is self.user and self.user is not None and self.user.objects_pending
+
     def publish(self, status: AppStatus) -> None:
         self.current.publish(status)
 
