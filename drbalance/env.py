@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import warnings
 from pathlib import Path
 
 from drbalance import defaults
@@ -71,6 +72,9 @@ def runtime_dir() -> Path:
     folder in each working directory). It is created with mode 0700 and checked before use
     (``drbalance.ipc.private``): never reached through another user's symbolic link, never another
     user's or writable by others.
+
+    An ``XDG_RUNTIME_DIR`` that is not a folder of this user here (a value copied from another
+    machine, as a batch job's environment is) is passed over, with a warning.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
     if value:
@@ -81,7 +85,11 @@ def runtime_dir() -> Path:
     uid = os.getuid()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "drbalance"
+        if _owned_folder(Path(xdg), uid):
+            return Path(xdg) / "drbalance"
+        warnings.warn(f"XDG_RUNTIME_DIR={xdg!r} is not a folder of this user on this machine (a setting copied from "
+                      f"another machine or login, as a batch job's environment is?): drbalance's runtime folder is "
+                      f"its next default instead", RuntimeWarning, stacklevel=2)
     login_dir = Path(_LOGIN_DIR.format(uid=uid))
     if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"
@@ -129,6 +137,44 @@ def _owned_folder(path: Path, uid: int) -> bool:
     except OSError:
         return False
     return info.st_uid == uid and stat.S_ISDIR(info.st_mode)
+
+
+def system_dir() -> Path:
+    """``DRBALANCE_SYSTEM_DIR``: where a machine's system manager (``drbalance-manager --system``)
+    keeps its socket and lock, one sub-folder per namespace (default ``/run/drbalance``).
+
+    Every user's jobs look there first and attach to the system manager they find; without one,
+    to their user's own manager. An absolute path (ValueError otherwise). Whether a job trusts what
+    it finds there: ``drbalance.ipc.system``.
+    """
+    value = os.environ.get("DRBALANCE_SYSTEM_DIR")
+    if not value:
+        return Path(defaults.SYSTEM_DIR)
+    if not os.path.isabs(value):
+        raise ValueError(f"DRBALANCE_SYSTEM_DIR={value!r} is not an absolute path; give e.g. "
+                         f"{os.path.abspath(value)!r}")
+    return Path(value)
+
+
+def slurm_node() -> str:
+    """``SLURMD_NODENAME``: the Slurm node this process runs on, which Slurm sets in a job's tasks:
+    a job spanning nodes names its part on each after it, and a node's manager sets that node's
+    weight (``--slurm-weight``).
+
+    Default: this machine's short host name.
+    """
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+
+
+def slurm_app_name() -> str | None:
+    """``SLURM_JOB_ID``: with ``SLURM_JOB_NAME``, the app name of a Slurm job that gives none:
+    ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (characters an app name may not hold made underscores, at most 48
+    in all). None outside a Slurm job (or with an id that is not a number)."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9]+", job_id):
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("SLURM_JOB_NAME", "") or "job").lstrip(".-") or "job"
+    return f"{name[:47 - len(job_id)]}-{job_id}"
 
 
 def profile_output() -> Path | None:

@@ -77,7 +77,7 @@ JOB = textwrap.dedent("""
     from drbalance.client.session import Session
     from tests.helpers.steered import SteeredModel
     session = Session(SteeredModel(), "victim", 1, 100000, solo_time=10.0, sd_log=False, handle_sigterm=False)
-    print("link", type(session.link).__name__, flush=True)
+    print("link", type(session.link.current).__name__, flush=True)  # the AutoLink's choice
     deadline = time.monotonic() + 12  # its reports look for a manager (and try the objects again) every 5 s
     while time.monotonic() < deadline:
         session.step()
@@ -141,6 +141,7 @@ REFUSED_JOB = textwrap.dedent("""
     runtime = os.environ["RUNTIME"]
     os.chown(runtime, uid, gid)
     os.environ["DRBALANCE_RUNTIME_DIR"] = runtime
+    os.environ["DRBALANCE_SYSTEM_DIR"] = os.path.join(runtime, "system")  # none: where the job's user may look
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -149,7 +150,7 @@ REFUSED_JOB = textwrap.dedent("""
             os.setgid(gid)
             os.setuid(uid)
             session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
-            print("link", type(session.link).__name__, flush=True)
+            print("link", type(session.link.current).__name__, flush=True)  # the AutoLink's choice
             for _ in range(10):
                 session.step()
             session.close()
