@@ -258,14 +258,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"logs kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    compare_with_one_gpu(results["cases"])
     save("new_user_sd", "benchmarks.new_user_sd", argv, results, args.no_write)
     return 0 if all(case["met"] for case in results["cases"].values()) else 1
+
+
+def compare_with_one_gpu(cases: dict[str, Any]) -> None:
+    """Beside *alone1*'s job (the script alone on one emulated GPU), what *alone* and *profiled*
+    measure: their step time over it (``slowdown_vs_one_gpu``, the emulated clock) and their run
+    time over its (``run_time_vs_one_gpu``): what an SD, whose solo-run time is a run alone on one
+    GPU, should read."""
+    if "alone1" not in cases:
+        return
+    one = cases["alone1"]["jobs"]["alone"]
+    for name, app in (("alone", "alone"), ("profiled", "profiled")):
+        if name in cases:
+            job = cases[name]["jobs"][app]
+            job["slowdown_vs_one_gpu"] = job["step_emulated"] / one["step_emulated"]
+            job["run_time_vs_one_gpu"] = job["run_time_emulated"] / one["run_time_emulated"]
 
 
 def summary_of(case: dict[str, Any]) -> dict[str, Any]:
     """The numbers of a case worth a line: per job its final SD and, when shared, its measured slowdowns."""
     keys = ("final_sd", "sd_bound", "slowdown_emulated", "slowdown_wall", "step_emulated", "step_wall",
-            "solo_iteration", "dr_final")
+            "solo_iteration", "dr_final", "run_time_emulated")
     return {"met": case["met"], **{app: {key: round(job[key], 3) if isinstance(job[key], float) else job[key]
                                          for key in keys if key in job} for app, job in case["jobs"].items()}}
 

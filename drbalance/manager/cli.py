@@ -174,9 +174,9 @@ def open_default_source(gpus: list[int] | None, namespace: str,
     """The source without ``--source``: NVML; where it finds no GPU and ``DRBALANCE_EMULATED_GPUS``
     is set, that many emulated GPUs, as a job's ``BalancedDataParallel`` of this environment
     chooses (CUDA where there is one, else the variable's emulated GPUs). ``machine``: a system
-    manager's folder (its emulated GPUs are then the machine's)."""
+    manager's folder (``open_source``)."""
     try:
-        return open_source("nvml", gpus, namespace=namespace)
+        return open_source("nvml", gpus, namespace=namespace, machine=machine)
     except UtilizationUnavailable as error:
         if not env.emulated_gpus():
             raise
