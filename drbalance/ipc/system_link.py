@@ -306,6 +306,12 @@ class AutoLink:
         self.current = self.user
         return self.current
 
+    @property
+    def objects_pending(self) -> bool:
+        """Whether the link in use has its record and semaphore still to make
+        (``PosixManagerLink.objects_pending``): its fault was said once, so "no manager" is not said too."""
+        return bool(getattr(self.current, "objects_pending", False))
+
     def publish(self, status: AppStatus) -> None:
         self.current.publish(status)
 

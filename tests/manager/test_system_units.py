@@ -132,8 +132,9 @@ def test_messages_the_protocol_does_not_allow_are_refused_and_their_descriptors_
         wire.decode(wire.encode(wire.Kind.NOTICE, b"x"), [fd], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
+    unknown_kind = b"DRBW" + LAYOUT_VERSION.to_bytes(2, "little") + b"\xff\x00"
     for data, error in ((b"XXXX\x03\x00\x02\x00", "magic"), (wire.encode(wire.Kind.WELCOME), "not expected"),
-                        (b"DRBW\x03\x00\xff\x00", "unknown message kind"), (b"DR", "shorter")):
+                        (unknown_kind, "unknown message kind"), (b"DR", "shorter")):
         with pytest.raises(wire.WireError, match=error):
             wire.decode(data, [], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(wire.WireError, match="longer"):
