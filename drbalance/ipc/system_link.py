@@ -308,9 +308,9 @@ class AutoLink:
 
     @property
     def objects_pending(self) -> bool:
-        """Whether the link in use has its record and semaphore still to make
-        (``PosixManagerLink.objects_pending``): its fault was said once, so "no manager" is not said too."""
-        return bool(getattr(self.current, "objects_pending", False))
+        """Whether the user's link still has to make its record and semaphore (it said why, once:
+        ``PosixManagerLink.objects_pending``) and no system manager holds the job."""
+        return self.current is self.user and self.user is not None and self.user.objects_pending
 
     def publish(self, status: AppStatus) -> None:
         self.current.publish(status)

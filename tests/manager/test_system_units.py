@@ -132,9 +132,11 @@ def test_messages_the_protocol_does_not_allow_are_refused_and_their_descriptors_
         wire.decode(wire.encode(wire.Kind.NOTICE, b"x"), [fd], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
-    unknown_kind = b"DRBW" + LAYOUT_VERSION.to_bytes(2, "little") + b"\xff\x00"
-    for data, error in ((b"XXXX\x03\x00\x02\x00", "magic"), (wire.encode(wire.Kind.WELCOME), "not expected"),
-                        (unknown_kind, "unknown message kind"), (b"DR", "shorter")):
+    version = wire.LAYOUT_VERSION
+    for data, error in ((wire.HEADER.pack(b"XXXX", version, 2, 0), "magic"),
+                        (wire.encode(wire.Kind.WELCOME), "not expected"),
+                        (wire.HEADER.pack(wire.MAGIC, version, 255, 0), "unknown message kind"),
+                        (wire.HEADER.pack(wire.MAGIC, version - 1, 2, 0), "layout version"), (b"DR", "shorter")):
         with pytest.raises(wire.WireError, match=error):
             wire.decode(data, [], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(wire.WireError, match="longer"):
