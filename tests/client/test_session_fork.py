@@ -37,7 +37,7 @@ FORKING_JOB = textwrap.dedent("""
     log, how = sys.argv[1], sys.argv[2]
     names = IpcNames.current()
     endpoint = ManagerEndpoint(names)  # a manager's real inbox and heartbeat, in this process
-    endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))
+    endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))  # beats only when told
     session = Session(SteeredModel(), "forked", 1, 1000, 1.0, exchange_timeout=0.05, sd_log=log)
     before = received()  # its REGISTER (not answered: the job trains on)
     for _ in range(5):
@@ -50,6 +50,7 @@ FORKING_JOB = textwrap.dedent("""
         after_child = received()
         claim = discovery.read_claim(names, "forked")
         kinds = sorted(listed.kind for listed in names.listed())
+    endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))  # still there (5 s stale)
     session.close()
     at_close = received()
     endpoint.close()
