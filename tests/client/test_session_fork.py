@@ -50,7 +50,7 @@ FORKING_JOB = textwrap.dedent("""
         after_child = received()
         claim = discovery.read_claim(names, "forked")
         kinds = sorted(listed.kind for listed in names.listed())
-    endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))  # still there (5 s stale)
+        endpoint.beat(ManagerBeat(os.getpid(), 2, 10, time.time(), time.monotonic()))  # a beat > 5 s old is none
     session.close()
     at_close = received()
     endpoint.close()
