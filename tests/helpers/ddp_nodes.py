@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import ROOT, wait_for
+from tests.helpers.processes import LoggedProcess
 
 JOB_MODULE = "tests.helpers.ddp_nodes_app"
 
@@ -119,7 +120,7 @@ def wait_for_lines(agents: list[Agent], predicate: Callable[[list[dict]], object
 # --- a system manager with a scripted policy, in a process of its own -----------------------------------
 
 
-class ScriptedSystemManager:
+class ScriptedSystemManager(LoggedProcess):
     """``SystemManager`` on two scripted GPUs whose policy answers each app's boundaries with the
     next DR of ``answers``, then keeps (``python -m tests.helpers.ddp_nodes``); stopped with SIGTERM."""
 
@@ -136,24 +137,6 @@ class ScriptedSystemManager:
         socket_path = node.system_dir / node.namespace / "manager.sock"
         wait_for(lambda: socket_path.exists() or self.process.poll() is not None, timeout=60)
         assert self.process.poll() is None, self.stderr()
-
-    def stderr(self) -> str:
-        self._err.flush()
-        return self.err_path.read_text()
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        from drbalance.jsonlog import read_json_lines
-
-        if not self.log_path.exists():
-            return []
-        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
-
-    def stop(self) -> tuple[int, str]:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self._err.close()
-        return self.process.returncode, self.err_path.read_text()
 
 
 class AnswerBoundaries:

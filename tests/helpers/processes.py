@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from drbalance.ipc.names import IpcNames
 from drbalance.jsonlog import read_json_lines
@@ -23,7 +24,37 @@ def write_util(path: Path, util) -> None:
     path.write_text(json.dumps({"gpus": len(util), "steps": [{"at": 0, "util": list(util)}]}))
 
 
-class ManagerProcess:
+class LoggedProcess:
+    """A manager process the tests started: ``process``, its JSON-lines log at ``log_path`` and
+    its stderr in the file ``err_path`` (opened as ``_err``)."""
+
+    process: subprocess.Popen
+    log_path: Path
+    err_path: Path
+    _err: IO[str]
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.err_path.read_text()
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, signal_it: bool = True) -> tuple[int, str]:
+        """SIGTERM (unless ``signal_it`` is False: then wait for it to exit by itself); (code, stderr)."""
+        if signal_it and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self._err.close()
+        return self.process.returncode, self.err_path.read_text()
+
+
+class ManagerProcess(LoggedProcess):
     """``python -m drbalance.manager.cli`` in the test's namespace, stopped with SIGTERM.
 
     The policy is the paper's unless ``extra`` names one: these tests are about the daemon's
@@ -50,26 +81,6 @@ class ManagerProcess:
         if wait:
             wait_for(lambda: names.manager_status().exists() or self.process.poll() is not None)
             assert self.process.poll() is None, self.stderr()
-
-    def stderr(self) -> str:
-        self._err.flush()
-        return self.err_path.read_text()
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        if not self.log_path.exists():
-            return []
-        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, signal_it: bool = True) -> tuple[int, str]:
-        """SIGTERM (unless ``signal_it`` is False: then wait for it to exit by itself); (code, stderr)."""
-        if signal_it and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self._err.close()
-        return self.process.returncode, self.err_path.read_text()
 
 
 def running(pid: int) -> bool:

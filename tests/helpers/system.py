@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -28,10 +27,10 @@ from pathlib import Path
 from drbalance.ipc import system, wire
 from drbalance.ipc.layout import AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.records import AppRecord
-from drbalance.jsonlog import read_json_lines
 from drbalance.ratio import DataRatio
 from tests.conftest import ROOT, wait_for
 from tests.helpers.as_user import UserProcess
+from tests.helpers.processes import LoggedProcess
 
 USER_A = 4201
 USER_B = 4202
@@ -134,7 +133,7 @@ def user_job(uid: int | None, env: dict[str, str], name: str, *args: str, stdout
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
-class SystemManagerProcess:
+class SystemManagerProcess(LoggedProcess):
     """``drbalance-manager --system`` on a scripted utilisation source, as ``uid`` (None: this user)."""
 
     def __init__(self, tmp: Path, system_dir: Path, namespace: str, util=(90, 80, 20, 50), *extra: str,
@@ -157,22 +156,6 @@ class SystemManagerProcess:
                                         text=True)
         wait_for(lambda: (self.folder / "manager.sock").exists() or self.process.poll() is not None, timeout=60)
         assert self.process.poll() is None, self.stderr()
-
-    def stderr(self) -> str:
-        self._err.flush()
-        return self.err_path.read_text()
-
-    def events(self, kind: str | None = None) -> list[dict]:
-        if not self.log_path.exists():
-            return []
-        return [e for e in read_json_lines(self.log_path) if kind is None or e["event"] == kind]
-
-    def stop(self) -> tuple[int, str]:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self._err.close()
-        return self.process.returncode, self.err_path.read_text()
 
 
 def as_user(uid: int, function, *args, timeout: float = 120.0):
