@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from drbalance import defaults
 from drbalance.clock import Clock, SystemClock
@@ -194,6 +194,35 @@ class Balancer:
             if lost:
                 logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
                              lost, self._log_path, self.faults.get("log", "disk full?"))
+            self._log = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _open_log(self, path: Path) -> None:
+        """Open the manager log at ``path`` (rotated as the settings say); ``ManagerStartError`` if
+        it cannot be written."""
+        self._log_path = path
+        try:
+            self._log = JsonLinesWriter(path, flush_every=1, max_bytes=self.settings.log_max_bytes,
+                                        keep=self.settings.log_keep)
+        except OSError as error:
+            raise ManagerStartError(f"cannot write the manager log {path}: {error}") from None
+
+    def _close_log_unwritten(self) -> None:
+        """Close the log of a start that failed (nothing of the stop's is written)."""
+        if self._log is not None:
+            self._log.close()
             self._log = None
 
     def request_stop(self, reason: str) -> None:

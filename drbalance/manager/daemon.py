@@ -49,7 +49,6 @@ from drbalance.ipc.private import (
 )
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
 from drbalance.ipc.system_link import running_system_manager
-from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.balancer import (  # noqa: F401 (ManagerSettings, SampleFailed: this module's API too)
     REPORT_FORGET_SECONDS,
     UNREPORTED_SAID_SECONDS,
@@ -177,12 +176,7 @@ class Manager(Balancer):
                 f"cannot use the runtime directory {self.names.runtime_dir()}: {error}. Point "
                 f"DRBALANCE_RUNTIME_DIR (or XDG_RUNTIME_DIR) at a folder only you can write"
             ) from None
-        self._log_path = self.settings.log_path or (self.names.runtime_dir() / "manager.jsonl")
-        try:
-            self._log = JsonLinesWriter(self._log_path, flush_every=1, max_bytes=self.settings.log_max_bytes,
-                                        keep=self.settings.log_keep)
-        except OSError as error:
-            raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
+        self._open_log(self.settings.log_path or (self.names.runtime_dir() / "manager.jsonl"))
         try:
             self._lock = ManagerLock(self.names.manager_lock())
             system_manager = running_system_manager(self.names.namespace)
@@ -226,9 +220,7 @@ class Manager(Balancer):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._close_log_unwritten()
 
 
 
@@ -258,13 +250,6 @@ class Manager(Balancer):
                 remove_private(path, private=True)
         except (OSError, ValueError):
             pass  # gone, or not ours (a successor's): leave it
-
-    def __enter__(self) -> Manager:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- one turn of the loop ----------------------------------------------------------------
     def turn(self) -> None:

@@ -36,7 +36,6 @@ from drbalance.ipc.layout import SEGMENT_SIZE, AppCommand, AppState, Notice, Not
 from drbalance.ipc.peer import Peer, PeerRefused, ProcessHandle, check_record_descriptor, peer_of
 from drbalance.ipc.private import UnsafePath, login_name, user_name
 from drbalance.ipc.records import AppRecord, RecordEmpty, SegmentTruncated
-from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.admission import Admission, NoticeQueue, TokenBucket, UserLimits
 from drbalance.manager.balancer import Balancer, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics
@@ -179,12 +178,7 @@ class SystemManager(Balancer):
                 f"cannot use the system folder {system.system_root() / self.namespace}: {error}. Run the system "
                 f"manager as root, or as a service user to whom root gave {system.system_root()} (systemd: "
                 f"RuntimeDirectory=drbalance; docs/operations.md)") from None
-        self._log_path = self.settings.log_path or (self.place.folder / "manager.jsonl")
-        try:
-            self._log = JsonLinesWriter(self._log_path, flush_every=1, max_bytes=self.settings.log_max_bytes,
-                                        keep=self.settings.log_keep)
-        except OSError as error:
-            raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
+        self._open_log(self.settings.log_path or (self.place.folder / "manager.jsonl"))
         try:
             self._lock_fd = self._take_lock()
             self._listener = self._listen()
@@ -256,9 +250,7 @@ class SystemManager(Balancer):
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._close_log_unwritten()
 
     def stop(self) -> None:
         """Close every connection (jobs see no manager and train on), remove the socket, release the lock."""
@@ -290,13 +282,6 @@ class SystemManager(Balancer):
             pass
         finally:
             os.close(folder)
-
-    def __enter__(self) -> SystemManager:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- one turn -------------------------------------------------------------------------------
     def turn(self) -> None:
