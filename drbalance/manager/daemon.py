@@ -58,7 +58,6 @@ from drbalance.manager.status import printable
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
-from drbalance.policy.base import Planner
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -135,12 +134,8 @@ class ManagerSettings:
     log_path: Path | None = None
     log_max_bytes: int | None = DEFAULT_LOG_MAX_BYTES
     log_keep: int = DEFAULT_LOG_KEEP
-    plan_period: float | None = None  # seconds between a planning policy's plans (None: the policy's own)
 
     def __post_init__(self) -> None:
-        if self.plan_period is not None and not 0 < self.plan_period < math.inf:
-            raise ValueError(f"the plan period (--plan-period) must be a positive number of seconds; "
-                             f"got {self.plan_period!r}")
         for name in ("sample_period", "util_log_period", "heartbeat_period", "gc_period", "rescan_period",
                      "status_period", "quiet_after"):
             value = getattr(self, name)
@@ -257,10 +252,6 @@ class Manager:
         self._log_path: Path | None = None
         self._next: dict[str, float] = {}
         self._started_wall = 0.0
-        self._planner = self.policy if isinstance(self.policy, Planner) else None
-        if self._planner is not None and settings.plan_period is not None:
-            self._planner.plan_period = settings.plan_period
-        self._planned_apps: frozenset[str] = frozenset()  # the apps in the table at the last plan
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -306,8 +297,6 @@ class Manager:
         now = self.clock.monotonic()
         tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
         self._next = dict.fromkeys(tasks, now)
-        if self._planner is not None:
-            self._next["plan"] = now + self._planner.plan_period
         self._run_task("beat", self._heartbeat, now)
         # a restarted manager picks up the apps still running, with the listing made before it could be reached
         self._run_task("rescan", lambda at: self._rescan(at, first_listing), now)
@@ -420,37 +409,6 @@ class Manager:
                 self._run_task(key, task, now)
         if self._lister.ready():  # the listing of /dev/shm the last rescan began in a thread
             self._run_task("listing", self._take_listing, now)
-        if self._planner is not None:
-            self._run_task("plan", self._plan, now)
-
-    # --- plans: several apps' DRs at once, for a policy that plans --------------------------------
-    def _plan(self, now: float) -> None:
-        """The planner's turn: every ``plan_period`` seconds, and at once (after the notices of this
-        turn are answered) when apps arrived or left. Its changes are pushed to the apps."""
-        names = frozenset(self.table.entries)
-        arrived, left = names - self._planned_apps, self._planned_apps - names
-        if not arrived and not left and now < self._next["plan"]:
-            return
-        trigger = "arrival" if arrived else "departure" if left else "period"
-        self._planned_apps, self._next["plan"] = names, now + self._planner.plan_period
-        if not names and trigger == "period":
-            return  # nobody to plan for
-        self._refresh_all(now)
-        snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
-        started = time.perf_counter()
-        try:
-            plan = self._planner.plan(trigger, snapshot)
-        except Exception as error:  # a policy bug must never crash the daemon or reach an app
-            logger.exception("drbalance-manager: policy %r failed to plan", self.policy.name)
-            self.log("plan", trigger=trigger, branch="policy-error", error=repr(error))
-            return
-        self.log("plan", trigger=trigger, branch=plan.branch, plan_us=(time.perf_counter() - started) * 1e6,
-                 changes={name: ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
-                          for name, ratio in plan.changes.items()}, details=dict(plan.details))
-        if self.metrics is not None:
-            self.metrics.decision(self.policy.name, plan.branch)
-        for name, ratio in plan.changes.items():
-            self._push(name, ratio, plan.branch, snapshot)
 
     def _run_task(self, key: str, task: Any, now: float) -> None:
         """Run one task; an error is logged (once a minute at most per task) and the loop goes on."""

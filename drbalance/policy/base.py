@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from drbalance import defaults
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
@@ -160,28 +160,6 @@ class Policy(Protocol):
 
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
         """Decide ``app``'s DR. ``trigger`` is ``register`` (new app) or ``boundary``."""
-        ...
-
-
-@dataclass(frozen=True)
-class Plan:
-    """New DRs for some apps, decided together (the manager pushes each at once), the branch, and why."""
-
-    changes: Mapping[str, DataRatio]
-    branch: str
-    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-
-@runtime_checkable
-class Planner(Protocol):
-    """A policy that also plans every app's DR at once: every ``plan_period`` seconds and at each
-    arrival or departure (``trigger``: ``period``, ``arrival`` or ``departure``), besides answering
-    notices."""
-
-    plan_period: float
-
-    def plan(self, trigger: str, snapshot: Snapshot) -> Plan:
-        """DR changes for any apps of the snapshot, to be pushed to them now."""
         ...
 
 
