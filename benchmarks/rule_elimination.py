@@ -228,29 +228,96 @@ def label(off: Iterable[str] | None) -> str:
 
 
 # --- running ------------------------------------------------------------------------------------------
-def simulate(task: tuple[str, int, str, tuple[str, ...] | None]) -> Run:
-    """One run of the tuning set: (draw, seed, interference model, rules off; None: observe)."""
-    draw, seed, interference, off = task
-    config = SimConfig(policy="observe" if off is None else "fair", placement="round-robin", record=False,
+class Lockstep:
+    """The round's reference variant decides; each shadow variant decides too, from the same
+    snapshot, until its first decision that differs from the reference's (a DR, pushed DRs, the
+    next boundary: all the simulation reads of a decision). A shadow that never differs would
+    have run the very same simulation, so its run is the reference's; one that differs is run on
+    its own (``run_task``)."""
+
+    name = "fair"
+
+    def __init__(self, reference: FairPolicy, shadows: Mapping[str, FairPolicy]) -> None:
+        self.reference = reference
+        self.shadows = dict(shadows)
+        self.diverged: set[str] = set()
+
+    def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
+        decision = self.reference.decide(app, trigger, snapshot)
+        for name, shadow in list(self.shadows.items()):
+            theirs = shadow.decide(app, trigger, snapshot)
+            if (theirs.ratio != decision.ratio or theirs.next_boundary != decision.next_boundary
+                    or dict(theirs.others) != dict(decision.others)):
+                self.diverged.add(name)
+                del self.shadows[name]
+        return decision
+
+
+def _simulate(draw: str, seed: int, interference: str, policy: FairPolicy | None, name: str) -> Run:
+    config = SimConfig(policy="observe" if policy is None else "fair", placement="round-robin", record=False,
                        contention=make_interference(interference))
-    policy = None if off is None else variant_policy(off)
     result = Simulation(DRAWS[draw](seed), config, policy=policy).run()
-    return Run(seed, interference, label(off), result.sd_spread, result.max_sd, result.mean_sd, 0, churn(result))
+    return Run(seed, interference, name, result.sd_spread, result.max_sd, result.mean_sd, 0, churn(result))
 
 
-def run_variant(out: str, off: tuple[str, ...] | None, sets: Mapping[str, range], workers: int) -> None:
-    """Every run of ``sets`` for one variant, one JSON file per draw in ``out`` (skipped if there)."""
+def simulate(task: tuple[str, int, str, tuple[str, ...] | None]) -> Run:
+    """One run: (draw, seed, interference model, rules off; None: observe)."""
+    draw, seed, interference, off = task
+    return _simulate(draw, seed, interference, None if off is None else variant_policy(off), label(off))
+
+
+def run_task(task: tuple[str, int, str, tuple[str, ...], tuple[str, ...], bool]) -> dict[str, Any]:
+    """One seed and model of a round: (draw, seed, model, rules removed, rules tried off besides,
+    whether to run observe too). Returns every variant's run by label, and which diverged."""
+    draw, seed, interference, removed, rules, with_observe = task
+    runs: dict[str, Run] = {}
+    if with_observe:
+        runs["observe"] = _simulate(draw, seed, interference, None, "observe")
+    names = {label((*removed, rule)): (*removed, rule) for rule in rules}
+    lockstep = Lockstep(variant_policy(removed), {name: variant_policy(off) for name, off in names.items()})
+    reference = runs[label(removed)] = _simulate(draw, seed, interference, lockstep, label(removed))
+    for name, off in names.items():
+        runs[name] = (_simulate(draw, seed, interference, variant_policy(off), name) if name in lockstep.diverged
+                      else replace(reference, policy=name))
+    return {"draw": draw, "seed": seed, "interference": interference, "diverged": sorted(lockstep.diverged),
+            "runs": {name: vars(run) for name, run in runs.items()}}
+
+
+def run_round(out: str, removed: tuple[str, ...], rules: tuple[str, ...], sets: Mapping[str, range],
+              workers: int) -> None:
+    """Every run of ``sets`` for the round's reference (``removed`` off) and each of ``rules`` off
+    besides; each seed and model's runs appended to ``round-<label>.jsonl`` in ``out`` as they
+    end (a round cut short goes on from there), then one file per variant and draw."""
+    journal = os.path.join(out, f"round-{label(removed)}.jsonl")
+    done: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if os.path.exists(journal):
+        with open(journal, encoding="utf-8") as source:
+            for line in source:
+                if line.strip():
+                    row = json.loads(line)
+                    done[(row["draw"], row["seed"], row["interference"])] = row
+    with_observe = {draw: not os.path.exists(os.path.join(out, f"observe-{draw}.json")) for draw in sets}
+    tasks = [(draw, seed, interference, removed, rules, with_observe[draw]) for draw, seeds in sets.items()
+             for seed in seeds for interference in INTERFERENCE_MODELS if (draw, seed, interference) not in done]
+    with ProcessPoolExecutor(max(1, workers)) as pool, open(journal, "a", encoding="utf-8") as sink:
+        for row in pool.map(run_task, tasks):
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            done[(row["draw"], row["seed"], row["interference"])] = row
     for draw, seeds in sets.items():
-        path = os.path.join(out, f"{label(off)}-{draw}.json")
-        if os.path.exists(path):
-            continue
-        tasks = [(draw, seed, interference, off) for seed in seeds for interference in INTERFERENCE_MODELS]
-        with ProcessPoolExecutor(max(1, workers)) as pool:
-            runs = list(pool.map(simulate, tasks, chunksize=4))
-        with open(path + ".part", "w", encoding="utf-8") as sink:
-            json.dump({"variant": label(off), "off": None if off is None else sorted(off), "draw": draw,
-                       "seeds": [seeds.start, seeds.stop], "runs": [vars(run) for run in runs]}, sink)
-        os.replace(path + ".part", path)
+        rows = [done[(draw, seed, interference)] for seed in seeds for interference in INTERFERENCE_MODELS]
+        for name in sorted({name for row in rows for name in row["runs"]}):
+            path = os.path.join(out, f"{name}-{draw}.json")
+            if name == "observe" and os.path.exists(path):
+                continue
+            runs = [row["runs"][name] for row in rows if name in row["runs"]]
+            if len(runs) != len(rows):
+                continue  # observe, run only by a round that found it missing
+            diverged = sum(name in row["diverged"] for row in rows)
+            with open(path + ".part", "w", encoding="utf-8") as sink:
+                json.dump({"variant": name, "draw": draw, "seeds": [seeds.start, seeds.stop],
+                           "runs_simulated_on_their_own": diverged, "runs": runs}, sink)
+            os.replace(path + ".part", path)
 
 
 # --- comparing ----------------------------------------------------------------------------------------
@@ -317,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("rules", help="list the rules and their neutral behaviour")
-    running = commands.add_parser("run", help="run one variant (and observe) on the tuning set")
+    running = commands.add_parser("run", help="run a round (and observe) on the tuning set")
     running.add_argument("--out", required=True, help="folder for the runs' JSON files")
-    running.add_argument("--off", default="", help="comma-separated rules switched off (default: none)")
+    running.add_argument("--removed", default="", help="comma-separated rules already removed (default: none)")
+    running.add_argument("--rules", default=None, help="comma-separated rules tried off besides (default: every other)")
     running.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
     comparing = commands.add_parser("compare", help="the elimination table from the runs in --out")
     comparing.add_argument("--out", required=True, help="folder of the runs' JSON files")
@@ -330,14 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, rule in RULES.items():
             print(f"{name:18s} off: {rule.neutral}")
         return 0
-    chosen = [name for name in (args.off if args.command == "run" else args.removed).split(",") if name]
-    unknown = [name for name in chosen if name not in RULES]
+    chosen = [name for name in args.removed.split(",") if name]
+    tried = [] if args.command != "run" or args.rules is None else [name for name in args.rules.split(",") if name]
+    unknown = [name for name in chosen + tried if name not in RULES]
     if unknown:
         parser.error(f"unknown rules {', '.join(unknown)}; known: {', '.join(RULES)}")
     if args.command == "run":
         os.makedirs(args.out, exist_ok=True)
-        run_variant(args.out, None, TUNING, args.workers)
-        run_variant(args.out, tuple(chosen), TUNING, args.workers)
+        rules = tuple(tried) if args.rules is not None else tuple(name for name in RULES if name not in chosen)
+        run_round(args.out, tuple(sorted(chosen)), rules, TUNING, args.workers)
         return 0
     table = compare(args.out, chosen, TUNING)
     print(_line("fair (today)", table["fair"]))
