@@ -154,3 +154,18 @@ def device_seconds_at(batch: float, chunks: Sequence[tuple[float, float]]) -> fl
         if slope > 0 and fixed >= 0:
             return fixed + slope * batch
     return statistics.median(seconds / samples for samples, seconds in chunks) * batch
+
+
+MANAGER = "manager"
+
+
+def chosen_solo(own: SoloEstimate | None, manager_seconds: float | None) -> tuple[float, str] | None:
+    """The solo iteration (seconds) a job given no solo time uses for its SD, and its basis: its own
+    estimate where it had a GPU alone (``alone``); else the manager's estimate where the manager
+    sent one (``manager``: its predictor knows what slows the job on its shared GPUs); else its
+    own upper bound (``shared``); None while it has none."""
+    if own is not None and own.basis == ALONE:
+        return own.iteration_seconds, ALONE
+    if manager_seconds is not None and manager_seconds > 0:
+        return manager_seconds, MANAGER
+    return None if own is None else (own.iteration_seconds, own.basis)

@@ -58,6 +58,7 @@ from drbalance.manager.status import printable
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
+from drbalance.policy.base import SoloEstimating
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -525,7 +526,9 @@ class Manager:
         spent = time.perf_counter() - started
         if sent != ratio:
             details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
+        solo = self._solo_estimate(entry.name)
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary,
+                                        solo_iteration=solo))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
         if self.metrics is not None:
@@ -535,13 +538,25 @@ class Manager:
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
-                 decide_us=spent * 1e6)
+                 solo_estimate=solo, decide_us=spent * 1e6)
         for other, other_ratio in pushes.items():
             if other == entry.name:  # the deciding app's own DR is the answer above, never a push
                 self.log("push", app=other, branch=branch, refused="a push to the deciding app itself")
                 continue
             self._push(other, other_ratio, branch, snapshot)
         return sent
+
+    def _solo_estimate(self, app: str) -> float | None:
+        """The policy's estimate of the app's solo iteration in seconds, sent with every answer and
+        push (``policy.base.SoloEstimating``); None if the policy makes none or it fails (logged)."""
+        if not isinstance(self.policy, SoloEstimating):
+            return None
+        try:
+            seconds = self.policy.solo_estimate(app)
+        except Exception:  # a policy bug must never crash the daemon or reach the app
+            logger.exception("drbalance-manager: policy %r failed to estimate %r's solo time", self.policy.name, app)
+            return None
+        return seconds if isinstance(seconds, float) and math.isfinite(seconds) and seconds > 0 else None
 
     def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
         """Send another app its part of a joint decision now (it applies it after its current iteration)."""
@@ -559,7 +574,8 @@ class Manager:
             self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))
             return
         generation = entry.status.notice_seq
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True))
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True,
+                                        solo_iteration=self._solo_estimate(name)))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.log("push", app=name, branch=branch, generation=generation, old_dr=view.ratio.to_list(),
                  new_dr=ratio.to_list())
@@ -1035,7 +1051,7 @@ class Manager:
                 {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
                  "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
                  "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
-                 "sd_estimated": e.status.solo_estimated,
+                 "sd_estimated": e.status.solo_estimated, "solo_basis": e.status.solo_basis,
                  "updated_ago": now - e.status.updated_mono,
                  "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
                  "steered": steered}
@@ -1081,7 +1097,8 @@ class Manager:
                 shares = tuple(share / ratio.total for share in ratio.to_list())
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
-            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated))
+            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated,
+                                   status.solo_basis == "manager"))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 

@@ -114,13 +114,29 @@ def _malformed(status: Any) -> str | None:
 
 def sd_text(app: dict[str, Any]) -> str:
     """An app's SD for the tables: ``1.23``, ``~1.23`` when it divides by the job's own estimate of its
-    solo-run time (the job was given none), ``-`` while unknown."""
+    solo-run time (the job was given none), ``*1.23`` by the manager's, ``-`` while unknown."""
     if app.get("sd") is None:
         return "-"
-    return f"{'~' if app.get('sd_estimated') is True else ''}{app['sd']:.2f}"
+    mark = "*" if _from_manager(app) else "~" if app.get("sd_estimated") is True else ""
+    return f"{mark}{app['sd']:.2f}"
+
+
+def _from_manager(app: dict[str, Any]) -> bool:
+    return app.get("sd_estimated") is True and app.get("solo_basis") == "manager"
 
 
 ESTIMATED_NOTE = "~ SD from the job's own estimate of its solo-run time (no solo_time given; docs/profiles.md)"
+MANAGER_NOTE = "* SD from the manager's estimate of its solo-run time (no solo_time given, no GPU alone)"
+
+
+def estimate_notes(apps: list[dict[str, Any]]) -> list[str]:
+    """The notes that explain the marks of ``sd_text`` used in a table of these apps."""
+    notes = []
+    if any(app.get("sd_estimated") is True and not _from_manager(app) for app in apps):
+        notes.append(ESTIMATED_NOTE)
+    if any(_from_manager(app) for app in apps):
+        notes.append(MANAGER_NOTE)
+    return notes
 
 
 def _duration(seconds: float) -> str:
@@ -157,8 +173,7 @@ def format_table(status: dict[str, Any]) -> str:
         )
     if not status["apps"]:
         lines.append("(no apps)")
-    if any(app.get("sd_estimated") is True for app in status["apps"]):
-        lines.append(ESTIMATED_NOTE)
+    lines += estimate_notes(status["apps"])
     for item in status.get("foreign", []):
         lines.append(f"WARNING: /dev/shm/{printable(item.get('object'))} belongs to {printable(item.get('owner'))}: "
                      f"another user's object under this namespace's names (ignored, never trusted)")
@@ -235,8 +250,7 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
                      f"{app['epoch']:>5}/{app['epochs']:<5}  {dr}")
     if not status["apps"]:
         lines.append("(no apps)")
-    if any(app.get("sd_estimated") is True for app in status["apps"]):
-        lines.append(ESTIMATED_NOTE)
+    lines += estimate_notes(status["apps"])
     lines += fault_lines(status)
     return "\n".join(lines)
 

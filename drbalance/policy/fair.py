@@ -188,6 +188,11 @@ class FairPolicy:
         # (0 or an overflow) leaves the app's own cadence, where it would make the Decision refuse it
         return replace(decision, next_boundary=window if 0.0 < window < math.inf else None)
 
+    def solo_estimate(self, app: str) -> float | None:
+        """The predictor's estimate of the app's solo iteration in seconds (``Predictor.solo_estimate``),
+        None if it has none."""
+        return None if self.predictor is None else self.predictor.solo_estimate(app)
+
     def window_seconds(self, view: AppView) -> float:
         """How long the app's decision (and measurement) window lasts."""
         per_iteration = view.iteration_time or view.solo_time / max(1, view.iterations_total)

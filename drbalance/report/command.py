@@ -71,7 +71,7 @@ def format_table(summaries: list[Summary]) -> str:
     ]
     apps = sorted({name for s in summaries for name in s.final_sd})
     for name in apps:
-        rows.append((f"final SD {name}", [_fmt(s.final_sd.get(name)) for s in summaries]))
+        rows.append((f"final SD {name}", [_estimated_mark(s, name) + _fmt(s.final_sd.get(name)) for s in summaries]))
     header = ("", [s.label for s in summaries])
     width0 = max(len(r[0]) for r in [header, *rows])
     widths = [max(len(header[1][i]), *(len(r[1][i]) for r in rows)) for i in range(len(summaries))]
@@ -85,7 +85,18 @@ def format_table(summaries: list[Summary]) -> str:
     silent = [f"{s.label}: {', '.join(s.no_records)}" for s in summaries if s.no_records]
     if silent:
         lines.append("no SD records (in no number): " + "; ".join(silent))
+    bases = {basis for s in summaries for name, basis in s.solo_basis.items() if s.final_sd.get(name) is not None}
+    if bases - {"manager"}:
+        lines.append("~ final SD from the job's own estimate of its solo-run time (no solo_time given)")
+    if "manager" in bases:
+        lines.append("* final SD from the manager's estimate of its solo-run time (no solo_time given, no GPU alone)")
     return "\n".join(lines)
+
+
+def _estimated_mark(summary: Summary, app: str) -> str:
+    """``~`` before a final SD from the job's own solo-time estimate, ``*`` from the manager's."""
+    basis = summary.solo_basis.get(app) if summary.final_sd.get(app) is not None else None
+    return "" if basis is None else "*" if basis == "manager" else "~"
 
 
 def _is_report(path: Path) -> bool:

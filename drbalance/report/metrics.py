@@ -44,6 +44,7 @@ class AppSeries:
     times: list[float] = field(default_factory=list)  # seconds since the run's start, ascending
     sds: list[float] = field(default_factory=list)
     last_sd: float | None = None  # the SD of its last record that has one, in the log's order: its last word
+    solo_basis: str | None = None  # that record's estimated solo time's basis (alone, shared, manager); None: given
 
     def sd_at(self, t: float) -> float | None:
         index = bisect_right(self.times, t)
@@ -252,7 +253,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     anchor = None  # wall time of the session's start: its 't' less its 'elapsed'
     points: list[tuple[float, int, float]] = []  # (time, order in the log, SD)
     begin = end = None
-    finished, last_sd = False, None
+    finished, last_sd, basis = False, None, None
     for order, record in enumerate(records):
         event, elapsed = record.get("event"), record.get("elapsed")
         if finite_number(elapsed) and (anchor is None or event == "start"):
@@ -263,13 +264,15 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
         if event in SD_EVENTS and sd_value(sd):
             points.append((t, order, float(sd)))
             last_sd = float(sd)
+            found = record.get("solo_basis") if record.get("solo_estimated") is True else None
+            basis = found if isinstance(found, str) else None
         if event == "finish":
             end, finished = t, True
         elif event == "closed" and not finished:
             end = t
     points.sort()
     return AppSeries(name, begin if begin is not None else 0.0, end, finished, [t for t, _, _ in points],
-                     [sd for _, _, sd in points], last_sd)
+                     [sd for _, _, sd in points], last_sd, basis)
 
 
 MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
@@ -331,6 +334,7 @@ class Summary:
     mean_util: float | None
     unfinished: list[str]
     no_records: list[str] = field(default_factory=list)  # apps of the run without SD records (final SD None)
+    solo_basis: dict[str, str] = field(default_factory=dict)  # apps whose final SD uses an estimated solo time
 
 
 def summarise(run: RunData, step: float = 1.0) -> Summary:
@@ -358,6 +362,7 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
         mean_sd_diff=_mean(diffs), mean_sd=_mean(means),
         final_mean_sd=_mean(known), mean_util=_mean(util), unfinished=sorted(unfinished),
         no_records=list(run.no_records),
+        solo_basis={name: app.solo_basis for name, app in sorted(run.apps.items()) if app.solo_basis is not None},
     )
 
 
