@@ -5,18 +5,28 @@ against `fair` as it is, on the tuning set (docs/policy.md, "Rules").
     python -m benchmarks.rule_elimination run --out DIR                  # fair as it is (and observe), both sets
     python -m benchmarks.rule_elimination run --out DIR --off swaps      # fair with rules off (comma-separated)
     python -m benchmarks.rule_elimination compare --out DIR --removed A,B --json R/rule_elimination.json
+    python -m benchmarks.rule_elimination heldout today=A.json,B.json now=C.json,D.json --json R/heldout.json
 
 The tuning set is ``benchmarks.random_mixes``'s default draw, seeds 0-199, and its wide draw,
 seeds 1000-1099, each under both interference models (600 runs), every run from round-robin;
-``observe`` of the same seed and model is the reference. ``run`` writes one JSON file per
-variant and draw into DIR (``observe``, ``fair``, ``off-A+B``), skipping files already there.
+``observe`` of the same seed and model is the reference. ``run`` runs a round: its reference
+(``fair`` with the rules of ``--removed`` off; all on: ``fair`` as it is) and every other rule
+off besides, in lockstep (``Lockstep``: a variant that decides as the reference throughout had
+the reference's run), writing one JSON file per variant and draw into DIR (``observe``,
+``fair``, ``off-A+B``).
 
-``compare`` reads them: per variant, the runs worse than ``observe`` by more than 0.02 (the
-never-worse rule), the median final max SD and the churn (DR changes per app-hour, median and
+``compare`` reads them: per variant, the runs worse than ``observe`` by more than 0.02, the
+median final max SD and the churn (DR changes per app-hour, median and
 90th percentile over every app of every run), each against ``fair`` as it is, and whether the
 variant is within the noise band: worse count at most +2, median final max SD at most +0.005,
 churn median at most +10%. ``--removed A,B``: the rules already taken out, together (their
 variant is the round's reference, and each other variant is measured with them off too).
+
+``heldout`` reads ``benchmarks.random_mixes --json`` files, grouped under labels (the policy
+as it was, as it is), and gives the same numbers per label and policy, per draw and model and
+pooled, and the acceptance of docs/policy.md for ``fair`` of each label against the first
+label's: worse count at most +3, median final max SD at most +0.01, churn median and p90 no
+higher.
 
 A rule is switched off by knobs of ``FairConfig``/``PredictorConfig`` or by a subclass that
 overrides the methods that make it (``RULES``); nothing here changes `fair` itself.
@@ -31,10 +41,10 @@ import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from benchmarks.random_mixes import DRAWS, Run, churn, worse
+from benchmarks.random_mixes import DRAWS, Run, churn
 from benchmarks.timing import percentile
 from drbalance.policy.base import AppView, Decision, Snapshot
 from drbalance.policy.fair import FairConfig, FairPolicy, Verdict, _Search
@@ -48,6 +58,10 @@ TUNING = {"default": range(0, 200), "wide": range(1000, 1100)}
 
 HELD_OUT = {"default": range(200, 400), "wide": range(1100, 1200)}
 """The held-out set (never used to choose a rule's fate)."""
+
+WORSE_BY = 0.02
+"""SD: a run is *worse* than ``observe`` of its seed and model when its final max SD or mean SD is
+above observe's by more than this (the issue's margin; ``benchmarks.compare_policies``'s default)."""
 
 WORSE_MARGIN = 2
 """Runs: how many more runs worse than ``observe`` a removal may cause and stay within the noise."""
@@ -338,10 +352,14 @@ def load_runs(out: str, name: str, sets: Mapping[str, range]) -> dict[tuple[str,
 def measure(runs: Mapping[tuple[str, int, str], Run], observe: Mapping[tuple[str, int, str], Run]) -> dict:
     """Worse runs, median final max SD, churn median and p90 (per app-hour), over ``runs``."""
     rates = [value for run in runs.values() for value in run.churn]
-    return {"runs": len(runs), "worse": sum(worse(run, observe[key]) for key, run in runs.items()),
+    return {"runs": len(runs), "worse": sum(_worse(run, observe[key]) for key, run in runs.items()),
             "median_max_sd": statistics.median(run.max_sd for run in runs.values()),
             "mean_max_sd": statistics.fmean(run.max_sd for run in runs.values()),
             "churn_median": statistics.median(rates), "churn_p90": percentile(rates, 0.9)}
+
+
+def _worse(run: Run, base: Run) -> bool:
+    return run.max_sd > base.max_sd + WORSE_BY or run.mean_sd > base.mean_sd + WORSE_BY
 
 
 def within_band(got: Mapping[str, float], reference: Mapping[str, float]) -> bool:
@@ -373,9 +391,61 @@ def compare(out: str, removed: Sequence[str], sets: Mapping[str, range]) -> dict
     return table
 
 
+ACCEPT_WORSE = 3
+"""Runs: held-out runs worse than ``observe`` the cut-down policy may add (docs/policy.md)."""
+ACCEPT_MEDIAN = 0.01
+"""SD: how much its median final max SD may rise."""
+
+
+def load_sweeps(paths: Sequence[str]) -> tuple[dict, dict]:
+    """``random_mixes --json`` files: observe's runs by (draw, seed, model) and every policy's by
+    policy, then (draw, seed, model)."""
+    observe: dict[tuple[str, int, str], Run] = {}
+    runs: dict[str, dict[tuple[str, int, str], Run]] = {}
+    names = {field.name for field in fields(Run)}
+    for path in paths:
+        with open(path, encoding="utf-8") as source:
+            data = json.load(source)
+        draw = data.get("draw", "default")
+        for row in data["observe"]:
+            observe[(draw, row["seed"], row["interference"])] = Run(**{k: v for k, v in row.items() if k in names})
+        for row in data["runs"]:
+            run = Run(**{k: (tuple(v) if k == "churn" else v) for k, v in row.items() if k in names})
+            runs.setdefault(run.policy, {})[(draw, run.seed, run.interference)] = run
+    return observe, runs
+
+
+def heldout(groups: Mapping[str, Sequence[str]]) -> dict:
+    """Per label and policy (observe and plan left out): the numbers of ``measure`` per draw and
+    model and pooled; for each label's ``fair`` after the first, whether it meets the acceptance
+    against the first's."""
+    table: dict = {}
+    for name, paths in groups.items():
+        observe, runs = load_sweeps(paths)
+        for policy, found in sorted(runs.items()):
+            if policy == "plan":
+                continue
+            row = table.setdefault(f"{name} {policy}", {})
+            for draw, model in sorted({(key[0], key[2]) for key in found}):
+                part = {key: run for key, run in found.items() if key[0] == draw and key[2] == model}
+                row[f"{draw} {model}"] = measure(part, observe)
+            row["pooled"] = measure(found, observe)
+    labels = list(groups)
+    reference = table.get(f"{labels[0]} fair")
+    for name in labels[1:]:
+        row = table.get(f"{name} fair")
+        if reference is not None and row is not None:
+            got, was = row["pooled"], reference["pooled"]
+            row["accepted"] = {"worse": got["worse"] <= was["worse"] + ACCEPT_WORSE,
+                               "median_max_sd": got["median_max_sd"] <= was["median_max_sd"] + ACCEPT_MEDIAN,
+                               "churn_median": got["churn_median"] <= was["churn_median"],
+                               "churn_p90": got["churn_p90"] <= was["churn_p90"]}
+    return table
+
+
 def _line(name: str, row: Mapping[str, Any]) -> str:
     band = "" if "within_band" not in row else ("  within band" if row["within_band"] else "  OUT")
-    return (f"{name:22s} worse {row['worse']:3d}  median max SD {row['median_max_sd']:.4f}"
+    return (f"{name:32s} worse {row['worse']:3d}  median max SD {row['median_max_sd']:.4f}"
             f"  mean {row['mean_max_sd']:.4f}"
             f"  churn median {row['churn_median']:5.1f} p90 {row['churn_p90']:5.1f}{band}")
 
@@ -393,10 +463,27 @@ def main(argv: list[str] | None = None) -> int:
     comparing.add_argument("--out", required=True, help="folder of the runs' JSON files")
     comparing.add_argument("--removed", default="", help="comma-separated rules already removed together")
     comparing.add_argument("--json", metavar="PATH", help="also write the table here")
+    holding = commands.add_parser("heldout", help="random_mixes --json files compared, label by label")
+    holding.add_argument("groups", nargs="+", metavar="LABEL=FILE[,FILE...]", help="the first label is the reference")
+    holding.add_argument("--json", metavar="PATH", help="also write the table here")
     args = parser.parse_args(argv)
     if args.command == "rules":
         for name, rule in RULES.items():
             print(f"{name:18s} off: {rule.neutral}")
+        return 0
+    if args.command == "heldout":
+        groups = dict(group.partition("=")[::2] for group in args.groups)
+        if any(not files for files in groups.values()):
+            parser.error("heldout takes LABEL=FILE[,FILE...] arguments")
+        table = heldout({name: files.split(",") for name, files in groups.items()})
+        for name, row in table.items():
+            for part, numbers in row.items():
+                if part != "accepted":
+                    print(_line(f"{name}: {part}", numbers))
+            if "accepted" in row:
+                verdicts = ", ".join(f"{key} {'yes' if met else 'NO'}" for key, met in row["accepted"].items())
+                print(f"{name}: accepted {verdicts}")
+        _write(args.json, argv, table)
         return 0
     chosen = [name for name in args.removed.split(",") if name]
     tried = [] if args.command != "run" or args.rules is None else [name for name in args.rules.split(",") if name]
@@ -414,12 +501,16 @@ def main(argv: list[str] | None = None) -> int:
         print(_line("removed together", table["together"]))
     for name, row in table["variants"].items():
         print(_line(name, row))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as sink:
+    _write(args.json, argv, table)
+    return 0
+
+
+def _write(path: str | None, argv: list[str] | None, table: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as sink:
             json.dump({"command": "python -m benchmarks.rule_elimination " + " ".join(sys.argv[1:] if argv is None
                                                                                      else argv), **table}, sink,
                       indent=1)
-    return 0
 
 
 if __name__ == "__main__":
