@@ -246,8 +246,11 @@ class Lockstep:
     """The round's reference variant decides; each shadow variant decides too, from the same
     snapshot, until its first decision that differs from the reference's (a DR, pushed DRs, the
     next boundary: all the simulation reads of a decision). A shadow that never differs would
-    have run the very same simulation, so its run is the reference's; one that differs is run on
-    its own (``run_task``)."""
+    have run the very same simulation, so its run is the reference's. At a shadow's first
+    different decision the process forks (``os.fork``): the child is the simulation as it stands,
+    the shadow's decision taken and the shadow deciding from then on, which is the shadow's own
+    run from its start; it sends its run back (``finish_fork``) and the parent, having waited
+    for it, goes on. The runs are those of each variant simulated on its own, bit for bit."""
 
     name = "fair"
 
@@ -255,6 +258,8 @@ class Lockstep:
         self.reference = reference
         self.shadows = dict(shadows)
         self.diverged: set[str] = set()
+        self.forked: dict[str, dict[str, Any]] = {}  # in the parent: the runs its forks sent, by shadow
+        self.child: tuple[str, int] | None = None  # in a fork: its shadow and the pipe its run goes to
 
     def decide(self, app: str, trigger: str, snapshot: Snapshot) -> Decision:
         decision = self.reference.decide(app, trigger, snapshot)
@@ -264,10 +269,37 @@ class Lockstep:
                     or dict(theirs.others) != dict(decision.others)):
                 self.diverged.add(name)
                 del self.shadows[name]
+                if self._fork(name, shadow):
+                    return theirs  # in the child: the shadow's decision, and the shadow's run from here on
         return decision
 
+    def _fork(self, name: str, shadow: FairPolicy) -> bool:
+        """Fork; True in the child (the shadow alone decides from now on); in the parent, wait for
+        the child's run and keep it, and return False."""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            self.reference, self.shadows, self.child = shadow, {}, (name, write)
+            return True
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            sent = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or not sent:
+            raise RuntimeError(f"the simulation of {name} (forked) failed: wait status {status}")
+        self.forked[name] = json.loads(sent)
+        return False
 
-def _simulate(draw: str, seed: int, interference: str, policy: FairPolicy | None, name: str) -> Run:
+    def finish_fork(self, run: Run) -> None:
+        """In a fork: send the shadow's ``run`` to the parent and end the process (never returns)."""
+        name, write = self.child
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(json.dumps(vars(replace(run, policy=name))).encode())
+        os._exit(0)
+
+
+def _simulate(draw: str, seed: int, interference: str, policy: FairPolicy | Lockstep | None, name: str) -> Run:
     config = SimConfig(policy="observe" if policy is None else "fair", placement="round-robin", record=False,
                        contention=make_interference(interference))
     result = Simulation(DRAWS[draw](seed), config, policy=policy).run()
@@ -289,9 +321,18 @@ def run_task(task: tuple[str, int, str, tuple[str, ...], tuple[str, ...], bool])
         runs["observe"] = _simulate(draw, seed, interference, None, "observe")
     names = {label((*removed, rule)): (*removed, rule) for rule in rules}
     lockstep = Lockstep(variant_policy(removed), {name: variant_policy(off) for name, off in names.items()})
-    reference = runs[label(removed)] = _simulate(draw, seed, interference, lockstep, label(removed))
-    for name, off in names.items():
-        runs[name] = (_simulate(draw, seed, interference, variant_policy(off), name) if name in lockstep.diverged
+    try:
+        reference = _simulate(draw, seed, interference, lockstep, label(removed))
+    except BaseException:
+        if lockstep.child is not None:
+            os._exit(1)  # a fork never returns into the pool's worker
+        raise
+    if lockstep.child is not None:
+        lockstep.finish_fork(reference)
+    runs[label(removed)] = reference
+    for name in names:
+        found = lockstep.forked.get(name)
+        runs[name] = (Run(**{**found, "churn": tuple(found["churn"])}) if found is not None
                       else replace(reference, policy=name))
     return {"draw": draw, "seed": seed, "interference": interference, "diverged": sorted(lockstep.diverged),
             "runs": {name: vars(run) for name, run in runs.items()}}
