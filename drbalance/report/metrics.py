@@ -174,7 +174,7 @@ def _read_run_info(path: Path) -> dict:
     return info
 
 
-APP_FIELDS = ("t", "elapsed", "event", "sd")  # what the report reads of an SD log record
+APP_FIELDS = ("t", "elapsed", "event", "sd", "solo_estimated", "solo_basis")  # what the report reads of SD logs
 MANAGER_FIELDS = ("t", "event", "util")  # ... and of a manager log record (its util records only)
 
 

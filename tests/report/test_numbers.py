@@ -169,7 +169,7 @@ def test_records_without_a_session_clock_are_ordered_by_time_and_the_last_one_gi
     assert app.sd_at(1.2) == 1.0 and app.final_sd == 1.7 and app.end == pytest.approx(1.5)
 
 
-def test_the_table_marks_a_final_sd_from_an_estimated_solo_time_and_says_whose():
+def test_the_table_marks_a_final_sd_from_an_estimated_solo_time_and_says_whose(tmp_path):
     # a job given no solo time: its SD divides by its own estimate ("~") or, where it had no GPU
     # alone, by the manager's ("*"); the last record with an SD says which the final SD used
     from drbalance.report.command import format_table
@@ -180,9 +180,10 @@ def test_the_table_marks_a_final_sd_from_an_estimated_solo_time_and_says_whose()
                 {"t": 1002.0, "event": "finish", "sd": 1.4, "solo_estimated": basis is not None,
                  "solo_basis": basis}]
 
-    run = run_from_records("r", {"own": records("alone"), "mgr": records("manager"), "given": records(None)}, [],
-                           {"started": 1000.0})
-    summary = summarise(run)
+    from drbalance.report.metrics import load_run
+
+    _write_run(tmp_path / "run", {"own": records("alone"), "mgr": records("manager"), "given": records(None)}, [])
+    summary = summarise(load_run(tmp_path / "run"))  # read from the run directory's logs, as the command does
     assert summary.solo_basis == {"mgr": "manager", "own": "alone"}
     table = format_table([summary])
     rows = {line.split()[2]: line.split()[-1] for line in table.splitlines() if line.startswith("final SD ")}
