@@ -53,3 +53,7 @@ EMULATED_REAL_BATCH = 4
 """Emulated GPUs: real images computed per iteration (the modelled batch is the scenario's)."""
 IMAGE_SIZE = 64
 """Side of the synthetic (FakeData) images, pixels."""
+
+# Where a machine's system manager keeps its socket and lock (DRBALANCE_SYSTEM_DIR; drbalance.ipc.system):
+# systemd's RuntimeDirectory=drbalance of the system unit, in /run, which only root may write.
+SYSTEM_DIR = "/run/drbalance"

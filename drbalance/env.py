@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import warnings
 from pathlib import Path
 
 from drbalance import defaults
@@ -61,7 +62,8 @@ def runtime_dir() -> Path:
     """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
+    Default: ``$XDG_RUNTIME_DIR/drbalance`` (when that is a folder of this user: a stale value copied
+    from another machine is warned about and passed over), else ``/run/user/<uid>/drbalance``, else
     ``/tmp/drbalance-<uid>`` (``~/.local/state/drbalance/run-<host>`` when another user took that
     name first; ``_tmp_runtime_dir``). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
@@ -81,7 +83,11 @@ def runtime_dir() -> Path:
     uid = os.getuid()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "drbalance"
+        if _owned_folder(Path(xdg), uid):
+            return Path(xdg) / "drbalance"
+        warnings.warn(f"XDG_RUNTIME_DIR={xdg!r} is not a folder of this user on this machine (a setting copied from "
+                      f"another machine or login, as a batch job's environment is?): drbalance's runtime folder is "
+                      f"its next default instead", RuntimeWarning, stacklevel=2)
     login_dir = Path(_LOGIN_DIR.format(uid=uid))
     if _owned_folder(login_dir, uid):
         return login_dir / "drbalance"
@@ -129,6 +135,39 @@ def _owned_folder(path: Path, uid: int) -> bool:
     except OSError:
         return False
     return info.st_uid == uid and stat.S_ISDIR(info.st_mode)
+
+
+def system_dir() -> Path:
+    """``DRBALANCE_SYSTEM_DIR``: where a machine's system manager (``drbalance-manager --system``)
+    keeps its socket and lock, one sub-folder per namespace (default ``/run/drbalance``).
+
+    Every user's jobs look there first and attach to the system manager they find; without one,
+    to their user's own manager. An absolute path (ValueError otherwise). Whether a job trusts what
+    it finds there: ``drbalance.ipc.system``.
+    """
+    value = os.environ.get("DRBALANCE_SYSTEM_DIR")
+    if not value:
+        return Path(defaults.SYSTEM_DIR)
+    if not os.path.isabs(value):
+        raise ValueError(f"DRBALANCE_SYSTEM_DIR={value!r} is not an absolute path; give e.g. "
+                         f"{os.path.abspath(value)!r}")
+    return Path(value)
+
+
+def slurm_node() -> str:
+    """``SLURMD_NODENAME`` (set by Slurm in a job's tasks, and by an administrator for a node's
+    manager), else this machine's short host name: the node's ``NodeName`` in slurm.conf."""
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+
+
+def slurm_app_name() -> str | None:
+    """A job's app name under Slurm, ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (the job name's characters
+    an app name may not hold made ``_``, at most 48 characters in all); None outside a Slurm job."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9]+", job_id):
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("SLURM_JOB_NAME", "") or "job").lstrip(".-") or "job"
+    return f"{name[:47 - len(job_id)]}-{job_id}"
 
 
 def profile_output() -> Path | None:

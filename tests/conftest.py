@@ -12,8 +12,10 @@ import fcntl
 import itertools
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -118,12 +120,39 @@ def ipc_env(monkeypatch, tmp_path) -> IpcNames:
     monkeypatch.setenv("DRBALANCE_NAMESPACE", namespace)
     monkeypatch.setenv("DRBALANCE_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("DRBALANCE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("DRBALANCE_SYSTEM_DIR", str(tmp_path / "system"))  # no system manager unless a test makes one
     monkeypatch.setenv("DRBALANCE_PROFILES", str(tmp_path / "profiles.json"))
     monkeypatch.delenv("DRBALANCE_PROFILE_OUTPUT", raising=False)
     monkeypatch.delenv("DRBALANCE_NO_MANAGER", raising=False)
     names = IpcNames.current(namespace)
     yield names
     remove_leftovers(names)
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="a system dir is trusted only in folders root owns (drbalance.ipc.system); CI runs the suite as root",
+)
+
+
+@pytest.fixture
+def machine(ipc_env, monkeypatch):
+    """A system manager's folder (``drbalance.ipc.system.SystemPlace``) of the test's namespace, in a
+    root-owned 0755 folder under /tmp that every user can reach (tests using it are marked
+    ``needs_root``); it, and the machine's emulated GPUs' segments, are removed after."""
+    from drbalance.ipc import system
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = Path(tempfile.mkdtemp(prefix="drbalance-system-"))
+    os.chmod(base, 0o755)
+    monkeypatch.setenv("DRBALANCE_SYSTEM_DIR", str(base / "system"))
+    place = system.create(ipc_env.namespace)
+    yield place
+    shutil.rmtree(base, ignore_errors=True)
+    stem = place.shm_prefix()[1:]
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(stem):
+            objects.unlink_shared_memory("/" + entry)
 
 
 def torchrun_args(log_dir: Path, ranks: int) -> list[str]:

@@ -483,6 +483,21 @@ def test_report_takes_a_run_json_without_a_start_and_skips_utilisation_that_is_n
     assert summary["makespan"] > 0 and 0 < summary["mean_util"] <= 100
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_cuda_visible_devices_that_shows_no_emulated_gpu_is_one_line_from_the_training_script(
+        ipc_env, monkeypatch, capsys):
+    from drbalance.runs import train
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    code = train.main(["--devices", "emulated:4", "--model", "mnasnet1_0", "--iterations", "1", "--solo-time", "1",
+                       "--image-size", "64"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("drbalance.runs.train: error: CUDA_VISIBLE_DEVICES='7' starts with '7', which names none "
+                          "of them, so no device is visible (as CUDA sees none) among this user's 4 emulated GPUs"), err
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("module", ["drbalance.runs.train", "drbalance.runs.train_ddp"])
 def test_a_device_index_after_cuda_is_refused_naming_gpus_not_dropped(module):
@@ -748,3 +763,18 @@ def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path, capsys):
     assert cli.main(["launch", "e2e-a", "--run-dir", str(taken)]) == 1
     assert f"run directory {taken} exists and is not a folder" in capsys.readouterr().err
     assert taken.read_text() == "mine\n"
+
+
+def test_a_slurm_jobs_app_name_is_its_job_name_and_id(monkeypatch):
+    from drbalance import env
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert env.slurm_app_name() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train resnet.sh")
+    assert env.slurm_app_name() == "train_resnet.sh-4711"
+    monkeypatch.setenv("SLURM_JOB_NAME", "-" + "x" * 80)  # too long, and a first character an app name refuses
+    name = env.slurm_app_name()
+    assert name.endswith("-4711") and len(name) == 48 and name[0] == "x"
+    monkeypatch.setenv("SLURM_JOB_ID", "4711; rm -rf")  # not a job id: not a Slurm job
+    assert env.slurm_app_name() is None

@@ -47,12 +47,11 @@ from drbalance.emu.gpus import (
     EmulatedOutOfMemory,
     check_memory_size,
     emulated_spec,
-    open_emulated_gpus,
     release_at_exit,
     release_emulated_gpus,
 )
 from drbalance.emu.runnable import thread_runnable_seconds
-from drbalance.ipc.names import IpcNames
+from drbalance.emu.view import emulated_view, open_view
 from drbalance.workload.models import ModelCosts, estimate_costs
 
 
@@ -70,9 +69,13 @@ class EmulatedOutOfMemoryError(torch.cuda.OutOfMemoryError):
 class EmulatedBackend(CpuBackend):
     """Chunks run on the CPU, then hold emulated GPUs for their modelled device time.
 
-    ``costs``: the model's cost table, timing and memory (``drbalance.workload.models``); None = estimate it
-    from the wrapped model's first chunk. ``memory_bytes``: each emulated GPU's memory (default
-    24 GiB). The emulated GPUs are opened on first use, and the backend pickles as its settings,
+    ``gpu_count``: the emulated GPUs asked for; ``memory_bytes``: each one's memory (default
+    24 GiB). Which GPUs the backend uses is ``drbalance.emu.view.emulated_view``'s: the machine's
+    when a system manager emulates some (then their count and memory win, with a warning), else
+    this user's own; of those, the ones ``CUDA_VISIBLE_DEVICES`` makes visible, as devices 0..n-1
+    (``gpu_count`` is then n, ``view`` says which). ``costs``: the model's cost table, timing and
+    memory (``drbalance.workload.models``); None = estimate it from the wrapped model's first
+    chunk. The emulated GPUs are opened on first use, and the backend pickles as its settings,
     so a wrapper using it can be saved, deep-copied and averaged (``AveragedModel``).
     """
 
@@ -92,7 +95,8 @@ class EmulatedBackend(CpuBackend):
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
         check_memory_size(memory_bytes)
-        self.gpu_count = gpu_count
+        self.requested_count = gpu_count
+        self.requested_memory = int(memory_bytes)
         self.costs = costs
         # costs estimated from a forward without gradients (a validation pass first) count no saved
         # activations, so memory would read 0: they stand until the first forward with gradients
@@ -100,7 +104,7 @@ class EmulatedBackend(CpuBackend):
         self.time_scale = float(time_scale)
         self.sample_scale = float(sample_scale)
         self.namespace = namespace
-        self.memory_bytes = int(memory_bytes)
+        self._resolve_view()
         # chosen by DRBALANCE_EMULATED_GPUS, not by code: a wrapper loaded in another process
         # follows that process's environment (BalancedDataParallel.__setstate__)
         self.chosen_by_environment = False
@@ -117,6 +121,12 @@ class EmulatedBackend(CpuBackend):
         backend.chosen_by_environment = True
         return backend
 
+    def _resolve_view(self) -> None:
+        """Which emulated GPUs this backend uses (``view``), how many (``gpu_count``) and their memory."""
+        self.view = emulated_view(self.requested_count, self.requested_memory, self.namespace)
+        self.gpu_count = self.view.count
+        self.memory_bytes = self.view.memory_bytes
+
     def _open_state(self) -> None:
         self._gpus: list[EmulatedGpu] | None = None
         self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
@@ -129,12 +139,15 @@ class EmulatedBackend(CpuBackend):
         self._finalizer: weakref.finalize | None = None  # what a backend freed without close() gives back
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"gpu_count": self.gpu_count, "costs": self.costs, "time_scale": self.time_scale,
-                "sample_scale": self.sample_scale, "namespace": self.namespace, "memory_bytes": self.memory_bytes,
-                "costs_provisional": self.costs_provisional, "chosen_by_environment": self.chosen_by_environment}
+        return {"requested_count": self.requested_count, "costs": self.costs, "time_scale": self.time_scale,
+                "sample_scale": self.sample_scale, "namespace": self.namespace,
+                "requested_memory": self.requested_memory, "costs_provisional": self.costs_provisional,
+                "chosen_by_environment": self.chosen_by_environment}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """The settings; the GPUs seen where it is loaded (``emulated_view`` there)."""
         self.__dict__.update(state)
+        self._resolve_view()
         self._uncounted = self._granted = 0.0
         self._last_target = None
         self._open_state()
@@ -191,8 +204,7 @@ class EmulatedBackend(CpuBackend):
     def gpus(self) -> list[EmulatedGpu]:
         """The emulated GPUs (opened on first use, and again in a forked child, where they are closed)."""
         if self._gpus is None or self._gpus[0].closed:
-            names = IpcNames.current(self.namespace)
-            gpus = open_emulated_gpus(names, range(self.gpu_count), memory_bytes=self.memory_bytes)
+            gpus = open_view(self.view)
             self._gpus = gpus
             self._release_at_exit = release_at_exit(gpus)
             # a model deleted or replaced without close(): its memory and files go with it (at exit,
@@ -372,6 +384,8 @@ def _let_go(gpus: tuple[EmulatedGpu, ...], token: int, reserved: dict[int, int],
         del reserved[index]
     for gpu in gpus:
         gpu.close()
+    if gpus:
+        gpus[0].home.close()  # the machine's: its hold on them (at exit, release_at_exit removes this user's)
 
 
 # How often (seconds) the main thread wakes while it waits for the device phase: a signal whose

@@ -25,21 +25,29 @@ from torch import nn
 
 from drbalance.client.costs import rough_features
 from drbalance.client.scatter_gather import batch_size_of
-from drbalance.emu.gpus import EmulatedGpu, release_at_exit, release_emulated_gpu
-from drbalance.ipc.names import IpcNames
+from drbalance.emu.gpus import DEFAULT_MEMORY_BYTES, release_at_exit, release_emulated_gpu
+from drbalance.emu.view import emulated_view, open_view
 from drbalance.workload.models import ModelCosts, estimate_costs
 
 
 class EmulatedRankDevice:
-    """Emulated GPU ``index`` of the namespace, as one DDP rank's device."""
+    """Emulated device ``index`` as one DDP rank's device: the index counts the emulated GPUs the
+    process sees (``drbalance.emu.view.emulated_view``: the machine's when a system manager
+    emulates some, else this user's; those ``CUDA_VISIBLE_DEVICES`` makes visible), as a CUDA
+    device index does. ``count`` and ``memory_bytes``: the spec's ``N:MEMORY`` (defaults
+    ``index + 1`` and 24 GiB); the machine's win where it has GPUs.
+    """
 
     def __init__(self, index: int, costs: ModelCosts | None, time_scale: float = 1.0, sample_scale: float = 1.0,
-                 namespace: str | None = None, memory_bytes: int | None = None) -> None:
+                 namespace: str | None = None, memory_bytes: int | None = None, count: int | None = None) -> None:
         if not time_scale > 0 or not sample_scale > 0:
             raise ValueError(f"time_scale and sample_scale must be > 0; got {time_scale}, {sample_scale}")
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"emulated device index must be an integer >= 0; got {index!r}")
         self.index = index
-        memory = {} if memory_bytes is None else {"memory_bytes": memory_bytes}  # the spec's N:MEMORY
-        self.gpu = EmulatedGpu(IpcNames.current(namespace), index, **memory)
+        view = emulated_view(count if count is not None else index + 1,
+                             memory_bytes if memory_bytes is not None else DEFAULT_MEMORY_BYTES, namespace)
+        self.gpu = open_view(view, [index])[0]
         self._release_at_exit = release_at_exit([self.gpu])
         self.costs = costs
         self.time_scale = float(time_scale)

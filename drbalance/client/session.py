@@ -56,10 +56,10 @@ from drbalance.ipc.link import (
     DEFAULT_SEND_TIMEOUT,
     DetachedLink,
     ManagerLink,
-    PosixManagerLink,
 )
 from drbalance.ipc.names import IpcNames, check_app_name
 from drbalance.ipc.private import UnsafePath
+from drbalance.ipc.system_link import AutoLink
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
@@ -150,10 +150,20 @@ def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None
     return value
 
 
+def _slurm_app_name() -> str:
+    """The app name of a Slurm job (``env.slurm_app_name``); ValueError outside one."""
+    name = env.slurm_app_name()
+    if name is None:
+        raise ValueError("app=None names the app after its Slurm job (<SLURM_JOB_NAME>-<SLURM_JOB_ID>), but this "
+                         "process is not in one (no SLURM_JOB_ID): give app='a-name'")
+    return name
+
+
 class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
-    Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace),
+    Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace; None in a
+    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
     loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
     job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
@@ -172,7 +182,7 @@ class Session:
     def __init__(
         self,
         model: RatioTarget,
-        app: str,
+        app: str | None,
         epochs: int,
         iterations_per_epoch: int | Sized,
         solo_time: float | str | None = None,
@@ -191,7 +201,7 @@ class Session:
         if not (hasattr(model, "set_ratio") and hasattr(model, "ratio")):
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
         self.model = model
-        self.app = check_app_name(app)
+        self.app = check_app_name(app if app is not None else _slurm_app_name())
         epochs, start_epoch = _whole(epochs), _whole(start_epoch)
         self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
         if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
@@ -288,7 +298,7 @@ class Session:
         if self.measurement_output is not None or self._no_manager:
             return DetachedLink()
         try:
-            return PosixManagerLink(self.names, self.app, self.clock)
+            return AutoLink(self.names, self.app, self.clock)
         except (OSError, posix_ipc.Error) as error:  # no /dev/shm, full, or refusing this user: train on alone
             logger.warning("drbalance: POSIX IPC unavailable (%s); training %r with its own DR %s",
                            error, self.app, self.own_ratio)

@@ -21,8 +21,13 @@ that would exceed the size
 minus what the others hold raises ``EmulatedOutOfMemory``, worded like CUDA's. Entries of dead
 processes do not count (a process is named by pid and start time: a later process that reuses a
 killed job's pid does not inherit its memory). ``memory_info()`` reports total / used / free as NVML's
-``nvmlDeviceGetMemoryInfo`` does, and ``uuid`` is a stable ``GPU-...`` name derived from the user,
-the namespace and the index, so the manager's UUID mapping is exercised on CPU-only machines.
+``nvmlDeviceGetMemoryInfo`` does, and ``uuid`` is a stable ``GPU-...`` name derived from the GPU's
+home, namespace and index, so the manager's UUID mapping is exercised on CPU-only machines.
+
+Where a GPU's files and segment are, who owns them and who makes them is its *home*
+(``drbalance.emu.home``): the user's own GPUs, or the machine's, made by a system manager and
+shared by every user's jobs (``drbalance.emu.machine``). Which of them a job sees is
+``drbalance.emu.view``.
 """
 
 from __future__ import annotations
@@ -33,44 +38,43 @@ import functools
 import math
 import os
 import re
-import struct
 import threading
 import time
-import uuid as uuidlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import posix_ipc
-
 from drbalance import env
 from drbalance.clock import Clock, SystemClock
+from drbalance.emu.home import GpuHome, UserHome, emulated_uuid, remove_user_gpu
+from drbalance.emu.layout import (
+    ACCOUNT,
+    DEFAULT_MEMORY_BYTES,
+    MAX_MEMORY_BYTES,
+    MEMORY_ENTRIES,
+    MEMORY_ENTRY,
+    MEMORY_OFFSET,
+    MEMORY_TABLE_SIZE,
+    check_memory_size,
+    size_text,
+)
 from drbalance.ipc import objects
-from drbalance.ipc.layout import STATUS_OFFSET, RecordError, SegmentKind
-from drbalance.ipc.names import IpcNames, assign_emulated_token
-from drbalance.ipc.private import open_private, remove_private
-from drbalance.ipc.records import RecordEmpty, Segment
+from drbalance.ipc.layout import STATUS_OFFSET, RecordError
+from drbalance.ipc.names import IpcNames
+from drbalance.ipc.system import SystemPlace
 from drbalance.manager.nvml import MemoryInfo
 from drbalance.workload.models import CO_LOCATION_CAPACITY
 
-# busy seconds so far, busy since (monotonic, 0 = idle), holder pid, the low 32 bits of its start time
-# (clock ticks since boot, 0 = unknown: see _same_process), count
-ACCOUNT = struct.Struct("<ddiIQ")
+__all__ = [
+    "ACCOUNT", "DEFAULT_MEMORY_BYTES", "MAX_MEMORY_BYTES", "Account", "EmulatedGpu", "EmulatedOutOfMemory",
+    "EmulatedSource", "EmulatedSpec", "GpuHome", "UserHome", "check_memory_size", "emulated_spec", "emulated_uuid",
+    "open_emulated_gpus", "parse_memory_size", "release_at_exit", "release_emulated_gpu", "release_emulated_gpus",
+    "remove_emulated_gpus",
+]
+
 DEFAULT_QUANTUM = 0.05  # seconds of device time between chances for another job to take its turn
-GUARD_PATIENCE = 2.0  # seconds to wait for the namespace guard before going on without it
 YIELD_SECONDS = 0.002  # how long a holder steps aside after its turn when another job waits
-DEFAULT_MEMORY_BYTES = 24 * 2**30  # the paper's Quadro RTX 6000 (24 GB)
-MAX_MEMORY_BYTES = 2**50  # 1 PiB: what the segment records in 8 bytes, with room to spare
-MEMORY_OFFSET = 256  # the reservation table's area in the segment (after the busy-time account)
-MEMORY_ENTRIES = 32  # processes (backends) that can hold memory on one emulated GPU at once
-# pid, token (one per backend object), reserved bytes, the process's start time (clock ticks since boot)
-MEMORY_ENTRY = struct.Struct("<iIQQ")
-MEMORY_TABLE_SIZE = MEMORY_ENTRIES * MEMORY_ENTRY.size
-SPEC_OFFSET = 2048  # the memory size area (after the reservation table), written by the GPU's creator
-SPEC = struct.Struct("<Q")  # the emulated GPU's memory size, bytes
-SPEC_PATIENCE = 1.0  # seconds to wait for a creator to write the memory size before taking it as unset
-UUID_NAMESPACE = uuidlib.UUID("6f0b1d7e-3c1a-5b7e-9d2f-4a8c0e5b2d11")  # fixed: the same UUIDs in every process
 SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
               "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -81,18 +85,10 @@ class EmulatedOutOfMemory(RuntimeError):
     def __init__(self, index: int, requested: int, total: int, free: int) -> None:
         self.index, self.requested, self.total, self.free = index, requested, total, free
         super().__init__(
-            f"Emulated GPU out of memory. Tried to allocate {_size(requested)}. GPU {index} has a total capacity of "
-            f"{_size(total)} of which {_size(max(0, free))} is free (emulated by drbalance: no real GPU memory is used)"
+            f"Emulated GPU out of memory. Tried to allocate {size_text(requested)}. GPU {index} has a total capacity "
+            f"of {size_text(total)} of which {size_text(max(0, free))} is free (emulated by drbalance: no real GPU "
+            f"memory is used)"
         )
-
-
-def _size(nbytes: float) -> str:
-    """Bytes as CUDA's messages write them (GiB, MiB), or plain bytes below a MiB."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    if nbytes >= 2**20:
-        return f"{nbytes / 2**20:.2f} MiB"
-    return f"{int(nbytes)} bytes"
 
 
 def parse_memory_size(text: str) -> int:
@@ -105,18 +101,6 @@ def parse_memory_size(text: str) -> int:
     value = int(scaled) if math.isfinite(scaled) else MAX_MEMORY_BYTES + 1
     check_memory_size(value, repr(text))
     return value
-
-
-def check_memory_size(nbytes: int, shown: str | None = None) -> None:
-    """``ValueError`` unless ``nbytes`` is a possible emulated GPU memory size: 1 byte to 1 PiB."""
-    if not 1 <= nbytes <= MAX_MEMORY_BYTES:
-        raise ValueError(f"emulated GPU memory must be > 0 bytes and at most 1 PiB ({MAX_MEMORY_BYTES} bytes); "
-                         f"got {shown or nbytes}")
-
-
-def emulated_uuid(names: IpcNames, index: int) -> str:
-    """The UUID of emulated GPU ``index`` of a namespace, in NVML's form (``GPU-xxxxxxxx-...``)."""
-    return f"GPU-{uuidlib.uuid5(UUID_NAMESPACE, f'{os.getuid()}/{names.namespace}/{index}')}"
 
 
 @dataclass(frozen=True)
@@ -152,36 +136,33 @@ def _same_process(pid: int, ticks: int, bits: int = 64) -> bool:
 
 
 class EmulatedGpu:
-    """One emulated GPU of a namespace (created on first use, shared by all its processes)."""
+    """One emulated GPU of a home (``drbalance.emu.home``): the user's own of a namespace (given
+    its ``IpcNames``: created on first use, shared by all the user's processes), or the machine's.
 
-    def __init__(self, names: IpcNames, index: int, clock: Clock | None = None,
+    ``index``: the GPU's index in its home. ``memory_bytes``: the memory size this process asks
+    for; a home that fixes one (the machine's) gives its own.
+    """
+
+    def __init__(self, home: GpuHome | IpcNames, index: int, clock: Clock | None = None,
                  co_location_capacity: float = CO_LOCATION_CAPACITY, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         if index < 0:
             raise ValueError(f"emulated GPU index must be >= 0; got {index}")
         check_memory_size(memory_bytes)
-        self.names = names
+        self.home = home if isinstance(home, GpuHome) else UserHome(home)
         self.index = index
         self.clock = clock or SystemClock()
         self.co_location_capacity = co_location_capacity
-        self.memory_bytes = int(memory_bytes)
-        self.uuid = emulated_uuid(names, index)
-        lock_path = names.emulated_lock(index)
-        objects.ensure_private_dir(lock_path.parent.parent)
-        objects.ensure_private_dir(lock_path.parent)
-        with _namespace_guard(names, exclusive=False):  # not removed while we open its files and map it
-            self._lock_fd, _ = open_private(lock_path, os.O_RDWR | os.O_CREAT, private=True)  # no link, ours, 0600
-            segment = None
+        fixed = self.home.memory_bytes
+        self.memory_bytes = int(memory_bytes if fixed is None else fixed)
+        self.uuid = self.home.uuid(index)
+        with self.home.guard(exclusive=False):  # not removed while we open its files and map it
+            self._lock_fd, self._wait_fd = self.home.open_files(index)
             try:
-                segment, created = _open_or_create_owned(names, index, self._lock_fd)
-                _agree_on_memory(segment, names, index, self.memory_bytes, created)
-                self._wait_fd, _ = open_private(names.emulated_wait_lock(index), os.O_RDWR | os.O_CREAT,
-                                                private=True)
+                self.segment = self.home.open_segment(index, self._lock_fd, self.memory_bytes)
             except BaseException:
                 os.close(self._lock_fd)
-                if segment is not None:
-                    segment.close()
+                os.close(self._wait_fd)
                 raise
-            self.segment = segment
         self.area = self.segment.area(STATUS_OFFSET, ACCOUNT.size, f"emulated GPU {index}")
         self.memory_area = self.segment.area(MEMORY_OFFSET, MEMORY_TABLE_SIZE, f"emulated GPU {index} memory")
         self._memory_thread_lock = threading.Lock()
@@ -351,7 +332,8 @@ _OPEN: weakref.WeakSet[EmulatedGpu] = weakref.WeakSet()
 
 
 def _close_inherited() -> None:
-    """In a forked child (a data-loader worker): close the emulated GPUs inherited from the parent.
+    """In a forked child (a data-loader worker): close the emulated GPUs inherited from the parent,
+    and their homes' descriptors.
 
     The child's copy of a mapping shows in /proc as a user of the GPU, so the parent, releasing
     its GPUs at exit while a worker still lives, would leave them to a process that never removes
@@ -360,143 +342,34 @@ def _close_inherited() -> None:
     """
     for gpu in list(_OPEN):
         gpu.close()
+        gpu.home.close()
 
 
 os.register_at_fork(after_in_child=_close_inherited)
 
 
-def _open_or_create(name: str) -> tuple[Segment, bool]:
-    """The segment ``name``, and whether this call created it."""
-    for _ in range(50):
-        try:
-            return Segment.create(name, SegmentKind.EMULATED_GPU), True
-        except posix_ipc.ExistentialError:
-            pass
-        try:
-            return Segment.open(name, SegmentKind.EMULATED_GPU), False
-        except RecordEmpty:
-            time.sleep(0.01)  # another process is initialising it right now
-        except posix_ipc.ExistentialError:
-            continue  # removed between our two calls: create it again
-    raise RuntimeError(f"could not open emulated GPU segment {name}")
-
-
-def _open_or_create_owned(names: IpcNames, index: int, lock_fd: int, attempts: int = 5) -> tuple[Segment, bool]:
-    """``_open_or_create`` for emulated GPU ``index`` under the name its lock file gives
-    (``assign_emulated_token``); a name another user took between that and the opening is left
-    to them, and the next attempt chooses another."""
-    for _ in range(attempts - 1):
-        try:
-            return _open_or_create(assign_emulated_token(names, index, lock_fd))
-        except objects.ForeignObject:
-            continue
-    return _open_or_create(assign_emulated_token(names, index, lock_fd))
-
-
-def _agree_on_memory(segment: Segment, names: IpcNames, index: int, memory_bytes: int, created: bool) -> None:
-    """Make every process of the namespace use one memory size (bytes) for emulated GPU ``index``.
-
-    Its creator records its size in the segment; a process that asks for another size while
-    another process maps the GPU gets a ``ValueError`` naming both (with a size per process, a manager
-    would cap shares by one size while its jobs reserve up to another). A GPU that
-    nobody else maps (left behind by a killed job), or that no creator has sized yet within
-    ``SPEC_PATIENCE`` seconds (one made by a release that records no size), takes this process's
-    size.
-    Call with the namespace guard held (shared), so that no remover runs meanwhile.
-    """
-    area = segment.area(SPEC_OFFSET, SPEC.size, f"emulated GPU {index} memory size")
-    if created:
-        area.write(SPEC.pack(memory_bytes))
-        return
-    deadline = time.monotonic() + SPEC_PATIENCE
-    while True:
-        try:
-            recorded = SPEC.unpack(area.read())[0]
-            break
-        except RecordError:  # its creator has not written it yet (or never will: a release that records no size)
-            if time.monotonic() >= deadline:
-                recorded = None
-                break
-            time.sleep(0.01)
-    if recorded == memory_bytes:
-        return
-    if recorded is not None:
-        users = [pid for pid in objects.shm_users(segment.name) if pid != os.getpid()]
-        if users:
-            raise ValueError(
-                f"emulated GPU {index} of namespace {names.namespace!r} has {_size(recorded)} of memory "
-                f"({recorded} bytes) for the processes using it ({', '.join(map(str, users[:8]))}), but this "
-                f"process asks for {_size(memory_bytes)} ({memory_bytes} bytes): give every process of the "
-                f"namespace the same spec (DRBALANCE_EMULATED_GPUS=N:MEMORY, --source emulated:N:MEMORY, "
-                f"--devices emulated:N:MEMORY; default {_size(DEFAULT_MEMORY_BYTES)})")
-    area.write(SPEC.pack(memory_bytes))
-
-
-@contextmanager
-def _namespace_guard(names: IpcNames, exclusive: bool, patience: float = GUARD_PATIENCE) -> Iterator[bool]:
-    """Hold a ``flock`` on the namespace's runtime folder: shared while a process opens an emulated
-    GPU's files and maps its segment, exclusive while one checks that nobody maps it and removes it,
-    so a GPU is never removed between another process's opening and its mapping (which would leave
-    two jobs on two different copies of "the same" GPU). Yields whether the lock was taken: after
-    ``patience`` seconds (a holder stopped with SIGSTOP) or without the folder it goes on unguarded
-    rather than hang."""
-    try:
-        fd: int | None = os.open(names.runtime_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        fd = None
-    try:
-        yield fd is not None and _flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, patience)
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
-
-
-def _flock_within(fd: int, operation: int, patience: float) -> bool:
-    """Take ``flock(fd, operation)``, trying for up to ``patience`` seconds; whether it was taken."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            fcntl.flock(fd, operation | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-
-
 def release_emulated_gpus(gpus: Sequence[EmulatedGpu]) -> dict[int, list[int]]:
-    """Close ``gpus`` (of one namespace) and remove the shared objects of each that nothing maps
-    any more: the last user cleans up, whether a job or the manager. This process counts as a
-    user while another of its objects (a second model's backend) still maps a GPU: ``gpus`` are
-    unmapped first, so only such others show. Returns, for each GPU index still in use, the pids
-    using it."""
+    """Close ``gpus`` (opened through one home) and let go of their home (``GpuHome.release``):
+    this user's own are removed when nothing maps them any more (the last user cleans up, whether
+    a job or the manager); the machine's only by their system manager. Returns, for each GPU
+    index still in use, the pids using it."""
     if not gpus:
         return {}
-    for gpu in gpus:
-        gpu.close()
-    names = gpus[0].names
-    with _namespace_guard(names, exclusive=True) as guarded:
-        mapping = objects.shm_users_of([names.emulated_gpu(gpu.index) for gpu in gpus])  # one pass over /proc
-        in_use = {}
-        for gpu in gpus:
-            users = mapping[names.emulated_gpu(gpu.index)]
-            if users:
-                in_use[gpu.index] = users
-            elif guarded:
-                _remove_gpu(names, gpu.index, ignored=OSError)
-    return in_use
+    return gpus[0].home.release(gpus)
 
 
-def open_emulated_gpus(names: IpcNames, indices: Sequence[int], clock: Clock | None = None,
+def open_emulated_gpus(home: GpuHome | IpcNames, indices: Sequence[int], clock: Clock | None = None,
                        memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[EmulatedGpu]:
-    """Open emulated GPUs ``indices`` of a namespace (``memory_bytes`` each), all or none: when one
-    cannot be opened (another process uses it with another memory size, an unsafe file), those
-    opened before it are released (``release_emulated_gpus``: removed unless another process
-    uses them) and the error is raised."""
+    """Open emulated GPUs ``indices`` of a home (this user's of a namespace, given its ``IpcNames``;
+    ``memory_bytes`` each where the home does not fix a size), all or none: when one cannot be
+    opened (another process uses it with another memory size, an unsafe file), those opened
+    before it are released (``release_emulated_gpus``: removed unless another process uses
+    them) and the error is raised."""
+    home = home if isinstance(home, GpuHome) else UserHome(home)
     opened: list[EmulatedGpu] = []
     try:
         for index in indices:
-            opened.append(EmulatedGpu(names, index, clock, memory_bytes=memory_bytes))
+            opened.append(EmulatedGpu(home, index, clock, memory_bytes=memory_bytes))
     except BaseException:
         try:
             release_emulated_gpus(opened)
@@ -531,21 +404,9 @@ def _release_if_owner(gpus: tuple[EmulatedGpu, ...], owner: int) -> None:
 
 
 def remove_emulated_gpus(names: IpcNames, count: int) -> None:
-    """Remove the shared objects of emulated GPUs 0..count-1 (after a run)."""
+    """Remove the shared objects of this user's emulated GPUs 0..count-1 of a namespace (after a run)."""
     for index in range(count):
-        _remove_gpu(names, index, ignored=FileNotFoundError)
-
-
-def _remove_gpu(names: IpcNames, index: int, ignored: type[OSError]) -> None:
-    """Unlink emulated GPU ``index``'s segment, lock file and wait file (and the waiter semaphore
-    that older releases made); a file that cannot be removed for an ``ignored`` reason stays."""
-    objects.unlink_shared_memory(names.emulated_gpu(index))
-    objects.unlink_semaphore(names.emulated_waiters(index))
-    for path in (names.emulated_lock(index), names.emulated_wait_lock(index)):
-        try:
-            remove_private(path, private=True)  # False when it is gone already
-        except ignored:
-            pass
+        remove_user_gpu(names, index, ignored=FileNotFoundError)
 
 
 @dataclass(frozen=True)
@@ -577,29 +438,65 @@ def emulated_spec(argument: str | None = None) -> EmulatedSpec:
 class EmulatedSource:
     """Utilisation of emulated GPUs: percent of each sample period during which one was occupied.
 
-    It belongs to one namespace (the manager's ``--namespace``). When it is closed (the manager
-    stops), it removes the objects of its emulated GPUs unless another process still maps one
-    (a job training on): those are left for the last user (``remove_emulated_gpus``).
+    A per-user manager's (``open``) are its user's GPUs of its namespace: when it is closed (the
+    manager stops), it removes the objects of its emulated GPUs unless another process still maps
+    one (a job training on): those are left for the last user (``remove_emulated_gpus``). A system
+    manager's (``for_machine``) are the machine's, which every user's jobs share: it makes them,
+    and removes them when it is closed unless a job still uses one (then the next system manager
+    adopts them).
     """
 
     name = "emulated"
 
-    def __init__(self, names: IpcNames, indices: Sequence[int], clock: Clock | None = None,
+    def __init__(self, home: GpuHome | IpcNames, indices: Sequence[int], clock: Clock | None = None,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self.clock = clock or SystemClock()
-        self.names = names
-        self.gpus = open_emulated_gpus(names, indices, self.clock, memory_bytes)
+        self.home = home if isinstance(home, GpuHome) else UserHome(home)
+        self.gpus = open_emulated_gpus(self.home, indices, self.clock, memory_bytes)
         self._last: tuple[float, list[float]] | None = None
         self.left_in_use: dict[int, list[int]] = {}  # after close: GPU index -> pids still using it
 
     @classmethod
     def open(cls, argument: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> EmulatedSource:
+        """This user's emulated GPUs of ``namespace``: ``argument`` is ``N`` or ``N:MEMORY`` (empty:
+        ``DRBALANCE_EMULATED_GPUS``); ``gpus``: the indices reported (default all). Where the
+        machine's system folder publishes emulated GPUs (``emulated.json``), the jobs of the
+        namespace train on those, so the source reads them: the load of every user's jobs, as NVML
+        reads a real GPU's (it never makes or removes the machine's GPUs)."""
+        from drbalance.emu.machine import MachineHome
+        from drbalance.emu.view import machine_place
+
         spec = emulated_spec(argument)
-        count = spec.count
-        indices = list(range(count)) if gpus is None else list(gpus)
-        if any(not 0 <= g < count for g in indices):
-            raise ValueError(f"--gpus {indices} outside the {count} emulated GPUs")
-        return cls(IpcNames.current(namespace), indices, memory_bytes=spec.memory_bytes)
+        names = IpcNames.current(namespace)
+        place = machine_place(names.namespace)
+        home = MachineHome.open(place) if place is not None else None
+        if home is not None:
+            try:
+                return cls(home, _reported(gpus, home.spec.count), memory_bytes=home.spec.memory_bytes)
+            except BaseException:
+                home.close()
+                raise
+        return cls(names, _reported(gpus, spec.count), memory_bytes=spec.memory_bytes)
+
+    @classmethod
+    def for_machine(cls, place: SystemPlace, argument: str | None, gpus: Sequence[int] | None,
+                    clock: Clock | None = None) -> EmulatedSource:
+        """The machine's emulated GPUs in the system manager's folder ``place`` (``system.create``):
+        ``argument`` is ``N`` or ``N:MEMORY`` (None or empty: ``DRBALANCE_EMULATED_GPUS``); all N
+        are made, with ``emulated.json`` (``drbalance.emu.machine``), and ``gpus`` are reported
+        (default all). GPUs a previous system manager left while jobs still use them are adopted
+        (``ValueError`` unless they are N of MEMORY). ``UnsafePath`` unless this process is
+        ``place``'s owner."""
+        from drbalance.emu.machine import MachineHome
+
+        spec = emulated_spec(argument)
+        indices = _reported(gpus, spec.count)
+        home = MachineHome.create(place, spec.count, spec.memory_bytes)
+        try:
+            return cls(home, indices, clock, spec.memory_bytes)
+        except BaseException:
+            home.release([])  # removes what it made, unless jobs use GPUs it adopted
+            raise
 
     def gpu_uuids(self) -> tuple[str | None, ...]:
         """Each reported GPU's UUID (``GPU-...``), in report order."""
@@ -622,5 +519,14 @@ class EmulatedSource:
         return tuple(min(100.0, max(0.0, 100.0 * (b - a) / period)) for a, b in zip(last[1], busy))
 
     def close(self) -> None:
-        self.left_in_use.update(release_emulated_gpus(self.gpus))
-        self.gpus = []
+        """Release the GPUs (``GpuHome.release``); ``left_in_use`` then names those still in use."""
+        gpus, self.gpus = self.gpus, []
+        self.left_in_use.update(self.home.release(gpus))
+
+
+def _reported(gpus: Sequence[int] | None, count: int) -> list[int]:
+    """The indices a source reports (``--gpus``; default all ``count``), checked."""
+    indices = list(range(count)) if gpus is None else list(gpus)
+    if any(not 0 <= g < count for g in indices):
+        raise ValueError(f"--gpus {indices} outside the {count} emulated GPUs")
+    return indices

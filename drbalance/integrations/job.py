@@ -136,18 +136,22 @@ def _session(model: BalancedDistributedDataParallel, app: str, plan: JobPlan, se
 def emulated_rank_device(device: torch.device, local_rank: int) -> Any:
     """This rank's emulated GPU (``EmulatedRankDevice``, costs estimated from its first forward) when
     it trains on the CPU and ``DRBALANCE_EMULATED_GPUS`` is set; else None. Local rank i holds
-    emulated GPU i; ``ValueError`` when there are fewer emulated GPUs than local ranks."""
+    emulated device i of those the process sees (``drbalance.emu.view``: the machine's or the
+    user's, as ``CUDA_VISIBLE_DEVICES`` shows them); ``ValueError`` when there are fewer than local
+    ranks."""
     spec_text = env.emulated_gpus()
     if device.type != "cpu" or not spec_text:
         return None
     from drbalance.client.emulated_rank import EmulatedRankDevice
     from drbalance.emu.gpus import emulated_spec
+    from drbalance.emu.view import emulated_view
 
     spec = emulated_spec()
-    if not 0 <= local_rank < spec.count:
+    view = emulated_view(spec.count, spec.memory_bytes)
+    if not 0 <= local_rank < view.count:
         raise ValueError(f"local rank {local_rank} has no emulated GPU: DRBALANCE_EMULATED_GPUS={spec_text} gives "
-                         f"{spec.count}; give at least one per rank of this node")
-    return EmulatedRankDevice(local_rank, None, memory_bytes=spec.memory_bytes)
+                         f"{view.describe()}; give at least one per rank of this node")
+    return EmulatedRankDevice(local_rank, None, memory_bytes=spec.memory_bytes, count=spec.count)
 
 
 def emulated_device_options(device: Any) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import posix_ipc
@@ -61,6 +62,27 @@ class ManagerLink(Protocol):
 
     def close(self) -> None:
         """Remove everything this app created."""
+
+
+def command_for(record: AppRecord | None, generation: int, dr_total: int | None, published: DataRatio | None,
+                app: str, report: Callable[..., None]) -> AppCommand | None:
+    """The command in ``record`` if it answers notice ``generation`` and may be applied: a new DR
+    must be at the manager's DR total (``dr_total``, from its heartbeat or welcome), a kept one is
+    the DR last published (``published``). Anything else is ignored (said once through ``report``)."""
+    if record is None:
+        return None
+    try:
+        command = record.read_command()
+    except RecordError:
+        return None  # a half-written, corrupt or truncated command is never applied
+    if command is None or command.generation != generation:
+        return None  # none yet, or a stale answer to an older notice
+    if command.ratio.total != dr_total and command.ratio != published:
+        # a manager sends a new DR at its own total (a kept one as the job has it): not the manager's
+        report(f"total:{command.ratio.total}:{dr_total}", "drbalance: %r ignored a command for DR %s: its manager "
+               "decides at DR total %s", app, command.ratio, dr_total if dr_total is not None else "(none found yet)")
+        return None
+    return command
 
 
 class DetachedLink:
@@ -375,21 +397,7 @@ class PosixManagerLink:
         return True
 
     def _command_for(self, generation: int) -> AppCommand | None:
-        if self.record is None:
-            return None
-        try:
-            command = self.record.read_command()
-        except RecordError:
-            return None  # a half-written, corrupt or truncated command is never applied
-        if command is None or command.generation != generation:
-            return None  # none yet, or a stale answer to an older notice
-        if command.ratio.total != self._dr_total and command.ratio != self._published:
-            # a manager sends a new DR at its own total (a kept one as the job has it): not the manager's
-            self._report(f"total:{command.ratio.total}:{self._dr_total}", "drbalance: %r ignored a command for DR "
-                         "%s: its manager decides at DR total %s", self.app, command.ratio,
-                         self._dr_total if self._dr_total is not None else "(none found yet)")
-            return None
-        return command
+        return command_for(self.record, generation, self._dr_total, self._published, self.app, self._report)
 
     def _drain_signal(self) -> None:
         while self.signal is not None:

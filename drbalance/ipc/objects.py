@@ -50,6 +50,14 @@ def check_owned(info: os.stat_result, name: str) -> None:
         raise ForeignObject(name, f"is writable by group or others (mode {mode:04o})", info.st_uid)
 
 
+def check_owner(info: os.stat_result, name: str, owner: int) -> None:
+    """``ForeignObject`` unless ``info`` is a regular file of ``owner`` or of root."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ForeignObject(name, "is not a regular file", info.st_uid)
+    if info.st_uid not in (owner, 0):
+        raise ForeignObject(name, f"belongs to {user_name(info.st_uid)}, not to {user_name(owner)}", info.st_uid)
+
+
 def _listed_path(name: str, kind: str) -> Path:
     return SHM_DIR / (("sem." if kind == "semaphore" else "") + name.lstrip("/"))
 
@@ -68,29 +76,34 @@ def unlinked_fd(fd: int | None) -> bool:
         return True
 
 
-def _refused(name: str, kind: str) -> ForeignObject:
-    """The error for an object we may not open: who owns it, if /dev/shm tells."""
+def _refused(name: str, kind: str, owner: int | None = None) -> ForeignObject:
+    """The error for an object we may not open: who owns it, if /dev/shm tells (``owner``: whose
+    it must be, if not this user's)."""
     try:
         info = os.lstat(_listed_path(name, kind))
     except OSError:
         return ForeignObject(name, f"{kind} cannot be opened (permission denied)")
     try:
-        check_owned(info, name)
+        if owner is None:
+            check_owned(info, name)
+        else:
+            check_owner(info, name, owner)
     except ForeignObject as error:
         return error
     return ForeignObject(name, f"{kind} cannot be opened (permission denied, mode {stat.S_IMODE(info.st_mode):04o})")
 
 
 # --- shared memory -----------------------------------------------------------------------------
-def create_shared_memory(name: str, size: int) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
-    """Create a new segment (fails if it exists) of ``size`` bytes, zero-filled, mode 0600.
+def create_shared_memory(name: str, size: int, mode: int = PRIVATE_MODE) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
+    """Create a new segment (fails if it exists) of ``size`` bytes, zero-filled, mode 0600 (or
+    ``mode``: a machine's emulated GPU, which every user's jobs write, is 0666).
 
     The segment's fd stays open (``segment.fd``) so that its size can be checked before every
     access of the mapping; the caller closes it with ``segment.close_fd()``.
     """
-    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=PRIVATE_MODE, size=size)
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
     try:
-        os.fchmod(segment.fd, PRIVATE_MODE)
+        os.fchmod(segment.fd, mode)
         back_pages(segment.fd, size, fresh=True)
         mapping = mmap.mmap(segment.fd, size)
     except BaseException:
@@ -118,19 +131,29 @@ def back_pages(fd: int, size: int, fresh: bool = False) -> None:
         os.pwrite(fd, bytes(size - start), start)
 
 
-def open_shared_memory(name: str, writable: bool = True) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
+def open_shared_memory(name: str, writable: bool = True,
+                       owner: int | None = None) -> tuple[posix_ipc.SharedMemory, mmap.mmap]:
     """Open an existing segment of this user and map all of it (the fd stays open, see create).
 
-    ``ForeignObject`` if it is not this user's; ``ValueError`` if it is empty.
+    ``ForeignObject`` if it is not this user's, or is a symbolic link; ``ValueError`` if it is
+    empty. ``owner``: the segment is that user's instead (or root's), whoever may write it (a
+    machine's emulated GPU: the system manager's, mode 0666).
     """
     flags = 0 if writable else posix_ipc.O_RDONLY
     try:
         segment = posix_ipc.SharedMemory(name, flags, read_only=not writable)
     except posix_ipc.PermissionsError:
-        raise _refused(name, "shared memory") from None
+        raise _refused(name, "shared memory", owner) from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # shm_open does not follow links: someone planted one under the name
+            raise ForeignObject(name, "is a symbolic link in /dev/shm, not a segment") from None
+        raise
     try:
         info = os.fstat(segment.fd)
-        check_owned(info, name)
+        if owner is None:
+            check_owned(info, name)
+        else:
+            check_owner(info, name, owner)
         if info.st_size <= 0:
             raise ValueError(f"shared memory {name} is empty")
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ

@@ -59,6 +59,14 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def login_name(uid: int) -> str:
+    """The user's login name, or the uid as a number when it has no passwd entry."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 # --- the checks ----------------------------------------------------------------------------------
 def _check_folder_on_the_way(path: Path, info: os.stat_result, me: int) -> None:
     """The private rule for a folder on the way: root's or ours, not writable by others unless sticky."""

@@ -12,6 +12,7 @@ with SIGBUS. A truncated segment is a ``SegmentTruncated`` error; its creator ca
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import time
@@ -135,10 +136,38 @@ class SeqlockArea:
         raise RecordBusy(f"{self.where}: still being written after {attempts} attempts")
 
 
-class Segment:
-    """A named shared-memory segment with a header and up to two seqlocked areas."""
+def _check_header(mapping: mmap.mmap, name: str, kind: SegmentKind) -> None:
+    """``RecordError`` (``RecordEmpty`` before it is written) unless the segment's header is this
+    layout's, of ``kind``."""
+    magic, version, found, status, command = SEGMENT_HEADER.unpack_from(mapping, 0)
+    if magic != SEGMENT_MAGIC:
+        raise RecordEmpty(f"{name}: bad magic {magic!r} (not initialised, or not a drbalance record)")
+    if version != LAYOUT_VERSION:
+        raise RecordError(f"{name}: layout version {version}, this build reads {LAYOUT_VERSION}")
+    if found != kind or status != STATUS_OFFSET or command != COMMAND_OFFSET:
+        raise RecordError(f"{name}: segment kind {found} / offsets {status},{command} unexpected")
 
-    def __init__(self, name: str, memory: posix_ipc.SharedMemory, mapping: mmap.mmap, kind: SegmentKind) -> None:
+
+class DescriptorMemory:
+    """The descriptor of a segment with no name (a memfd): what ``Segment`` uses of a
+    ``posix_ipc.SharedMemory``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._closed = False
+
+    def close_fd(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+
+class Segment:
+    """A shared-memory segment with a header and up to two seqlocked areas: named (in /dev/shm)
+    or a sealed memfd passed between processes (``create_sealed``, ``adopt``)."""
+
+    def __init__(self, name: str, memory: posix_ipc.SharedMemory | DescriptorMemory, mapping: mmap.mmap,
+                 kind: SegmentKind) -> None:
         self.name = name
         self.memory = memory
         self.mapping = mapping
@@ -146,38 +175,70 @@ class Segment:
         self.words = memoryview(mapping).cast("I")  # native uint32: atomic aligned loads/stores
 
     @classmethod
-    def create(cls, name: str, kind: SegmentKind) -> Segment:
-        memory, mapping = objects.create_shared_memory(name, SEGMENT_SIZE)
+    def create(cls, name: str, kind: SegmentKind, mode: int = objects.PRIVATE_MODE) -> Segment:
+        """Create the segment ``name`` (``posix_ipc.ExistentialError`` if it exists), mode 0600 or ``mode``."""
+        memory, mapping = objects.create_shared_memory(name, SEGMENT_SIZE, mode)
         segment = cls(name, memory, mapping, kind)
         segment._write_header()
         return segment
 
     @classmethod
-    def open(cls, name: str, kind: SegmentKind) -> Segment:
+    def open(cls, name: str, kind: SegmentKind, owner: int | None = None) -> Segment:
         """Open an existing segment and check its header.
 
         ``RecordError`` if it is not a readable segment of this layout, ``objects.ForeignObject``
-        if it is not this user's, ``posix_ipc.ExistentialError`` if it does not exist.
+        if it is not this user's (``owner``: that user's or root's), ``posix_ipc.ExistentialError``
+        if it does not exist.
         """
         try:
-            memory, mapping = objects.open_shared_memory(name)
+            memory, mapping = objects.open_shared_memory(name, owner=owner)
         except ValueError as error:
             raise SegmentTruncated(f"{name}: {error}") from None
         try:
             if len(mapping) < SEGMENT_SIZE:
                 raise SegmentTruncated(f"{name}: {len(mapping)} bytes, expected {SEGMENT_SIZE}")
-            magic, version, found, status, command = SEGMENT_HEADER.unpack_from(mapping, 0)
-            if magic != SEGMENT_MAGIC:
-                raise RecordEmpty(f"{name}: bad magic {magic!r} (not initialised, or not a drbalance record)")
-            if version != LAYOUT_VERSION:
-                raise RecordError(f"{name}: layout version {version}, this build reads {LAYOUT_VERSION}")
-            if found != kind or status != STATUS_OFFSET or command != COMMAND_OFFSET:
-                raise RecordError(f"{name}: segment kind {found} / offsets {status},{command} unexpected")
+            _check_header(mapping, name, kind)
         except BaseException:
             mapping.close()
             memory.close_fd()
             raise
         return cls(name, memory, mapping, kind)
+
+    @classmethod
+    def create_sealed(cls, label: str, kind: SegmentKind) -> Segment:
+        """A new segment with no name: a memfd sealed at its size, so a mapping of it can never
+        fault (what a job passes to a system manager, ``drbalance.ipc.peer``). ``label`` names it in
+        messages and in /proc (``memfd:<label>``). ``OSError`` when there is no memory for its pages."""
+        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SEGMENT_SIZE)
+            objects.back_pages(fd, SEGMENT_SIZE, fresh=True)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, SEGMENT_SIZE)
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = cls(f"memfd:{label}", DescriptorMemory(fd), mapping, kind)
+        segment._write_header()
+        return segment
+
+    @classmethod
+    def adopt(cls, fd: int, label: str, kind: SegmentKind) -> Segment:
+        """The segment open as ``fd`` (passed by its creator and checked by the caller: a sealed
+        memfd of ``SEGMENT_SIZE`` bytes), mapped; ``RecordError`` unless its header is this
+        layout's. The descriptor is the segment's from now on (closed with it, or here on error)."""
+        try:
+            mapping = mmap.mmap(fd, SEGMENT_SIZE)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            _check_header(mapping, label, kind)
+        except BaseException:
+            mapping.close()
+            os.close(fd)
+            raise
+        return cls(label, DescriptorMemory(fd), mapping, kind)
 
     def _write_header(self) -> None:
         SEGMENT_HEADER.pack_into(self.mapping, 0, SEGMENT_MAGIC, LAYOUT_VERSION, int(self.kind), STATUS_OFFSET,
@@ -233,7 +294,7 @@ class Segment:
 class AppRecord:
     """An app's record: the status area (app writes) and the command area (manager writes)."""
 
-    def __init__(self, names: IpcNames, app: str, token: str, segment: Segment) -> None:
+    def __init__(self, names: IpcNames | None, app: str, token: str, segment: Segment) -> None:
         self.names = names
         self.app = app
         self.token = token
@@ -252,6 +313,17 @@ class AppRecord:
         """
         token = token or new_token()
         return cls(names, app, token, Segment.create(names.app_record(app, token), SegmentKind.APP))
+
+    @classmethod
+    def create_sealed(cls, app: str) -> AppRecord:
+        """A new record of ``app`` with no name in /dev/shm (``Segment.create_sealed``), for a
+        system manager: only processes it is passed to can reach it."""
+        return cls(None, app, "", Segment.create_sealed(f"drbalance-record.{app}", SegmentKind.APP))
+
+    @classmethod
+    def adopt(cls, fd: int, app: str, label: str) -> AppRecord:
+        """The record of ``app`` passed as ``fd`` (checked by the caller, ``peer.check_record_descriptor``)."""
+        return cls(None, app, "", Segment.adopt(fd, label, SegmentKind.APP))
 
     @classmethod
     def open(cls, names: IpcNames, app: str, token: str | None = None) -> AppRecord:

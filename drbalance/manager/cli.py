@@ -17,9 +17,13 @@ from drbalance.argtypes import (
     positive_int,
 )
 from drbalance.helptext import HelpFormatter, environment_epilog
+from drbalance.ipc import system
 from drbalance.ipc.private import UnsafePath
+from drbalance.manager.admission import UserLimits
 from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
+from drbalance.manager.slurm import SlurmWeight
+from drbalance.manager.system import SystemManager
 from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
@@ -122,6 +126,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the metrics endpoint listens on: loopback only by default; e.g. 0.0.0.0 "
                         "or :: to let a Prometheus on another host scrape it (anyone who can reach the port "
                         "sees app names)")
+    system = parser.add_argument_group(
+        "system manager", "one manager for every user of the machine, started by the administrator "
+        "(docs/operations.md): jobs find it with no setting and attach to it before their user's own manager")
+    limits = UserLimits()
+    system.add_argument("--system", action="store_true",
+                        help="run as the machine's system manager, in DRBALANCE_SYSTEM_DIR/<namespace> (default "
+                        "/run/drbalance/<namespace>), as root or as the service user that owns that folder")
+    system.add_argument("--max-jobs-per-user", type=positive_int, default=limits.jobs, metavar="N",
+                        help="jobs one user may have attached at once; more are refused (with --system)")
+    system.add_argument("--max-connections-per-user", type=positive_int, default=limits.connections, metavar="N",
+                        help="connections one user may hold open at once (jobs, status views; with --system)")
+    system.add_argument("--notices-per-user", type=positive_float, default=limits.notices_per_second,
+                        metavar="PER_SECOND", help="notices taken from one user per second, with a burst of one "
+                        "second's worth; more are refused (with --system)")
+    system.add_argument("--show-names", action="store_true",
+                        help="show every job's user and name to every user in 'drbalance status' and in the "
+                        "metrics (default: a user sees other users' jobs only as anonymous load; with --system)")
+    slurm = parser.add_argument_group("Slurm", "a manager on a Slurm node (docs/slurm.md)")
+    slurm.add_argument("--slurm-weight", action="store_true",
+                       help="set this node's Weight in Slurm to 100 x the slow-down a new job would have here, so "
+                       "Slurm starts new jobs where they are slowed least (runs 'scontrol update NodeName=NODE "
+                       "Weight=W' when it changes; needs Slurm operator rights)")
+    slurm.add_argument("--slurm-node", default=None, metavar="NODE",
+                       help="this node's NodeName in slurm.conf (default: SLURMD_NODENAME, else the short host name)")
+    slurm.add_argument("--slurm-weight-period", type=positive_float, default=defaults.slurm_weight_period,
+                       metavar="SECONDS", help="seconds between weight updates")
     parser.add_argument("--duration", type=positive_float, default=None,
                         help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -162,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
     # that arrives before the manager exists is kept and honoured once it does; a second one then
     # ends the process at once (a start-up that hangs, e.g. in a driver call, needs no SIGKILL).
     early_stop: list[str] = []
-    manager: Manager | None = None
+    manager: Manager | SystemManager | None = None
 
     def on_stop(number: int, frame: object) -> None:
         name = signal.Signals(number).name
@@ -189,8 +219,13 @@ def _serve(args: argparse.Namespace) -> int:
             dr_total=args.dr_total, sample_period=args.sample_period, window=args.window,
             util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
             log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep,
+            slurm_weight_period=args.slurm_weight_period,
         )
-        source = open_source(args.source, args.gpus, namespace=namespace)
+        machine = _system_place(namespace) if args.system else None
+        source = open_source(args.source, args.gpus, namespace=namespace, machine=machine)
+    except ManagerStartError as error:
+        logger.error("drbalance-manager: %s", error)
+        return 1
     except (UtilizationUnavailable, ValueError) as error:
         logger.error("drbalance-manager: %s", error)
         return 2
@@ -202,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     metrics = ManagerMetrics(namespace, settings.policy) if args.metrics_port is not None else None
     try:
-        manager = Manager(settings, source, metrics=metrics)
+        manager = _manager(args, settings, source, metrics)
     except ValueError as error:  # e.g. --dr-total 0, --sd-threshold -1
         source.close()
         logger.error("drbalance-manager: %s", error)
@@ -235,6 +270,29 @@ def _serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
     return 0
+
+
+def _system_place(namespace: str) -> system.SystemPlace:
+    """The system manager's folder, made where missing (``ManagerStartError`` naming what to do)."""
+    try:
+        return system.create(namespace)
+    except OSError as error:  # UnsafePath, PermissionError
+        raise ManagerStartError(
+            f"cannot use the system folder {system.system_root() / namespace}: {error}. Run the system manager as "
+            f"root, or as a service user to whom root gave {system.system_root()} (systemd: "
+            f"RuntimeDirectory=drbalance; docs/operations.md)") from None
+
+
+def _manager(args: argparse.Namespace, settings: ManagerSettings, source, metrics) -> Manager | SystemManager:
+    """The manager the options ask for: the machine's system manager (``--system``), else the user's own."""
+    if not args.system:
+        manager = Manager(settings, source, metrics=metrics)
+    else:
+        limits = UserLimits(args.max_jobs_per_user, args.max_connections_per_user, args.notices_per_user)
+        manager = SystemManager(settings, source, metrics=metrics, limits=limits, show_names=args.show_names)
+    if args.slurm_weight:
+        manager.slurm = SlurmWeight(args.slurm_node or env.slurm_node())
+    return manager
 
 
 if __name__ == "__main__":

@@ -26,20 +26,17 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import posix_ipc
 
-from drbalance import defaults
-from drbalance.clock import Clock, SystemClock
+from drbalance.clock import Clock
 from drbalance.ipc import discovery, objects
 from drbalance.ipc.endpoint import AppChannel, ManagerEndpoint, other_live_manager
-from drbalance.ipc.layout import AppCommand, AppState, ManagerBeat, Notice, NoticeKind, RecordError
+from drbalance.ipc.layout import AppState, ManagerBeat, Notice, NoticeKind, RecordError
 from drbalance.ipc.names import IpcNames, ListedObject
 from drbalance.ipc.private import (
     UnsafePath,
@@ -51,41 +48,28 @@ from drbalance.ipc.private import (
     write_private,
 )
 from drbalance.ipc.records import AppRecord, RecordBusy, RecordEmpty
+from drbalance.ipc.system_link import running_system_manager
 from drbalance.jsonlog import JsonLinesWriter
+from drbalance.manager.balancer import (  # noqa: F401 (ManagerSettings, SampleFailed: this module's API too)
+    REPORT_FORGET_SECONDS,
+    UNREPORTED_SAID_SECONDS,
+    Balancer,
+    ManagerAlreadyRunning,
+    ManagerSettings,
+    ManagerStartError,
+    SampleFailed,
+)
 from drbalance.manager.listing import ShmLister, ShmListing
-from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
+from drbalance.manager.metrics import ManagerMetrics
 from drbalance.manager.status import printable
-from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
-from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
-from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
-from drbalance.policy.base import SoloEstimating
-from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+from drbalance.manager.table import AppEntry, AppTable
+from drbalance.manager.utilization import UtilizationSource
+from drbalance.policy import Policy
 
 logger = logging.getLogger("drbalance.manager")
 
 UNCLAIMED_READ_ATTEMPTS = 20  # reads of a record no claim names: spins only, never sleeps (SeqlockArea.read)
 GRACE_SECONDS = 5.0  # an unfinished claim or an unclaimed record younger than this is being created
-FAULT_REPEAT_SECONDS = 60.0  # a fault that persists is logged again at most this often
-DEFAULT_LOG_MAX_BYTES = 64 * 1024 * 1024
-DEFAULT_LOG_KEEP = 5
-MAX_LOG_KEEP = 1000  # rotated manager logs kept at most
-UUID_RETRY_SECONDS = 10.0  # how often GPU UUIDs that could not be read are tried again
-MEMORY_KEPT_SECONDS = 10.0
-"""A GPU's last memory reading stands in for one that failed (an NVML error on one call of many)
-for this long: without a reading the GPU has no free-memory cap, and a decision made meanwhile
-could send a job more than fits."""
-REPORT_FORGET_SECONDS = 60.0
-"""A problem reported once per app and reason (an unreadable claim or record, a notice that
-cannot be admitted) is forgotten when it has not been seen again for this long (its app gone), so
-the set of reported problems does not grow with every job that ever failed; seen again later, it
-is reported again."""
-MAX_REPORTED = 10_000
-"""Distinct problems (kind, app, reason) the manager keeps so as to name each once on stderr; past
-that a new one is only counted, and the count said in one line a minute (the manager log still
-records every one). Without that cap, notices for 188,000 made-up app names in 30 s (a process
-of the same user) would write as many warnings and hold 85 MB of them for a minute."""
-UNREPORTED_SAID_SECONDS = 60.0
-"""How often (seconds, at most) the count of problems not named on stderr is said."""
 MAX_FOREIGN_LISTED = 20
 """Other users' objects named in the status file and on stderr, and newly named in the manager log
 per listing of /dev/shm; the rest are only counted (``foreign_total``, and ``foreign_count`` events
@@ -96,67 +80,8 @@ MAX_FOREIGN_NAMED = 1000
 the log once while it stays; a flood beyond them is counted, not kept."""
 
 
-class ManagerAlreadyRunning(RuntimeError):
-    """Another manager holds this namespace's lock."""
 
 
-class ManagerStartError(RuntimeError):
-    """The manager cannot start; the text says what, where, and what to do."""
-
-
-class SampleFailed(RuntimeError):
-    """The utilisation source raised; its readings count as unavailable (a fault of ``sample``)."""
-
-
-@dataclass(frozen=True)
-class ManagerSettings:
-    """The daemon's options (seconds for periods; percent points for ``util_threshold``).
-
-    ``quiet_after``: seconds without a record update after which a live app is shown as quiet
-    (it is never removed while its process runs). ``log_max_bytes`` / ``log_keep``: the manager
-    log is rotated when it would grow beyond this many bytes, keeping this many old files
-    (``log_max_bytes=None``: never rotated).
-    """
-
-    namespace: str | None = None
-    policy: str = DEFAULT_POLICY
-    sd_threshold: float = defaults.SD_THRESHOLD
-    util_threshold: float = defaults.UTIL_THRESHOLD
-    dr_total: int = DEFAULT_TOTAL
-    sample_period: float = defaults.SAMPLE_PERIOD
-    window: int = defaults.UTIL_WINDOW
-    util_log_period: float = defaults.UTIL_LOG_PERIOD
-    heartbeat_period: float = 0.5
-    gc_period: float = 1.0
-    rescan_period: float = 2.0
-    status_period: float = 1.0
-    quiet_after: float = 600.0
-    inbox_messages: int = 10
-    log_path: Path | None = None
-    log_max_bytes: int | None = DEFAULT_LOG_MAX_BYTES
-    log_keep: int = DEFAULT_LOG_KEEP
-
-    def __post_init__(self) -> None:
-        for name in ("sample_period", "util_log_period", "heartbeat_period", "gc_period", "rescan_period",
-                     "status_period", "quiet_after"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
-        if self.window < 1:
-            raise ValueError(f"window must be at least 1 sample; got {self.window}")
-        if isinstance(self.dr_total, bool) or not isinstance(self.dr_total, int) or not 1 <= self.dr_total <= 65535:
-            raise ValueError(f"the DR granularity (--dr-total) must be an integer 1..65535 (what a record's "
-                             f"16-bit shares carry); got {self.dr_total!r}")
-        if not 1 <= self.inbox_messages <= 10:
-            raise ValueError(f"inbox_messages must be 1..10 (Linux's limit for unprivileged users); "
-                             f"got {self.inbox_messages}")
-        if self.log_max_bytes is not None and (isinstance(self.log_max_bytes, bool) or self.log_max_bytes < 4096):
-            raise ValueError(f"the log's rotation size (--log-max-bytes) must be at least 4096 bytes, or 0 for "
-                             f"never; got {self.log_max_bytes!r}")
-        keep = self.log_keep
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= MAX_LOG_KEEP:
-            raise ValueError(f"the rotated logs to keep (--log-keep) must be an integer 0..{MAX_LOG_KEEP}; "
-                             f"got {keep!r}")
 
 
 def _lock_owner(fd: int, tries: int = 10) -> str:
@@ -207,8 +132,9 @@ class ManagerLock:
             os.close(fd)  # closing the descriptor releases the flock
 
 
-class Manager:
-    """The daemon. ``start()``, then ``run()`` (or ``turn()`` repeatedly), then ``stop()``."""
+class Manager(Balancer):
+    """A user's own manager (the daemon of one user and namespace). ``start()``, then ``run()``
+    (or ``turn()`` repeatedly), then ``stop()``."""
 
     def __init__(
         self,
@@ -218,41 +144,18 @@ class Manager:
         policy: Policy | None = None,
         metrics: ManagerMetrics | None = None,
     ) -> None:
-        self.settings = settings
-        self.metrics = metrics  # None: no metrics are kept (drbalance-manager without --metrics-port)
-        self.source = source
-        self.clock = clock or SystemClock()
-        self.policy = policy or make_policy(settings.policy)
-        self.names = IpcNames.current(settings.namespace)
-        self.gpu_count = source.gpu_count()
-        self.config = PolicyConfig(self.gpu_count, settings.dr_total, settings.sd_threshold, settings.util_threshold)
-        self.window = UtilizationWindow(self.gpu_count, settings.window)
-        self.table = AppTable(self.names)
-        self.last_sample: tuple[float | None, ...] = (None,) * self.gpu_count
-        self.server = ServerGpus(self.gpu_count, _gpu_uuids(source, self.gpu_count))  # memory: see _sample
-        self.stopping: str | None = None
-        self.decisions = 0
+        names = IpcNames.current(settings.namespace)
+        super().__init__(settings, source, AppTable(names), names.namespace, clock, policy, metrics)
+        self.names = names
         self.foreign: dict[str, int] = {}  # /dev/shm entries under our prefix owned by others, named: entry -> uid
         self.foreign_counts: dict[int, int] = {}  # per owner uid: their entries under our prefix, all counted
         self._lister = ShmLister(self.names, MAX_FOREIGN_NAMED)
         self._listing_claims: set[tuple[str, str]] = set()  # (app, token) of the claims at the last rescan
         self._foreign_warned = 0  # foreign objects named on stderr (MAX_FOREIGN_LISTED at most)
-        self._uuids_retry_at = -math.inf  # when GPU UUIDs unknown at start-up are read again
-        self._memory_read: list[tuple[Any, float]] = [(None, -math.inf)] * self.gpu_count  # per GPU: reading, when
         self._stuck_unclaimed: dict[str, int] = {}  # unclaimed records left mid-write: entry -> its odd counter
-        self.faults: dict[str, str] = {}  # task -> the error it last failed with (cleared on recovery)
-        self.fault_counts: dict[str, int] = {}  # task -> times it failed in a row (cleared on recovery)
-        self._fault_logged: dict[str, float] = {}
-        self._reported: dict[tuple[str, ...], float] = {}  # (kind, app, ...) reported once -> when last seen
-        self._unreported = 0  # new problems not kept nor named on stderr since the count was last said
-        self._unreported_said = -math.inf  # when that count was last said (monotonic seconds)
         self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
-        self._log: JsonLinesWriter | None = None
-        self._log_path: Path | None = None
-        self._next: dict[str, float] = {}
-        self._started_wall = 0.0
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -276,6 +179,12 @@ class Manager:
             raise ManagerStartError(f"cannot write the manager log {self._log_path}: {error}") from None
         try:
             self._lock = ManagerLock(self.names.manager_lock())
+            system_manager = running_system_manager(self.names.namespace)
+            if system_manager is not None:
+                raise ManagerAlreadyRunning(
+                    f"the machine's system manager ({system_manager.describe()}) balances every user's jobs in "
+                    f"namespace {self.names.namespace!r}; jobs attach to it, so this user's manager would have "
+                    f"none. Use it (drbalance status shows it), or another namespace")
             other = other_live_manager(self.names)
             if other is not None:
                 raise ManagerAlreadyRunning(
@@ -296,7 +205,8 @@ class Manager:
                  gpus=self.gpu_count, config=asdict(self.config), runtime_dir=str(self.names.runtime_dir()),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "status", "metrics")
+        tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "system", "status", "metrics",
+                 "slurm")
         self._next = dict.fromkeys(tasks, now)
         self._run_task("beat", self._heartbeat, now)
         # a restarted manager picks up the apps still running, with the listing made before it could be reached
@@ -312,18 +222,7 @@ class Manager:
             self._log.close()
             self._log = None
 
-    def request_stop(self, reason: str) -> None:
-        """Ask the loop to end after the current turn (safe from a signal handler)."""
-        if self.stopping is None:  # the first reason is the one that counts
-            self.stopping = reason
 
-    def run(self, duration: float | None = None) -> None:
-        """Loop until ``request_stop`` (or ``duration`` seconds)."""
-        end = None if duration is None else self.clock.monotonic() + duration
-        while self.stopping is None:
-            self.turn()
-            if end is not None and self.clock.monotonic() >= end:
-                self.request_stop("duration reached")
 
     def stop(self) -> None:
         """Remove the inbox, heartbeat, ``manager.json`` and status file; release the lock.
@@ -338,24 +237,7 @@ class Manager:
             self._endpoint.close()
             self._endpoint = None
         self._remove_own_status()
-        try:
-            self.source.close()
-        except Exception as error:  # the stop goes on: its log record, the lock
-            logger.error("drbalance-manager: closing the utilisation source failed: %s", error)
-        in_use = dict(getattr(self.source, "left_in_use", {}))  # emulated GPUs: jobs still map them
-        if in_use:
-            logger.info("drbalance-manager: emulated GPU(s) %s are still used by pid(s) %s and stay in %s; a "
-                        "manager of namespace %r that stops when no job uses them removes them", sorted(in_use),
-                        sorted({pid for pids in in_use.values() for pid in pids}), objects.SHM_DIR,
-                        self.names.namespace)
-        self.log("stop", reason=reason, decisions=self.decisions,
-                 **({"gpus_left_in_use": {str(gpu): pids for gpu, pids in in_use.items()}} if in_use else {}))
-        if self._log is not None:
-            lost = self._log.close()
-            if lost:
-                logger.error("drbalance-manager: %d line(s) of the manager log %s could not be written (%s)",
-                             lost, self._log_path, self.faults.get("log", "disk full?"))
-            self._log = None
+        self.finish(reason)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -401,8 +283,10 @@ class Manager:
             ("runtime", settings.rescan_period, self._check_runtime_files),
             ("endpoint", settings.rescan_period, self._check_endpoint),
             ("rescan", settings.rescan_period, self._rescan),
+            ("system", settings.rescan_period, self._check_system_manager),
             ("status", settings.status_period, self._write_status),
             ("metrics", settings.status_period, self._update_metrics),
+            ("slurm", 1.0, self._slurm_weight),
         )
         for key, period, task in tasks:
             if now >= self._next[key]:
@@ -410,36 +294,6 @@ class Manager:
                 self._run_task(key, task, now)
         if self._lister.ready():  # the listing of /dev/shm the last rescan began in a thread
             self._run_task("listing", self._take_listing, now)
-
-    def _run_task(self, key: str, task: Any, now: float) -> None:
-        """Run one task; an error is logged (once a minute at most per task) and the loop goes on."""
-        try:
-            task(now)
-        except Exception as error:  # a fault must never stop the daemon: log it, try again next period
-            self._fault(key, error)
-        else:
-            if key in self.faults:
-                self._recovered(key)
-
-    def _fault(self, key: str, error: BaseException) -> None:
-        text = f"{type(error).__name__}: {error}"
-        now = self.clock.monotonic()  # the injected clock (a manual one in tests), as every other period
-        if self.faults.get(key) != text or now - self._fault_logged.get(key, -math.inf) >= FAULT_REPEAT_SECONDS:
-            self._fault_logged[key] = now
-            self.log("fault", task=key, error=text)
-            if isinstance(error, (OSError, RecordError, SampleFailed)):
-                logger.error("drbalance-manager: %s failed: %s (serving on; trying again)", key, text)
-            else:
-                logger.exception("drbalance-manager: %s failed (serving on; trying again)", key)
-        self.faults[key] = text
-        self.fault_counts[key] = self.fault_counts.get(key, 0) + 1
-
-    def _recovered(self, key: str) -> None:
-        error = self.faults.pop(key)
-        failures = self.fault_counts.pop(key, 0)
-        self._fault_logged.pop(key, None)
-        self.log("recovered", task=key, error=error, failures=failures)
-        logger.warning("drbalance-manager: %s works again after %d failure(s) (last: %s)", key, failures, error)
 
     # --- notices: steps 3 to 6 ------------------------------------------------------------------
     def handle(self, notice: Notice) -> None:
@@ -486,112 +340,8 @@ class Manager:
         logger.warning("drbalance-manager: %s", error)
         return False
 
-    def decide(self, entry: AppEntry, trigger: str, generation: int) -> DataRatio:
-        """Steps 4-6 for one app; returns the DR sent (in the app's slot order).
 
-        Policies work in the server's GPU order (the table maps each app's slots by GPU UUID);
-        the command goes back in the app's own order. Policies see every DR at the manager's DR
-        total, whatever total the app's record carries, and a new DR is sent at that total; a DR
-        kept is sent as the app has it (a job takes a command only at its manager's total, or
-        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR.
-        """
-        snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
-        app_old = entry.effective_ratio()
-        started = time.perf_counter()
-        next_boundary = None
-        pushes: dict[str, DataRatio] = {}
-        try:
-            view = entry.view(self.config.dr_total, self.server)
-        except Unmapped as error:
-            view = None
-            old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
-        except (ArithmeticError, ValueError) as error:  # its record holds values no view can be built from
-            view = None
-            old, ratio, branch, details = app_old, app_old, "bad-record", {"error": repr(error)}
-        if view is not None:
-            old = view.ratio
-            try:
-                decision = self.policy.decide(entry.name, trigger, snapshot)
-                ratio, branch, details = decision.ratio, decision.branch, dict(decision.details)
-                next_boundary = decision.next_boundary
-                self._check_ratio(ratio, old, view)
-                sent = app_old if ratio == old else entry.to_app_ratio(ratio, self.server)
-                pushes = dict(decision.others)
-            except Exception as error:  # a policy bug must never crash the daemon or reach the app
-                logger.exception("drbalance-manager: policy %r failed for %r", self.policy.name, entry.name)
-                ratio, branch, details = old, "policy-error", {"error": repr(error)}
-                sent = app_old
-        else:
-            sent = app_old
-        spent = time.perf_counter() - started
-        if sent != ratio:
-            details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
-        solo = self._solo_estimate(entry.name)
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary,
-                                        solo_iteration=solo))
-        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
-        self.decisions += 1
-        if self.metrics is not None:
-            self.metrics.decision(self.policy.name, branch)
-        self.log("decision", app=entry.name, trigger=trigger, generation=generation, branch=branch,
-                 old_dr=old.to_list(), new_dr=ratio.to_list(), dr_total=ratio.total,
-                 sd={view.name: view.slowdown for view in snapshot.apps},
-                 dr={view.name: view.ratio.to_list() for view in snapshot.apps},
-                 util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
-                 solo_estimate=solo, decide_us=spent * 1e6)
-        for other, other_ratio in pushes.items():
-            if other == entry.name:  # the deciding app's own DR is the answer above, never a push
-                self.log("push", app=other, branch=branch, refused="a push to the deciding app itself")
-                continue
-            self._push(other, other_ratio, branch, snapshot)
-        return sent
 
-    def _solo_estimate(self, app: str) -> float | None:
-        """The policy's estimate of the app's solo iteration in seconds, sent with every answer and
-        push (``policy.base.SoloEstimating``); None if the policy makes none or it fails (logged)."""
-        if not isinstance(self.policy, SoloEstimating):
-            return None
-        try:
-            seconds = self.policy.solo_estimate(app)
-        except Exception:  # a policy bug must never crash the daemon or reach the app
-            logger.exception("drbalance-manager: policy %r failed to estimate %r's solo time", self.policy.name, app)
-            return None
-        return seconds if isinstance(seconds, float) and math.isfinite(seconds) and seconds > 0 else None
-
-    def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
-        """Send another app its part of a joint decision now (it applies it after its current iteration)."""
-        entry = self.table.get(name)
-        try:
-            if entry is None:
-                raise ValueError(f"app {name!r} is not in the table")
-            if not isinstance(ratio, DataRatio):
-                raise TypeError(f"policy pushed {ratio!r}, not a DataRatio")
-            view = snapshot.app(name)
-            self._check_ratio(ratio, view.ratio, view)
-            sent = entry.effective_ratio() if ratio == view.ratio else entry.to_app_ratio(ratio, self.server)
-        except Exception as error:  # one bad push is refused and logged; the decision's other pushes go on
-            shown = ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
-            self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))
-            return
-        generation = entry.status.notice_seq
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True,
-                                        solo_iteration=self._solo_estimate(name)))
-        entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
-        self.log("push", app=name, branch=branch, generation=generation, old_dr=view.ratio.to_list(),
-                 new_dr=ratio.to_list())
-
-    def _check_ratio(self, ratio: DataRatio, old: DataRatio, view: AppView) -> None:
-        """A new DR must fit the server, the configured total and the app's constraints.
-
-        Keeping the old one is always fine.
-        """
-        if ratio == old:
-            return
-        if len(ratio) != self.gpu_count or ratio.total != self.config.dr_total:
-            raise ValueError(f"policy returned {ratio} for {self.gpu_count} GPUs of total {self.config.dr_total}")
-        problems = violations(view, ratio, self.config)
-        if problems:
-            raise ValueError(f"policy returned {ratio}, which breaks the app's constraints: {'; '.join(problems)}")
 
     def _admit(self, name: str, now: float, pid: int | None, via: str) -> AppEntry | None:
         """Add app ``name`` found through a notice from ``pid``: its claim names its objects."""
@@ -615,20 +365,7 @@ class Manager:
         self._log_added(entry, via)
         return entry
 
-    def _log_added(self, entry: AppEntry, via: str) -> None:
-        status = entry.status
-        self.log("app_added", app=entry.name, pid=status.pid, via=via, dr=entry.effective_ratio().to_list(),
-                 iterations_total=status.iterations_total, solo_time=status.solo_time)
 
-    def _refresh_all(self, now: float) -> None:
-        for entry in list(self.table.entries.values()):
-            try:
-                self.table.refresh(entry)
-            except RecordError as error:
-                if now - entry.last_complaint_mono > 10.0:  # one log line per app per 10 s at most
-                    entry.last_complaint_mono = now
-                    self.log("invalid", what="record", app=entry.name, error=str(error))
-                    logger.warning("drbalance-manager: kept %r's last valid record: %s", entry.name, error)
 
     # --- periodic tasks ----------------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -637,52 +374,9 @@ class Manager:
             self.log("repaired", what="heartbeat", error="the heartbeat segment was truncated")
             logger.warning("drbalance-manager: the heartbeat segment was truncated; restored it")
 
-    def _sample(self, now: float) -> None:
-        """Read the GPUs' utilisation and memory. A source that fails counts as unavailable readings,
-        and the error is raised after them: a fault of this task (logged when it starts, changes or
-        ends, shown in ``faults``), not a warning at every period."""
-        failure = None
-        try:
-            reading = self.source.sample()
-        except Exception as error:  # a flaky driver or a broken script must not stop the loop
-            failure, reading = error, (None,) * self.gpu_count
-        self.last_sample = tuple(reading)
-        self.window.add(reading)
-        self.server = ServerGpus(self.gpu_count, self._known_uuids(now), self._memory(now))
-        if failure is not None:
-            raise SampleFailed(f"the utilisation source {getattr(self.source, 'name', '?')!r} failed: "
-                               f"{type(failure).__name__}: {failure}") from failure
 
-    def _memory(self, now: float) -> tuple:
-        """The GPUs' memory now; a GPU whose reading failed keeps its last one for
-        ``MEMORY_KEPT_SECONDS`` (a stale free-memory cap is better than none); () if none is known."""
-        memory = _gpu_memory(self.source, self.gpu_count) or (None,) * self.gpu_count
-        merged = []
-        for gpu, reading in enumerate(memory):
-            if reading is not None:
-                self._memory_read[gpu] = (reading, now)
-            else:
-                last, when = self._memory_read[gpu]
-                reading = last if now - when <= MEMORY_KEPT_SECONDS else None
-            merged.append(reading)
-        return tuple(merged) if any(reading is not None for reading in merged) else ()
 
-    def _known_uuids(self, now: float) -> tuple[str | None, ...]:
-        """The GPUs' UUIDs, read again every ``UUID_RETRY_SECONDS`` while any is unknown: one that
-        failed to read at start-up would otherwise leave the jobs on that GPU unmapped (their DRs
-        kept) for the manager's life."""
-        uuids = self.server.uuids
-        if (uuids and None not in uuids) or not hasattr(self.source, "gpu_uuids") or now < self._uuids_retry_at:
-            return uuids
-        self._uuids_retry_at = now + UUID_RETRY_SECONDS
-        found = _gpu_uuids(self.source, self.gpu_count, quiet=True)
-        if found != uuids and sum(u is not None for u in found) >= sum(u is not None for u in uuids):
-            self.log("gpu_uuids", uuids=list(found), before=list(uuids))
-            return found
-        return uuids
 
-    def _log_utilization(self, now: float) -> None:
-        self.log("util", util=list(self.last_sample), smoothed=list(self.window.values()))
 
     def _collect_garbage(self, now: float) -> None:
         """Remove the apps whose process is gone (pid, and start time); mark quiet ones."""
@@ -703,16 +397,18 @@ class Manager:
             else:
                 self._mark_quiet(entry, now)
 
-    def _mark_quiet(self, entry: AppEntry, now: float) -> None:
-        silent = now - entry.status.updated_mono
-        if silent > self.settings.quiet_after and entry.quiet_since is None:
-            entry.quiet_since = now
-            self.log("app_quiet", app=entry.name, pid=entry.status.pid, silent=silent)
-            logger.info("drbalance-manager: %r (pid %d) has not reported for %.0f s; its process runs, so it "
-                        "stays (shown as quiet)", entry.name, entry.status.pid, silent)
-        elif silent <= self.settings.quiet_after and entry.quiet_since is not None:
-            self.log("app_active", app=entry.name, pid=entry.status.pid, quiet_for=now - entry.quiet_since)
-            entry.quiet_since = None
+
+    def _check_system_manager(self, now: float) -> None:
+        """Stop when a system manager started in this namespace: jobs attach to it, and a job must
+        not be balanced by two managers."""
+        system_manager = running_system_manager(self.names.namespace)
+        if system_manager is not None:
+            self.log("fault", task="system", error=f"a system manager ({system_manager.describe()}) runs in "
+                     f"namespace {self.names.namespace!r}")
+            logger.warning("drbalance-manager: the machine's system manager (%s) now balances every user's jobs "
+                           "in namespace %r; stopping (the jobs attach to it)", system_manager.describe(),
+                           self.names.namespace)
+            self.request_stop("a system manager took over the namespace")
 
     def _rescan(self, now: float, listing: ShmListing | None = None) -> None:
         """Adopt live apps found through their claims; remove dead ones' objects; report objects of
@@ -753,14 +449,7 @@ class Manager:
         ``REPORT_FORGET_SECONDS``."""
         self._claims_left = {(app, token) for app, token in self._claims_left
                              if app in claims and claims[app] in (token, None)}
-        now = self.clock.monotonic()
-        horizon = now - REPORT_FORGET_SECONDS
-        for key in [key for key, seen in self._reported.items() if seen < horizon]:
-            del self._reported[key]
-        if self._unreported and now - self._unreported_said >= UNREPORTED_SAID_SECONDS:
-            logger.warning("drbalance-manager: %d more problem(s) (other apps or reasons) were not named on stderr; "
-                           "the manager log records them", self._unreported)
-            self._unreported, self._unreported_said = 0, now
+        self._forget_reports(self.clock.monotonic())
 
     def _consider_claim(self, app: str, now: float) -> str | None:
         """Adopt ``app`` if its claim's process runs, collect it if dead; the token it names."""
@@ -937,29 +626,7 @@ class Manager:
             logger.warning("drbalance-manager: more objects of other users may follow; only the manager log "
                            "(event 'foreign') names them")
 
-    def _first_report(self, key: tuple[str, ...]) -> bool:
-        """Whether ``key`` (a problem: kind, app, ...) is new and to be named on stderr; a known one
-        is marked as seen now. Past ``MAX_REPORTED`` known problems a new one is counted, not kept."""
-        now = self.clock.monotonic()
-        if key in self._reported:
-            self._reported[key] = now
-            return False
-        if len(self._reported) >= MAX_REPORTED:
-            self._unreported += 1
-            return False
-        self._reported[key] = now
-        return True
 
-    def _report_once(self, key: tuple[str, ...], event: str, **fields: Any) -> None:
-        """Log a problem (and name it on stderr) once while it stays; one past ``MAX_REPORTED`` is
-        logged every time it is seen, as there is no room to remember it."""
-        known = key in self._reported
-        named = self._first_report(key)  # marks a known one as seen now
-        if known:
-            return
-        self.log(event, **fields)
-        if named:
-            logger.warning("drbalance-manager: %s", fields.get("error", fields))
 
     def _check_runtime_files(self, now: float) -> None:
         """Put the lock file and ``manager.json`` back if the runtime directory lost them, and
@@ -1042,102 +709,18 @@ class Manager:
 
     def _write_status(self, now: float) -> None:
         status = {
-            "pid": os.getpid(), "namespace": self.names.namespace, "policy": self.policy.name,
-            "started": self._started_wall, "updated": self.clock.wall(), "gpus": self.gpu_count,
-            "util": list(self.window.values()), "decisions": self.decisions,
-            "runtime_dir": str(self.names.runtime_dir()), "quiet_after": self.settings.quiet_after,
-            "log": str(self._log_path),
-            "apps": [
-                {"name": e.name, "pid": e.status.pid, "epoch": e.status.epoch, "epochs": e.status.epochs,
-                 "iteration": e.status.iteration, "iterations_total": e.status.iterations_total,
-                 "sd": e.status.slowdown, "dr": dr, "state": e.status.state.name,
-                 "sd_estimated": e.status.solo_estimated, "solo_basis": e.status.solo_basis,
-                 "updated_ago": now - e.status.updated_mono,
-                 "quiet_for": None if e.quiet_since is None else now - e.quiet_since,
-                 "steered": steered}
-                for e in self.table.entries.values() for dr, steered in (self._server_dr(e),)
-            ],
-            "memory": [None if m is None else {"used": m.used, "total": m.total}
-                       for m in (self.server.memory or (None,) * self.gpu_count)],
+            **self.status_document(now),
+            "runtime_dir": str(self.names.runtime_dir()), "log": str(self._log_path),
             "foreign": [{"object": entry, "owner_uid": uid, "owner": user_name(uid)}
                         for entry, uid in sorted(self.foreign.items())[:MAX_FOREIGN_LISTED]],
             "foreign_total": max(len(self.foreign), sum(self.foreign_counts.values())),
-            "faults": dict(self.faults),
-            "fault_counts": {task: self.fault_counts.get(task, 1) for task in self.faults},
-            "metrics": self.metrics.url() if self.metrics is not None else None,
         }
         write_private(self.names.manager_status(), json.dumps(status).encode(), private=True)
 
-    def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
-        """The app's DR by the manager's GPU index (as in the manager log and the metrics), and
-        whether this manager can steer it (its devices are among the manager's GPUs). An app that
-        cannot be mapped keeps its own slot order."""
-        ratio = entry.effective_ratio()
-        try:
-            mapping = entry.slot_map(self.server)
-        except Unmapped:
-            return ratio.to_list(), False
-        if len(mapping) != len(ratio):
-            return ratio.to_list(), True
-        shares = [0] * self.gpu_count
-        for slot, gpu in enumerate(mapping):
-            if gpu is not None:
-                shares[gpu] = ratio[slot]
-        return shares, True
 
-    def _update_metrics(self, now: float) -> None:
-        """Swap in the metrics' view of the apps and GPUs (apps that left drop out of it)."""
-        if self.metrics is None:
-            return
-        apps = []
-        for entry in self.table.live():
-            status = entry.status
-            try:
-                ratio = entry.view(self.config.dr_total, self.server).ratio
-                shares = tuple(share / ratio.total for share in ratio.to_list())
-            except (Unmapped, ArithmeticError, ValueError):
-                shares = ()
-            apps.append(AppMetrics(entry.name, status.slowdown, status.iteration_time, shares, status.solo_estimated,
-                                   status.solo_basis == "manager"))
-        memory = self.server.memory or (None,) * self.gpu_count
-        self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 
     # --- the log -------------------------------------------------------------------------------
-    def log(self, event: str, **fields: Any) -> None:
-        if self._log is None:
-            return
-        self._log.write({"t": self.clock.wall(), "event": event, **fields})
-        error = self._log.error
-        if error is not None:  # counted in fault_counts like every other task: writes failed in a row
-            self.fault_counts["log"] = self.fault_counts.get("log", 0) + 1
-            if self.faults.get("log") != str(error):
-                self.faults["log"] = str(error)
-                logger.error("drbalance-manager: cannot write the manager log %s: %s (lines are kept in memory and "
-                             "written when it works again)", self._log_path, error)
-        elif "log" in self.faults:
-            previous = self.faults.pop("log")
-            failures = self.fault_counts.pop("log", 0)
-            logger.warning("drbalance-manager: the manager log works again after %d failed write(s) (last: %s)",
-                           failures, previous)
 
 
-def _gpu_uuids(source: UtilizationSource, count: int, quiet: bool = False) -> tuple[str | None, ...]:
-    """The source's GPU UUIDs, or () when it cannot tell (slots then map to GPUs by index).
-    ``quiet``: no warning when they cannot be read (a retry)."""
-    try:
-        uuids = tuple(source.gpu_uuids()) if hasattr(source, "gpu_uuids") else ()
-    except Exception as error:  # a flaky driver: map by index
-        if not quiet:
-            logger.warning("drbalance-manager: GPU UUIDs unavailable (%s); jobs' slots map to GPUs by index", error)
-        return ()
-    return uuids if len(uuids) == count else ()
 
 
-def _gpu_memory(source: UtilizationSource, count: int) -> tuple:
-    """The source's memory readings now, or () (no memory caps) when it cannot tell."""
-    try:
-        memory = tuple(source.memory()) if hasattr(source, "memory") else ()
-    except Exception as error:  # a flaky driver must not stop the loop
-        logger.debug("drbalance-manager: GPU memory unavailable: %s", error)
-        return ()
-    return memory if len(memory) == count else ()

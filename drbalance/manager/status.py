@@ -22,6 +22,7 @@ from drbalance.argtypes import positive_float_up_to, positive_int
 from drbalance.ipc.names import IpcNames
 from drbalance.ipc.objects import pid_alive
 from drbalance.ipc.private import read_private
+from drbalance.ipc.system_link import SystemStatusError, read_system_status
 from drbalance.jsonlog import finite_number
 
 STALE_SECONDS = 10.0
@@ -47,7 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_status(names: IpcNames) -> dict[str, Any]:
-    """The manager's status file, checked; ``StatusError`` (a RuntimeError) if no live manager wrote it."""
+    """The status of the namespace's manager, checked: the machine's system manager's when one runs
+    (asked over its socket: it shows this user's jobs by name, others' as anonymous load), else
+    this user's own manager's status file. ``StatusError`` (a RuntimeError) when there is none."""
+    try:
+        status = read_system_status(names.namespace)
+    except SystemStatusError as error:
+        raise StatusError(str(error)) from None
+    if status is not None:
+        problem = _malformed(status)
+        if problem:
+            raise StatusError(f"the system manager's status is malformed: {problem}")
+        return status
+    return read_user_status(names)
+
+
+def read_user_status(names: IpcNames) -> dict[str, Any]:
+    """This user's own manager's status file, checked; ``StatusError`` if no live manager wrote it."""
     path = names.manager_status()
     try:
         raw = read_private(path, private=True)
@@ -155,8 +172,9 @@ def printable(text: object) -> str:
 
 def format_table(status: dict[str, Any]) -> str:
     util = ", ".join("n/a" if u is None else f"{u:.0f}%" for u in status["util"])
+    kind = "system manager" if status.get("system") is True else "manager"
     lines = [
-        f"manager pid {status['pid']}  namespace {status['namespace']}  policy {status['policy']}  "
+        f"{kind} pid {status['pid']}  namespace {status['namespace']}  policy {status['policy']}  "
         f"decisions {status['decisions']}",
         f"GPU utilisation (smoothed): {util}",
         "",
@@ -167,6 +185,9 @@ def format_table(status: dict[str, Any]) -> str:
         state = str(app.get("state", "?")).lower()
         if app.get("quiet_for") is not None:
             state = f"quiet {_duration(app.get('updated_ago') or app['quiet_for'])}"
+        if app.get("anonymous") is True:  # another user's job, shown by a system manager as load only
+            lines.append(f"{app['name']:<24} {'-':>7} {'-':>9} {'-':>15} {sd:>6}  {state:<10} {app['dr']}")
+            continue
         lines.append(
             f"{app['name']:<24} {app['pid']:>7} {app['epoch']:>4}/{app['epochs']:<4} "
             f"{app['iteration']:>7}/{app['iterations_total']:<7} {sd:>6}  {state:<10} {app['dr']}"
@@ -246,8 +267,8 @@ def format_watch(status: dict[str, Any], width: int = 80, now: float | None = No
     lines += ["", f"{'APP':<20} {'STATE':<9} {'SD':>6} {'EPOCH':>11}  DR"]
     for app in sorted(status["apps"], key=lambda a: a["name"]):
         dr = " ".join(str(share) for share in app["dr"])
-        lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd_text(app):>6} "
-                     f"{app['epoch']:>5}/{app['epochs']:<5}  {dr}")
+        epoch = "-" if app.get("anonymous") is True else f"{app['epoch']:>5}/{app['epochs']:<5}"
+        lines.append(f"{app['name'][:20]:<20} {app_state(app):<9} {sd_text(app):>6} {epoch:>11}  {dr}")
     if not status["apps"]:
         lines.append("(no apps)")
     lines += estimate_notes(status["apps"])

@@ -19,10 +19,13 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from drbalance.clock import Clock, SystemClock
 from drbalance.manager.nvml import MemoryInfo, Nvml, NvmlUnavailable
+
+if TYPE_CHECKING:
+    from drbalance.ipc.system import SystemPlace
 
 
 class UtilizationUnavailable(RuntimeError):
@@ -279,16 +282,23 @@ SOURCES: Mapping[str, Callable[[str, Sequence[int] | None], UtilizationSource]] 
 })
 
 
-def open_source(spec: str, gpus: Sequence[int] | None = None, namespace: str | None = None) -> UtilizationSource:
+def open_source(spec: str, gpus: Sequence[int] | None = None, namespace: str | None = None,
+                machine: SystemPlace | None = None) -> UtilizationSource:
     """A source from ``nvml``, ``emulated[:N]`` or ``scripted:FILE``.
 
     ``namespace``: the manager's (emulated GPUs belong to a namespace; default DRBALANCE_NAMESPACE).
+    ``machine``: a system manager's folder: emulated GPUs are then the machine's, every user's jobs
+    share them (``EmulatedSource.for_machine``).
     """
     kind, _, argument = spec.partition(":")
     if kind not in SOURCES:
         raise ValueError(f"unknown utilisation source {spec!r}; use one of: nvml, emulated[:N], scripted:FILE")
     if kind == "scripted" and not argument:
         raise ValueError("the scripted source needs a file: --source scripted:PATH.json")
+    if kind == "emulated" and machine is not None:
+        from drbalance.emu.gpus import EmulatedSource
+
+        return EmulatedSource.for_machine(machine, argument or None, gpus)
     if kind == "emulated":
         return _emulated(argument, gpus, namespace)
     return SOURCES[kind](argument, gpus)

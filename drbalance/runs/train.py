@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable
@@ -117,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--solo-time", default=None,
                         help="solo-run seconds, a stored profile name, or 'auto' (emulated GPUs only: from the "
                         "model's cost table); default: estimated by the job from its own measurements")
-    parser.add_argument("--app", default=None, help="app name for the manager (default: <model>-<pid>)")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="after every epoch save model, optimizer and epochs done here; at start, resume from it "
+                        "when it exists (a requeued Slurm job goes on where it stopped)")
+    parser.add_argument("--app", default=None, help="app name for the manager (default: in a Slurm job "
+                        "<SLURM_JOB_NAME>-<SLURM_JOB_ID>, else <model>-<pid>)")
     add_training_options(parser)
     parser.add_argument("--threads", type=thread_count, default=1,
                         help="CPU threads for torch, at most the CPU count (default 1)")
@@ -296,22 +301,28 @@ def main(argv: list[str] | None = None) -> int:
         loader, classes = build_loader(args)
         iterations = min(args.iterations or len(loader), len(loader))
         model = build_model(args, classes, kind, emulated_gpus)
-        app = args.app or f"{args.model}-{os.getpid()}"
+        app = args.app or env.slurm_app_name() or f"{args.model}-{os.getpid()}"
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        start_epoch = resume(args.checkpoint, model, optimizer, args.epochs)
+        if start_epoch >= args.epochs:
+            print(f"{app}: the checkpoint {args.checkpoint} holds all {args.epochs} epochs; nothing to train",
+                  file=sys.stderr)
+            return 0
         if args.start_gate:
             pass_start_gate(args.start_gate, args.start_gate_timeout)
         session = Session(model, app, args.epochs, iterations, solo_time(args, kind, iterations),
-                          report_every=args.report_every, decide_every=args.decide_every or None)
+                          start_epoch=start_epoch, report_every=args.report_every,
+                          decide_every=args.decide_every or None)
     except (ValueError, ProfileNotFound, OSError, AppNameInUse) as error:  # OSError: e.g. an SD log path that is a
         # symbolic link; AppNameInUse: --app names a job that is running
         print(f"drbalance.runs.train: error: {error}", file=sys.stderr)
         return 2
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     device = torch.device("cuda", model.device_ids[0]) if kind == "cuda" else torch.device("cpu")
     progress = open_progress(args, iterations * args.epochs, app)
     started = time.monotonic()
     with session:
-        for epoch in range(args.epochs):
+        for epoch in range(start_epoch, args.epochs):
             for index, (images, labels) in enumerate(loader):
                 if index >= iterations:
                     break
@@ -328,11 +339,38 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.step()
                 session.step()
                 advance_progress(progress, session, epoch, loss, model)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
     if progress is not None:
         progress.close()
-    print(f"{app}: {iterations * args.epochs} iterations in {time.monotonic() - started:.1f} s, "
+    print(f"{app}: {iterations * (args.epochs - start_epoch)} iterations in {time.monotonic() - started:.1f} s, "
           f"final DR {model.ratio}", file=sys.stderr)
     return 0
+
+
+def resume(path: str | None, model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int) -> int:
+    """Epochs already done, from the checkpoint at ``path`` (model and optimizer loaded from it);
+    0 without one. ``ValueError`` for a file that is not this script's checkpoint."""
+    if path is None or not os.path.exists(path):
+        return 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        done = int(state["epochs_done"])
+    except (KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
+        raise ValueError(f"--checkpoint {path} is not a checkpoint of this model ({error})") from None
+    if not 0 <= done <= epochs:
+        raise ValueError(f"--checkpoint {path} holds {done} epochs; this run has {epochs}")
+    return done
+
+
+def save_checkpoint(path: str | None, model: nn.Module, optimizer: torch.optim.Optimizer, done: int) -> None:
+    """Write model, optimizer and epochs done to ``path``, whole or not at all (a new file renamed over it)."""
+    if path is None:
+        return
+    partial = f"{path}.partial"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_done": done}, partial)
+    os.replace(partial, path)
 
 
 def exit_status(main: Callable[[], int], program: str) -> int:

@@ -110,7 +110,12 @@ def rank_device(args: argparse.Namespace, kind: str, local_rank: int, emulated: 
     """The device index of this rank (CUDA or emulated GPU), None on the CPU."""
     if kind == "cpu":
         return None
-    available = torch.cuda.device_count() if kind == "cuda" else emulated.count
+    if kind == "cuda":
+        available = torch.cuda.device_count()
+    else:  # the emulated GPUs this process sees: the machine's or its user's, as CUDA_VISIBLE_DEVICES shows them
+        from drbalance.emu.view import emulated_view
+
+        available = emulated_view(emulated.count, emulated.memory_bytes).count
     try:
         gpus = [int(x) for x in args.gpus.split(",")] if args.gpus else list(range(available))
     except ValueError:
@@ -192,7 +197,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
         from drbalance.workload.models import model_costs
 
         emulated = EmulatedRankDevice(gpu, model_costs(args.model), args.time_scale, args.sample_scale,
-                                      memory_bytes=memory_bytes)
+                                      memory_bytes=memory_bytes, count=emulated_gpus.count)
         emulated.attach(network)
         model = BalancedDistributedDataParallel(network, ratio=ratio, device_label=emulated.label,
                                                 device_uuid=emulated.uuid)

@@ -18,6 +18,7 @@ from drbalance.emu.gpus import (
     EmulatedGpu,
     EmulatedSource,
     emulated_spec,
+    emulated_uuid,
     release_emulated_gpu,
     remove_emulated_gpus,
 )
@@ -379,6 +380,35 @@ def test_a_ranks_emulated_gpu_without_a_cost_table_estimates_one_from_its_first_
     module(torch.randn(5, 4)).sum().backward()
     assert device.costs is first  # estimated once
     device.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_emulated_device_counts_the_gpus_cuda_visible_devices_shows(emu, monkeypatch):
+    """Local rank i holds visible device i, as on CUDA: with CUDA_VISIBLE_DEVICES=3,1 rank 0 is on
+    the user's GPU 3 and rank 1 on GPU 1, and a third rank has no device."""
+    import argparse
+
+    from drbalance.client.emulated_rank import EmulatedRankDevice
+    from drbalance.integrations.job import emulated_rank_device
+    from drbalance.runs.train_ddp import rank_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    spec = emulated_spec("4")
+    assert [rank_device(argparse.Namespace(gpus=None), "emulated", rank, spec) for rank in (0, 1)] == [0, 1]
+    with pytest.raises(SystemExit, match="local rank 2 has no device: --gpus gives 2"):
+        rank_device(argparse.Namespace(gpus=None), "emulated", 2, spec)
+    devices = [EmulatedRankDevice(rank, None, namespace=emu.namespace, count=4) for rank in (0, 1)]
+    assert [(d.label, d.gpu.index, d.uuid) for d in devices] == [
+        ("emu:0", 3, emulated_uuid(emu, 3)), ("emu:1", 1, emulated_uuid(emu, 1))]
+    for device in devices:
+        device.close()
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
+    device = emulated_rank_device(torch.device("cpu"), 0)
+    assert device.uuid == emulated_uuid(emu, 3)
+    device.close()
+    with pytest.raises(ValueError, match=r"local rank 2 has no emulated GPU: DRBALANCE_EMULATED_GPUS=4 gives 2 of "
+                       r"this user's 4 emulated GPUs, as CUDA_VISIBLE_DEVICES='3,1' gives: GPU\(s\) 3, 1"):
+        emulated_rank_device(torch.device("cpu"), 2)
 
 
 class ReturnsItsScale(nn.Module):

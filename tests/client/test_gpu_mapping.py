@@ -22,6 +22,7 @@ from drbalance.manager.table import AppEntry, ServerGpus, Unmapped, max_share_fo
 from drbalance.manager.utilization import NvmlSource, ScriptedSource, UtilizationUnavailable
 from drbalance.policy import Decision, PolicyConfig, violations
 from drbalance.workload.models import ModelCosts
+from tests.conftest import needs_root
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,6 +204,49 @@ def test_the_manager_steers_a_job_by_its_own_gpus_and_answers_in_its_slot_order(
     command, decision = run_decision(emu, tmp_path, ToOneGpu(1), device_ids=[2, 3], source_gpus=[0, 1])
     assert command.ratio == DataRatio([1, 1], total=2) and command.branch == "unmapped"
     assert "does not see" in decision["details"]["error"]
+
+
+def test_a_job_given_gpus_2_and_3_by_cuda_visible_devices_is_steered_on_the_servers_gpus_2_and_3(
+        emu, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    backend = EmulatedBackend(4, PROFILE)
+    assert backend.gpu_count == 2 and backend.device_uuids([0, 1]) == (emulated_uuid(emu, 2), emulated_uuid(emu, 3))
+    backend.close()
+    # the job's devices 0 and 1 are the user's emulated GPUs 2 and 3: the manager maps them by UUID
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(3), device_ids=None)
+    assert decision["old_dr"] == [0, 0, 5, 5] and decision["new_dr"] == [0, 0, 0, 10]
+    assert command.ratio == DataRatio([0, 10])
+
+
+@needs_root
+def test_a_job_on_the_machines_gpus_2_and_3_is_steered_there_by_uuid(machine, emu, tmp_path, monkeypatch):
+    source = EmulatedSource.for_machine(machine, "4:24GiB", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", source.gpu_uuids()[3][:12] + ",2")  # a UUID prefix ends the list
+    with pytest.warns(RuntimeWarning, match=r"'2' names none of the machine's 4 emulated GPUs"):
+        backend = EmulatedBackend(4, PROFILE)
+    assert backend.device_uuids([0]) == source.gpu_uuids()[3:]
+    backend.close()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    holders = []
+
+    def step_then_look(model, session):
+        train(1)(model, session)
+        holders.extend(gpu.holders() for gpu in source.gpus)
+
+    command, decision = run_decision(emu, tmp_path, ToOneGpu(3), device_ids=None, source=source,
+                                     prepare=step_then_look)
+    assert decision["old_dr"] == [0, 0, 5, 5] and command.ratio == DataRatio([0, 10])
+    me = {os.getpid()}
+    assert holders == [set(), set(), me, me]  # the job's step kept memory on the machine's GPUs 2 and 3 only
+    assert emulated_uuid(emu, 2) not in source.gpu_uuids()  # the user's own GPUs are other devices
+
+
+def test_no_visible_emulated_device_is_one_clear_error_when_the_model_is_wrapped(emu, monkeypatch):
+    monkeypatch.setenv("DRBALANCE_EMULATED_GPUS", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match=r"^CUDA_VISIBLE_DEVICES='' is empty, so no device is visible \(as CUDA sees "
+                       r"none\) among this user's 4 emulated GPUs"):
+        BalancedDataParallel(nn.Linear(4, 2))
 
 
 def train(steps, move_to=None):

@@ -364,11 +364,11 @@ def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(
     log still records every notice: a warning for each, all kept for a minute, would take 85 MB."""
     import logging
 
-    from drbalance.manager import daemon
+    from drbalance.manager import balancer, daemon
     from drbalance.manager.utilization import ScriptedSource
 
-    monkeypatch.setattr(daemon, "MAX_REPORTED", 50)
-    monkeypatch.setattr(daemon, "UNREPORTED_SAID_SECONDS", 0.0)
+    monkeypatch.setattr(balancer, "MAX_REPORTED", 50)
+    monkeypatch.setattr(balancer, "UNREPORTED_SAID_SECONDS", 0.0)
     script = tmp_path / "util.json"
     script.write_text('{"gpus": 1, "steps": [{"at": 0, "util": [0]}]}')
     manager = daemon.Manager(daemon.ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),

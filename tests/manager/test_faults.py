@@ -282,7 +282,7 @@ def test_the_manager_log_failing_is_counted_in_fault_counts_like_other_faults(ip
 def test_a_persisting_fault_is_logged_again_once_a_minute_of_the_managers_own_clock(ipc_env, tmp_path):
     """The once-a-minute reminder read time.monotonic, not the manager's clock: on an injected
     clock a fault that persisted for minutes was never logged again."""
-    from drbalance.manager.daemon import FAULT_REPEAT_SECONDS
+    from drbalance.manager.balancer import FAULT_REPEAT_SECONDS
     from tests.helpers.clock import ManualClock
 
     clock = ManualClock(start=1000.0)

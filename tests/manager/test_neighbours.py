@@ -849,3 +849,15 @@ def test_a_neighbour_who_sees_a_managers_inbox_appear_cannot_take_its_heartbeat_
         assert [objects.listed_owner(name) for name in planted] == [uid]  # left to her
     finally:
         endpoint.close()
+
+
+def test_a_stale_xdg_runtime_dir_is_passed_over_with_a_warning(monkeypatch, tmp_path):
+    """A batch job's environment copied from the submitting machine names a login folder that does
+    not exist here (or is another user's): the next default, and a warning that says so."""
+    monkeypatch.delenv("DRBALANCE_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run-user-4301"))  # absent here
+    with pytest.warns(RuntimeWarning, match="not a folder of this user on this machine"):
+        chosen = env.runtime_dir()
+    assert chosen != tmp_path / "run-user-4301" / "drbalance"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert chosen == env.runtime_dir()

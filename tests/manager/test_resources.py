@@ -76,7 +76,7 @@ JOB = textwrap.dedent("""
     from drbalance.client.session import Session
     from tests.helpers.steered import SteeredModel
     session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
-    print("link", type(session.link).__name__)
+    print("link", type(session.link.current).__name__)  # the AutoLink's choice
     for _ in range(10):
         session.step()
     session.close()
@@ -134,6 +134,7 @@ REFUSED_JOB = textwrap.dedent("""
     runtime = os.environ["RUNTIME"]
     os.chown(runtime, uid, gid)
     os.environ["DRBALANCE_RUNTIME_DIR"] = runtime
+    os.environ["DRBALANCE_SYSTEM_DIR"] = os.path.join(runtime, "system")  # none: where the job's user may look
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -142,7 +143,7 @@ REFUSED_JOB = textwrap.dedent("""
             os.setgid(gid)
             os.setuid(uid)
             session = Session(SteeredModel(), "victim", 1, 10, solo_time=10.0, sd_log=False, handle_sigterm=False)
-            print("link", type(session.link).__name__, flush=True)
+            print("link", type(session.link.current).__name__, flush=True)  # the AutoLink's choice
             for _ in range(10):
                 session.step()
             session.close()
