@@ -62,8 +62,7 @@ def runtime_dir() -> Path:
     """``DRBALANCE_RUNTIME_DIR``: this user's private folder for the manager's lock, its discovery
     file, the apps' name claims and the status file (one sub-folder per namespace).
 
-    Default: ``$XDG_RUNTIME_DIR/drbalance`` (when that is a folder of this user: a stale value copied
-    from another machine is warned about and passed over), else ``/run/user/<uid>/drbalance``, else
+    Default: ``$XDG_RUNTIME_DIR/drbalance``, else ``/run/user/<uid>/drbalance``, else
     ``/tmp/drbalance-<uid>`` (``~/.local/state/drbalance/run-<host>`` when another user took that
     name first; ``_tmp_runtime_dir``). The
     first when ``XDG_RUNTIME_DIR`` is set (an absolute path); the second when that folder exists
@@ -73,6 +72,9 @@ def runtime_dir() -> Path:
     folder in each working directory). It is created with mode 0700 and checked before use
     (``drbalance.ipc.private``): never reached through another user's symbolic link, never another
     user's or writable by others.
+
+    An ``XDG_RUNTIME_DIR`` that is not a folder of this user here (a value copied from another
+    machine, as a batch job's environment is) is passed over, with a warning.
     """
     value = os.environ.get("DRBALANCE_RUNTIME_DIR")
     if value:
@@ -155,14 +157,19 @@ def system_dir() -> Path:
 
 
 def slurm_node() -> str:
-    """``SLURMD_NODENAME`` (set by Slurm in a job's tasks, and by an administrator for a node's
-    manager), else this machine's short host name: the node's ``NodeName`` in slurm.conf."""
+    """``SLURMD_NODENAME``: the Slurm node this process runs on, which Slurm sets in a job's tasks:
+    a job spanning nodes names its part on each after it, and a node's manager sets that node's
+    weight (``--slurm-weight``).
+
+    Default: this machine's short host name.
+    """
     return os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
 
 
 def slurm_app_name() -> str | None:
-    """A job's app name under Slurm, ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (the job name's characters
-    an app name may not hold made ``_``, at most 48 characters in all); None outside a Slurm job."""
+    """``SLURM_JOB_ID``: with ``SLURM_JOB_NAME``, the app name of a Slurm job that gives none:
+    ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>`` (characters an app name may not hold made underscores, at most 48
+    in all). None outside a Slurm job (or with an id that is not a number)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9]+", job_id):
         return None

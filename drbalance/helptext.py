@@ -10,7 +10,7 @@ import textwrap
 
 from drbalance import env
 
-_DOCUMENTED = re.compile(r"^``(DRBALANCE_[A-Z0-9_]+)``:\s*(.*)$", re.DOTALL)
+_DOCUMENTED = re.compile(r"^``((?:DRBALANCE|SLURMD?)_[A-Z0-9_]+)``:\s*(.*)$", re.DOTALL)  # ours, and Slurm's
 _PRIVATE_REFERENCE = re.compile(r";?\s*``_\w+``")  # "; ``_tmp_runtime_dir``": no name for users to look up
 
 

@@ -45,6 +45,13 @@ The DR itself lives in a :class:`~drbalance.client.sampler.RatioSchedule` shared
 the manager link uses) rides on the next control exchange and becomes every rank's DR from the
 same global batch on (at most K steps later, no extra communication); ``agree_ratio`` does the
 same at once, as a collective of its own.
+
+A job whose ranks are on several nodes (``node_layout``, found when the model is wrapped) composes
+its DR of the node shares and each node's local DR (:mod:`drbalance.client.nodes`): each node's
+leader proposes its node's local DR (``propose_local_ratio``: what its node's manager sent), global
+rank 0 the node shares (from the ranks' speeds), both riding on the control exchange, and every
+rank composes the same DR from the same global batch on. A ``Session`` steers such a job through
+:class:`NodeSync`: one app per node, ``<app>@<node>``.
 """
 
 from __future__ import annotations
@@ -64,9 +71,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from drbalance.client.inflight import InFlight
+from drbalance.client.nodes import NodeBalancer, NodeLayout, NodeMove, NodeSplit, this_node
 from drbalance.client.sampler import MIN_SHARE, RatioSchedule, check_rank_ratio, even_ratio, rank_sizes
 from drbalance.client.scatter_gather import batch_size_of
 from drbalance.client.timing import ReplicaTiming
+from drbalance.ipc.names import check_app_name
 from drbalance.ratio import DataRatio
 
 logger = logging.getLogger("drbalance.client")
@@ -158,26 +167,40 @@ class _Exchanged(NamedTuple):
     cost_seconds: float
     wall_seconds: float
     proposal: DataRatio | None
+    locals: dict[int, DataRatio]  # a job spanning nodes: node -> the local DR its leader proposed
+    node_shares: DataRatio | None  # ... and global rank 0's node shares
 
 
 class _StepExchange:
-    """The control exchange: one float64 all-reduce of ``4 * world + 5`` entries.
+    """The control exchange: one float64 all-reduce of ``4 * world + 5`` entries (a job spanning
+    nodes: ``world + 2 * nodes + 1`` more).
 
     Each rank fills its own slots, so a sum gives everyone every rank's values:
     ``counts`` (samples of this step), ``times`` (compute seconds of the previous step),
     ``next_batch`` (the rank's sampler's next global batch index), then rank 0's step seconds,
     exchange latency and wall seconds per step (for K), and rank 0's DR proposal (``flag``,
-    ``total``, ``shares``; zeros from every other rank). Integers are exact in float64, and a
-    value plus zeros is the value.
+    ``total``, ``shares``; zeros from every other rank). A job spanning nodes adds each node
+    leader's proposed local DR (its shares in its node's ranks' slots, its total in the node's
+    slot) and rank 0's node shares (``total``, one share per node). Integers are exact in
+    float64, and a value plus zeros is the value.
     """
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, layout: NodeLayout | None = None) -> None:
         self.world = world
-        self.size = 4 * world + 5
+        self.layout = layout if layout is not None and layout.spans else None
+        nodes = self.layout.nodes if self.layout is not None else 0
+        self.local_shares = 4 * world + 5  # the first slot of the spanning job's part
+        self.local_totals = self.local_shares + world
+        self.node_total = self.local_totals + nodes
+        self.size = self.node_total + 1 + nodes if self.layout is not None else 4 * world + 5
 
     def message(self, rank: int, samples: int, seconds: float, next_batch: int,
-                measured: tuple[float, float, float], proposal: DataRatio | None) -> torch.Tensor:
-        """This rank's slots; ``measured`` is rank 0's (step, cost, wall) seconds for K (ignored elsewhere)."""
+                measured: tuple[float, float, float], proposal: DataRatio | None,
+                local: DataRatio | None = None, node_shares: DataRatio | None = None) -> torch.Tensor:
+        """This rank's slots; ``measured`` is rank 0's (step, cost, wall) seconds for K (ignored elsewhere).
+
+        ``local``: a node leader's proposed DR over its node's ranks; ``node_shares``: rank 0's
+        (both only for a job spanning nodes)."""
         world = self.world
         vector = torch.zeros(self.size, dtype=torch.float64)
         vector[rank] = samples
@@ -188,11 +211,23 @@ class _StepExchange:
             if proposal is not None:
                 vector[3 * world + 3] = 1.0
                 vector[3 * world + 4] = proposal.total
-                vector[3 * world + 5:] = torch.tensor(proposal.shares, dtype=torch.float64)
+                vector[3 * world + 5:4 * world + 5] = torch.tensor(proposal.shares, dtype=torch.float64)
+        layout = self.layout
+        if layout is None:
+            return vector
+        if local is not None:
+            node = layout.node_of[rank]
+            for share, member in zip(local, layout.ranks(node)):
+                vector[self.local_shares + member] = share
+            vector[self.local_totals + node] = local.total
+        if rank == 0 and node_shares is not None:
+            vector[self.node_total] = node_shares.total
+            vector[self.node_total + 1:] = torch.tensor(node_shares.shares, dtype=torch.float64)
         return vector
 
     def read(self, vector: torch.Tensor) -> _Exchanged:
-        """Every rank's counts and previous times, the largest next batch, rank 0's K inputs and proposal."""
+        """Every rank's counts and previous times, the largest next batch, rank 0's K inputs and
+        proposal; for a job spanning nodes the leaders' local DRs and rank 0's node shares."""
         world = self.world
         values = vector.tolist()
         counts = tuple(int(round(v)) for v in values[:world])
@@ -200,10 +235,23 @@ class _StepExchange:
         next_batch = int(round(max(values[2 * world:3 * world])))
         proposal = None
         if values[3 * world + 3] >= 0.5:
-            shares = [int(round(v)) for v in values[3 * world + 5:]]
+            shares = [int(round(v)) for v in values[3 * world + 5:4 * world + 5]]
             proposal = DataRatio(shares, int(round(values[3 * world + 4])))
         step_seconds, cost_seconds, wall_seconds = values[3 * world:3 * world + 3]
-        return _Exchanged(counts, times, next_batch, step_seconds, cost_seconds, wall_seconds, proposal)
+        locals_: dict[int, DataRatio] = {}
+        node_shares = None
+        layout = self.layout
+        if layout is not None:
+            for node in range(layout.nodes):
+                total = int(round(values[self.local_totals + node]))
+                if total > 0:
+                    shares = [int(round(values[self.local_shares + rank])) for rank in layout.ranks(node)]
+                    locals_[node] = DataRatio(shares, total)
+            if values[self.node_total] >= 0.5:
+                node_shares = DataRatio([int(round(v)) for v in values[self.node_total + 1:]],
+                                        int(round(values[self.node_total])))
+        return _Exchanged(counts, times, next_batch, step_seconds, cost_seconds, wall_seconds, proposal,
+                          locals_, node_shares)
 
 
 class _Step:
@@ -276,7 +324,9 @@ class _BalanceState:
                  "counts_ride", "count_limit", "step", "steps", "plan", "pending", "vector", "work",
                  "exchange_index", "exchange_forward_at", "exchange_latency", "carried", "proposal", "agreed",
                  "counts", "ref", "timed_counts", "times", "device_counts", "staging", "forward_started",
-                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned", "inflight")
+                 "compute_seconds", "compute_total", "compute_steps", "lock", "warned", "inflight", "layout",
+                 "split", "split_ratio", "local_proposal", "carried_local", "node_proposal", "carried_node",
+                 "balancer", "moves", "node_agreed")
 
     def __init__(self, rank: int, world_size: int, control: Any, gradients: Any, reduction: str,
                  schedule: RatioSchedule, pinned: int | None, counts_ride: bool, count_limit: int) -> None:
@@ -315,6 +365,37 @@ class _BalanceState:
         self.lock = threading.Lock()
         self.warned = False
         self.inflight = InFlight()  # Works and callbacks the process groups' threads may still hold
+        # a job spanning nodes (span()): the two levels of its DR and their proposals
+        self.layout = NodeLayout.single(world_size)
+        self.split: NodeSplit | None = None  # the node shares and local DRs of split_ratio
+        self.split_ratio: DataRatio | None = None  # the rank-level DR they compose
+        self.local_proposal: DataRatio | None = None  # a node leader: its node's DR for the next exchange
+        self.carried_local: DataRatio | None = None
+        self.node_proposal: NodeMove | None = None  # rank 0: node shares for the next exchange
+        self.carried_node: NodeMove | None = None
+        self.balancer: NodeBalancer | None = None  # rank 0 of a job spanning nodes, balance_nodes=True
+        self.moves: list[NodeMove] = []  # rank 0: the node share moves agreed, not yet collected
+        self.node_agreed: list[tuple[NodeSplit, int]] = []  # (split, first global batch) agreed, not yet collected
+
+    def span(self, layout: NodeLayout, balance_nodes: bool) -> None:
+        """The job's ranks are on the nodes of ``layout`` (set once, before the first step)."""
+        self.layout = layout
+        self.exchange = _StepExchange(self.world_size, layout)
+        if layout.spans and balance_nodes and self.rank == 0:
+            self.balancer = NodeBalancer(layout)
+
+    @property
+    def leads_node(self) -> bool:
+        """Whether this rank is its node's leader (the lowest rank there)."""
+        return self.layout.leader(self.layout.node_of[self.rank]) == self.rank
+
+    def current_split(self) -> NodeSplit:
+        """The node shares and local DRs of the DR in force: kept as agreed, or taken apart from a
+        DR set another way (``set_ratio``, ``agree_ratio``, rank 0's ``propose_ratio``)."""
+        latest = self.schedule.latest
+        if self.split is None or self.split_ratio != latest:
+            self.split, self.split_ratio = NodeSplit.of(self.layout, latest), latest
+        return self.split
 
     def begin(self, samples: int) -> None:
         """A synchronising forward: settle the last step, then make this one a counting or an exchange step.
@@ -343,8 +424,11 @@ class _BalanceState:
             wall_seconds = (now - self.exchange_forward_at) / (index - self.exchange_index)  # steps since the last
         self.compute_total, self.compute_steps = 0.0, 0
         carried = self.proposal if self.rank == 0 else None
+        self.carried_local = self.local_proposal if self.layout.spans and self.leads_node else None
+        self.carried_node = self.node_proposal if self.rank == 0 else None
         self.vector = self.exchange.message(self.rank, samples, self.compute_seconds, self.schedule.next_batch,
-                                            (step_seconds, cost_seconds, wall_seconds), carried)
+                                            (step_seconds, cost_seconds, wall_seconds), carried, self.carried_local,
+                                            None if self.carried_node is None else self.carried_node.shares)
         self.carried = carried
         self.exchange_index = index
         self.exchange_forward_at = now
@@ -379,7 +463,9 @@ class _BalanceState:
             warn_if_loader_ignores(self.schedule.ratio_for(0), found.counts)
         if self.carried is not None and self.proposal is self.carried:
             self.proposal = None  # delivered
-        if found.proposal is not None:
+        if self.layout.spans:
+            self._settle_nodes(found)
+        elif found.proposal is not None:
             # Every rank reads the same sum, so every rank makes the same entry: the DR splits
             # global batches from the furthest any rank's sampler had got at this forward.
             self.agreed.append((found.proposal, self.schedule.set(found.proposal, found.next_batch)))
@@ -389,6 +475,38 @@ class _BalanceState:
             interval = exchange_interval(found.step_seconds, found.cost_seconds, found.wall_seconds)
             self.plan = ExchangePlan(self.exchange_index, interval, found.step_seconds, found.cost_seconds,
                                      found.wall_seconds)
+
+    def _settle_nodes(self, found: _Exchanged) -> None:
+        """A job spanning nodes: every rank composes the same DR from what this exchange carried
+        (rank 0's whole-job DR, then its node shares, then each node leader's local DR) and uses
+        it from the same global batch on; rank 0 then looks whether the node shares should move."""
+        if self.carried_local is not None and self.local_proposal is self.carried_local:
+            self.local_proposal = None  # delivered
+        if self.carried_node is not None and self.node_proposal is self.carried_node:
+            self.node_proposal = None
+        if self.balancer is not None and self.times is not None and self.timed_counts is not None:
+            self.balancer.observe(self.timed_counts, self.times)
+        split = self.current_split()
+        if found.proposal is not None:
+            split = NodeSplit.of(self.layout, found.proposal)
+        if found.node_shares is not None:
+            split = split.with_node_shares(found.node_shares)
+            if self.balancer is not None:
+                self.balancer.restart()  # speeds from now on are the new shares'
+                if self.carried_node is not None and self.carried_node.shares == found.node_shares:
+                    self.moves.append(self.carried_node)
+        for node, local in sorted(found.locals.items()):
+            split = split.with_local(node, local)
+        if split != self.split:
+            ratio = split.ratio(self.layout)
+            if not _same_split(ratio, self.schedule.latest):
+                start = self.schedule.set(ratio, found.next_batch)
+                self.agreed.append((ratio, start))
+                self.node_agreed.append((split, start))
+                self.split_ratio = ratio
+            self.split = split
+        if self.balancer is not None and self.node_proposal is None:
+            self.node_proposal = self.balancer.propose(self.current_split())
 
     def _read_device_counts(self) -> None:
         pending, self.device_counts = self.device_counts, None
@@ -418,6 +536,11 @@ class _BalanceState:
         if not self.warned:
             self.warned = True
             logger.warning(message)
+
+
+def _same_split(one: DataRatio, other: DataRatio) -> bool:
+    """Whether two DRs have the same proportions (so split every batch alike)."""
+    return len(one) == len(other) and all(a * other.total == b * one.total for a, b in zip(one, other))
 
 
 def _local_weight(mine: int, total: int, reduction: str) -> float:
@@ -647,6 +770,10 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
       measured step time and exchange latency (:func:`exchange_interval`; 1 for steps of a second,
       up to ``MAX_EXCHANGE_INTERVAL`` for steps of a few milliseconds). The same on every rank
       (checked). Half-precision gradient buckets exchange at every step whatever it says.
+    - ``balance_nodes``: for a job whose ranks are on several nodes (:attr:`node_layout`), whether
+      global rank 0 moves the nodes' shares of the global batch toward the ranks' measured speeds
+      (default True; :class:`~drbalance.client.nodes.NodeBalancer`). False keeps them where the
+      DR puts them (each node's manager still steers its local ranks). The same on every rank.
 
     Sample counts ride in the first gradient bucket's all-reduce on most steps; a rank-0 DR
     proposal, every rank's compute times and sampler positions travel with the control exchange,
@@ -668,8 +795,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         device_label: str | None = None,
         device_uuid: str | None = None,
         exchange_every: int | None = None,
+        balance_nodes: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(balance_nodes, bool):
+            raise TypeError(f"balance_nodes must be True or False; got {balance_nodes!r}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
         if exchange_every is not None and (isinstance(exchange_every, bool) or not isinstance(exchange_every, int)
@@ -692,16 +822,20 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         limit = FLOAT32_COUNT_LIMIT if torch.float32 in dtypes else 2**50
         self._balance = _BalanceState(rank, world_size, control, group, loss_reduction, self.ratio_schedule,
                                       exchange_every, counts_ride, limit)
-        peers = self._introduce(initial, problem, device_label or label, uuid if device_uuid is None else device_uuid)
+        peers = self._introduce(initial, problem, device_label or label, uuid if device_uuid is None else device_uuid,
+                                balance_nodes)
         self.device_labels: tuple[str, ...] = tuple(peer[0] for peer in peers)
         self._device_uuids: tuple[str, ...] = tuple(peer[1] for peer in peers)
+        self._balance.span(NodeLayout.of([peer[8] for peer in peers]), balance_nodes)
         self.register_comm_hook(self._balance, _weighted_allreduce_hook)
 
-    def _introduce(self, ratio: DataRatio, problem: str, label: str, uuid: str) -> list[tuple[Any, ...]]:
-        """Exchange every rank's device and initial DR; raise on every rank if a DR is bad or they differ."""
+    def _introduce(self, ratio: DataRatio, problem: str, label: str, uuid: str,
+                   balance_nodes: bool) -> list[tuple[Any, ...]]:
+        """Exchange every rank's device, node and initial DR; raise on every rank if a DR is bad or they differ."""
         state = self._balance
         peers: list[Any] = [None] * state.world_size
-        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride, state.reduction)
+        mine = (label, uuid, ratio.shares, ratio.total, problem, state.pinned, state.counts_ride, state.reduction,
+                this_node(), balance_nodes)
         try:
             dist.all_gather_object(peers, mine, group=state.control)
         except RuntimeError as error:
@@ -714,7 +848,7 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         for rank, trouble in enumerate(troubles):
             if trouble:
                 raise ValueError(f"rank {rank} of the job: {trouble}")
-        for rank, (_, _, shares, total, _, pinned, ride, reduction) in enumerate(peers):
+        for rank, (_, _, shares, total, _, pinned, ride, reduction, _, balance) in enumerate(peers):
             if (tuple(shares), total) != (ratio.shares, ratio.total):
                 raise ValueError(
                     f"rank {rank} was given ratio {list(shares)}/{total} but rank {state.rank} {ratio}; give every "
@@ -729,6 +863,11 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
                 raise ValueError(
                     f"rank {rank} was given loss_reduction={reduction!r} but rank {state.rank} {state.reduction!r}; "
                     f"give every rank the same loss_reduction (the gradient weights would not add up)"
+                )
+            if balance != balance_nodes:
+                raise ValueError(
+                    f"rank {rank} was given balance_nodes={balance} but rank {state.rank} {balance_nodes}; give every "
+                    f"rank of a BalancedDistributedDataParallel the same balance_nodes"
                 )
             if ride != state.counts_ride:
                 raise ValueError(
@@ -785,6 +924,55 @@ class BalancedDistributedDataParallel(DistributedDataParallel):
         checked = check_rank_ratio(ratio, self.world_size)
         if self.rank == 0:
             self._balance.proposal = None if checked == self.ratio else checked
+
+    # --- jobs spanning nodes --------------------------------------------------------------------
+    @property
+    def node_layout(self) -> NodeLayout:
+        """Which node each rank is on, and the nodes' names (one node: a job of one machine)."""
+        return self._balance.layout
+
+    @property
+    def node_split(self) -> NodeSplit:
+        """The node shares and each node's local DR of the DR in force (:class:`~drbalance.client.nodes.NodeSplit`)."""
+        state = self._balance
+        with state.lock:
+            return state.current_split()
+
+    def propose_local_ratio(self, ratio: DataRatio | Sequence[float]) -> None:
+        """A node's leader: have the job use ``ratio`` (one share per rank of this node) as its
+        node's local DR soon (other ranks: ignored).
+
+        As :meth:`propose_ratio`, the proposal rides on the next control exchange and every rank
+        composes the same DR from it (the node shares times each node's local DR), used from the
+        same global batch on; the other nodes' shares and local DRs stay as they are. On a job of
+        one node this is :meth:`propose_ratio`. ``ValueError`` for a DR this node cannot use.
+        """
+        state = self._balance
+        if not state.layout.spans:
+            self.propose_ratio(ratio)
+            return
+        node = state.layout.node_of[state.rank]
+        name = state.layout.names[node]
+        checked = check_rank_ratio(ratio, len(state.layout.ranks(node)), where=f"node {name}'s DR")
+        if state.leads_node:
+            with state.lock:
+                current = state.current_split().locals[node]
+                state.local_proposal = None if _same_split(checked, current) else checked
+
+    def take_node_moves(self) -> list[NodeMove]:
+        """Global rank 0: the node share moves its :class:`~drbalance.client.nodes.NodeBalancer` made
+        that every rank has taken since the last call (empty elsewhere)."""
+        state = self._balance
+        with state.lock:
+            moves, state.moves = state.moves, []
+        return moves
+
+    def take_node_agreed(self) -> list[tuple[NodeSplit, int]]:
+        """A job spanning nodes: the (split, first global batch) changes agreed since the last call."""
+        state = self._balance
+        with state.lock:
+            agreed, state.node_agreed = state.node_agreed, []
+        return agreed
 
     def take_agreed(self) -> list[tuple[DataRatio, int]]:
         """The (DR, first global batch) changes agreed through control exchanges since the last call."""
@@ -902,21 +1090,35 @@ class JobSync:
     the same global batch on. No extra collective, no rank waits for rank 0's talk with the
     manager, and a rank never trains a batch with a DR the others do not use for it.
     :meth:`synchronize` reports the changes made since it was last called.
+
+    A job whose ranks are on several nodes gets a :class:`NodeSync` instead: one leader per node.
     """
 
     def __init__(self, model: BalancedDistributedDataParallel) -> None:
         self.model = model
 
     @classmethod
-    def of(cls, model: object) -> JobSync | None:
-        """A JobSync for a ``BalancedDistributedDataParallel`` (also under ``torch.compile``), else None."""
+    def of(cls, model: object) -> JobSync | NodeSync | None:
+        """A JobSync for a ``BalancedDistributedDataParallel`` (also under ``torch.compile``), a
+        NodeSync for one spanning nodes, else None."""
         target = getattr(model, "_orig_mod", model)  # torch.compile's wrapper keeps the module here
-        return cls(target) if isinstance(target, BalancedDistributedDataParallel) else None
+        if not isinstance(target, BalancedDistributedDataParallel):
+            return None
+        return NodeSync(target) if target.node_layout.spans else cls(target)
 
     @property
     def leader(self) -> bool:
         """Whether this rank talks to the manager (rank 0 of the job)."""
         return self.model.rank == 0
+
+    @property
+    def steered(self) -> BalancedDistributedDataParallel:
+        """What the session publishes (DR, slots, timings): the whole job."""
+        return self.model
+
+    def app_name(self, app: str) -> str:
+        """The app this job is to its manager: ``app``."""
+        return app
 
     @property
     def ratio(self) -> DataRatio:
@@ -928,9 +1130,109 @@ class JobSync:
         """Propose ``ratio`` to the job (``ValueError`` if the job cannot use it)."""
         self.model.propose_ratio(ratio)
 
-    def synchronize(self) -> list[tuple[DataRatio, int]]:
-        """The (DR, first global batch) changes every rank has made since the last call (no communication)."""
-        return self.model.take_agreed()
+    def synchronize(self) -> list[tuple[DataRatio, int, dict[str, Any]]]:
+        """The (DR, first global batch, nothing more) changes every rank has made since the last
+        call (no communication)."""
+        return [(ratio, start, {}) for ratio, start in self.model.take_agreed()]
+
+
+class NodePart:
+    """One node's part of a job spanning nodes, as its leader's ``Session`` publishes it: the
+    local DR, and the local ranks' devices, samples and compute times, in local rank order."""
+
+    def __init__(self, model: BalancedDistributedDataParallel, node: int) -> None:
+        self.job = model
+        self.node = node
+        self.ranks = model.node_layout.ranks(node)
+        self.device_labels: tuple[str, ...] = tuple(model.device_labels[rank] for rank in self.ranks)
+
+    @property
+    def ratio(self) -> DataRatio:
+        """This node's local DR in force."""
+        return self.job.node_split.locals[self.node]
+
+    def set_ratio(self, ratio: DataRatio | Sequence[float]) -> None:
+        """Propose ``ratio`` as this node's local DR (``propose_local_ratio``)."""
+        self.job.propose_local_ratio(ratio)
+
+    @property
+    def min_share(self) -> int:
+        return self.job.min_share
+
+    def device_uuids(self) -> tuple[str, ...]:
+        uuids = self.job.device_uuids()
+        return tuple(uuids[rank] for rank in self.ranks)
+
+    @property
+    def last_chunk_sizes(self) -> tuple[int, ...]:
+        sizes = self.job.last_chunk_sizes
+        return tuple(sizes[rank] for rank in self.ranks)
+
+    def last_replica_timings(self) -> list[ReplicaTiming]:
+        timings = {timing.slot: timing for timing in self.job.last_replica_timings()}
+        return [ReplicaTiming(slot, timings[rank].device, timings[rank].samples, timings[rank].seconds)
+                for slot, rank in enumerate(self.ranks) if rank in timings]
+
+
+class NodeSync:
+    """What a ``Session`` steers on a job spanning nodes: each node's leader (its lowest rank)
+    talks to its own node's manager, as the app ``<app>@<node>``, about its node's part
+    (:class:`NodePart`): the manager's DR becomes this node's local DR (``propose_local_ratio``),
+    and every rank composes the same job DR from the node shares and every node's local DR at
+    the same global batch (docs/ddp.md, "Jobs spanning nodes")."""
+
+    def __init__(self, model: BalancedDistributedDataParallel) -> None:
+        self.model = model
+        layout = model.node_layout
+        self.node = layout.node_of[model.rank]
+        self.steered = NodePart(model, self.node)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank talks to its node's manager (the node's lowest rank)."""
+        return self.model.node_layout.leader(self.node) == self.model.rank
+
+    def app_name(self, app: str) -> str:
+        """The app this node's part is to its manager: ``<app>@<node name>``. ``ValueError`` on
+        every rank if any node's app name is not one (too long: at most 48 characters)."""
+        layout = self.model.node_layout
+        for node in range(layout.nodes):
+            name = layout.app_name(app, node)
+            try:
+                check_app_name(name)
+            except ValueError as error:
+                raise ValueError(f"the job spans {layout.nodes} nodes and node {layout.names[node]!r}'s part would be "
+                                 f"the app {name!r}: {error}; give a shorter app name") from None
+        return layout.app_name(app, self.node)
+
+    @property
+    def ratio(self) -> DataRatio:
+        """This node's proposed local DR if one is on its way, else the one in force."""
+        proposal = self.model._balance.local_proposal
+        return proposal if proposal is not None else self.steered.ratio
+
+    def set_ratio(self, ratio: DataRatio | Sequence[int]) -> None:
+        """Propose ``ratio`` as this node's local DR (``ValueError`` if the node cannot use it)."""
+        self.model.propose_local_ratio(ratio)
+
+    def synchronize(self) -> list[tuple[DataRatio, int, dict[str, Any]]]:
+        """(this node's local DR, first global batch, the job's side of it) for every change every
+        rank has made since the last call: ``job_dr`` (the composed DR over every rank),
+        ``node_shares``, and on global rank 0 the node share moves made (``node_move``: the nodes'
+        measured speeds in samples per second and the predicted gain)."""
+        self.model.take_agreed()
+        moves = self.model.take_node_moves()
+        changes = []
+        for split, start in self.model.take_node_agreed():
+            extra: dict[str, Any] = {"job_dr": split.ratio(self.model.node_layout).to_list(),
+                                     "node_shares": split.node_shares.to_list(),
+                                     "node_share_total": split.node_shares.total}
+            move = next((move for move in moves if move.shares == split.node_shares), None)
+            if move is not None:
+                moves.remove(move)
+                extra["node_move"] = {"speeds": list(move.speeds), "gain": move.gain}
+            changes.append((split.locals[self.node], start, extra))
+        return changes
 
 
 def _control_group(group: Any) -> Any:
@@ -986,5 +1288,5 @@ def _group_timeout(group: Any) -> timedelta | None:
 
 __all__ = [
     "EXCHANGE_BUDGET", "LOSS_REDUCTIONS", "MAX_EXCHANGE_INTERVAL", "BalancedDistributedDataParallel", "ExchangePlan",
-    "JobSync", "RatioSyncError", "exchange_interval",
+    "JobSync", "NodePart", "NodeSync", "RatioSyncError", "exchange_interval",
 ]

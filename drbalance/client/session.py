@@ -26,7 +26,9 @@ A ``DistributedDataParallel`` job (``BalancedDistributedDataParallel``) creates 
 every rank with the same arguments. It is one app: rank 0 alone talks to the manager and writes
 the record and SD log; the manager's DR reaches the other ranks through the job's own process
 group, with the job's next control exchange (every K steps, ``drbalance.client.distributed.JobSync``),
-and every rank uses it from the same global batch on. See docs/ddp.md.
+and every rank uses it from the same global batch on. A job whose ranks are on several nodes is
+one app per node: each node's leader (its lowest rank) talks to its node's manager as
+``<app>@<node>`` about its node's local ranks (``NodeSync``). See docs/ddp.md.
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ class Session:
     """Connects one training job to the drbalance manager. See the module docstring.
 
     Arguments: ``model`` (a BalancedDataParallel), ``app`` (unique name in the namespace; None in a
-    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``),
+    Slurm job: ``<SLURM_JOB_NAME>-<SLURM_JOB_ID>``; kept as ``job_app``; a DDP job spanning nodes is
+    ``<app>@<node>`` to each node's manager, ``session.app``),
     ``epochs`` x ``iterations_per_epoch`` (the iteration plan; ``iterations_per_epoch`` may be the
     loader itself: its length is used), ``solo_time`` (None, the default: estimated online from the
     job's own measurements, its SD marked as estimated (``drbalance.solo_estimate``); seconds for
@@ -200,8 +203,11 @@ class Session:
     ) -> None:
         if not (hasattr(model, "set_ratio") and hasattr(model, "ratio")):
             raise TypeError(f"Session steers a BalancedDataParallel; got {type(model).__name__}")
-        self.model = model
-        self.app = check_app_name(app if app is not None else _slurm_app_name())
+        self.job = JobSync.of(model)  # None unless a DDP job: then only its leader(s) talk to a manager
+        # a job spanning nodes: each node's leader publishes its node's part as the app <app>@<node>
+        self.model = self.job.steered if self.job is not None else model
+        self.job_app = check_app_name(app if app is not None else _slurm_app_name())  # the name given
+        self.app = self.job.app_name(self.job_app) if self.job is not None else self.job_app
         epochs, start_epoch = _whole(epochs), _whole(start_epoch)
         self.plan = IterationPlan(epochs, iterations_from(iterations_per_epoch))
         if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or not 0 <= start_epoch < epochs:
@@ -215,16 +221,16 @@ class Session:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{what} must be a finite number of seconds >= 0 (every wait is bounded); "
                                  f"got {value!r}")
-        if len(model.ratio) > MAX_GPUS:
-            raise ValueError(f"the model's DR has {len(model.ratio)} entries; the protocol carries at most {MAX_GPUS}")
+        if len(self.model.ratio) > MAX_GPUS:
+            raise ValueError(f"the model's DR has {len(self.model.ratio)} entries; the protocol carries at most "
+                             f"{MAX_GPUS}")
         self.exchange_timeout = float(exchange_timeout)
         self.send_timeout = float(send_timeout)
         self.exit_grace = env.exit_grace()  # read before any IPC object exists: a bad value leaves nothing behind
         self._no_manager = env.no_manager()  # likewise
         self.clock = clock or SystemClock()
         self.measurement_output = env.profile_output()
-        self.own_ratio = model.ratio
-        self.job = JobSync.of(model)  # None unless a DDP job: then only its rank 0 talks to the manager
+        self.own_ratio = self.model.ratio
         self.solo: SoloTime | None = None  # None: estimated online (self.estimator)
         if self.measurement_output is not None:
             self._start_solo_measurement()
@@ -243,16 +249,16 @@ class Session:
         self.start_wall = self.clock.wall()
         self.pid = os.getpid()
         self.start_ticks = objects.process_start_ticks(self.pid) or 0
-        self.slot_window = SlotWindow(len(model.ratio))
-        self.device_uuids = _device_uuids(model)
+        self.slot_window = SlotWindow(len(self.model.ratio))
+        self.device_uuids = _device_uuids(self.model)
         self._last_push: AppCommand | None = None  # the last pushed command taken (applied or refused)
         self._cadence: float | None = None  # seconds between boundaries the manager asked for
         self._boundary_due: float | None = None  # monotonic time of the next such boundary
         self.min_share = 0  # DDP jobs: every rank keeps at least this share (units of the DR total)
         if self.job is not None:
             self.min_share = self.job.model.min_share  # one unit: at least one sample per rank and step
-        self.memory_per_sample: list[float | None] = [None] * len(model.ratio)  # bytes, per slot
-        self.max_samples: list[int | None] = [None] * len(model.ratio)  # largest chunk that fitted after an OOM
+        self.memory_per_sample: list[float | None] = [None] * len(self.model.ratio)  # bytes, per slot
+        self.max_samples: list[int | None] = [None] * len(self.model.ratio)  # largest chunk that fitted after an OOM
         self.notice_seq = 0
         self.applied_generation = 0
         self._awaiting: int | None = None
@@ -704,8 +710,8 @@ class Session:
         """DDP jobs: log the DRs every rank has taken from rank 0 since the last call (no-op otherwise)."""
         if self.job is None:
             return
-        for ratio, start in self.job.synchronize():
-            self._write_log("applied", now, applied_dr=ratio.to_list(), from_batch=start)
+        for ratio, start, extra in self.job.synchronize():
+            self._write_log("applied", now, applied_dr=ratio.to_list(), from_batch=start, **extra)
 
     def _lost_manager(self, now: float, reason: str = "none is running") -> None:
         if self._attached_pid:

@@ -105,7 +105,9 @@ def open_job_session(model: BalancedDistributedDataParallel, plan: JobPlan, sett
             session = _open_leader(model, plan, settings, default_app)
         except Exception as error:  # told to the other ranks, then raised here
             failure = error
-        broadcast(("ok", session.app) if session is not None else ("failed", f"{type(failure).__name__}: {failure}"))
+        # the name given (a job spanning nodes: without the "@<node>" of rank 0's own node)
+        told = ("ok", session.job_app) if session is not None else ("failed", f"{type(failure).__name__}: {failure}")
+        broadcast(told)
         if failure is not None:
             raise failure
         return session

@@ -21,16 +21,17 @@ from drbalance import env
 from drbalance.ipc.objects import SHM_DIR, listed_owner
 from drbalance.ipc.private import private_dir, read_private
 
-APP_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,47}$")
+APP_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,47}$")
 TOKEN_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 _EMU_TAIL = re.compile(r"^[0-9]+(\.[0-9a-f]{16})?$")
 
 
 def check_app_name(name: str) -> str:
-    """Validate an app name: 1-48 letters, digits, ``_ . -``, not starting with ``.`` or ``-``."""
+    """Validate an app name: 1-48 letters, digits, ``_ . - @``, not starting with ``.``, ``-`` or ``@``
+    (``@`` joins a job spanning nodes and a node: ``<job>@<node>``)."""
     if not isinstance(name, str) or not APP_NAME_PATTERN.match(name):
         raise ValueError(
-            f"app name {name!r} is not valid: use 1-48 letters, digits, '_', '.' or '-', "
+            f"app name {name!r} is not valid: use 1-48 letters, digits, '_', '.', '-' or '@', "
             f"starting with a letter, digit or '_'"
         )
     return name

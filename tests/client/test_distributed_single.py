@@ -127,3 +127,15 @@ def test_counting_steps_between_exchanges_and_half_precision_exchanging_every_st
     for size in (4, 6, 5):
         half(torch.randn(size, 3, dtype=torch.float16)).float().sum().backward()
         assert half.last_step_exchanged and half.last_chunk_sizes == (size,)
+
+
+def test_a_job_on_one_node_is_one_app_whose_local_dr_is_the_jobs(one_rank):
+    with pytest.raises(TypeError, match="balance_nodes must be True or False"):
+        BalancedDistributedDataParallel(nn.Linear(3, 1), balance_nodes="no")
+    model = BalancedDistributedDataParallel(nn.Linear(3, 1))
+    assert not model.node_layout.spans and model.node_layout.node_of == (0,)
+    assert model.node_split.locals == (model.ratio,) and type(JobSync.of(model)) is JobSync
+    model.propose_local_ratio([1])  # one node: the job's DR (unchanged here: no proposal)
+    assert model._balance.proposal is None and model._balance.local_proposal is None
+    with pytest.raises(ValueError, match="has 2 entries but the job has 1 rank"):
+        model.propose_local_ratio([5, 5])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch.multiprocessing as mp
 
@@ -15,9 +16,9 @@ from drbalance.ratio import DataRatio
 from tests.helpers import ddp_workers
 
 
-def spawn(name: str, world: int, tmp_path: Path) -> list[dict]:
-    """Run ``ddp_workers.<name>`` on ``world`` ranks; each rank's JSON findings, in rank order."""
-    mp.spawn(getattr(ddp_workers, name), args=(world, str(tmp_path)), nprocs=world, join=True)
+def spawn(name: str, world: int, tmp_path: Path, module: ModuleType = ddp_workers) -> list[dict]:
+    """Run ``<module>.<name>`` (default ``ddp_workers``) on ``world`` ranks; their JSON findings, in rank order."""
+    mp.spawn(getattr(module, name), args=(world, str(tmp_path)), nprocs=world, join=True)
     return [json.loads((tmp_path / f"{name.split('_')[0]}-rank{r}.json").read_text()) for r in range(world)]
 
 
