@@ -339,39 +339,81 @@ def run_task(task: tuple[str, int, str, tuple[str, ...], tuple[str, ...], bool])
 
 
 def run_round(out: str, removed: tuple[str, ...], rules: tuple[str, ...], sets: Mapping[str, range],
-              workers: int) -> None:
+              workers: int, group: int = 4) -> None:
     """Every run of ``sets`` for the round's reference (``removed`` off) and each of ``rules`` off
-    besides; each seed and model's runs appended to ``round-<label>.jsonl`` in ``out`` as they
-    end (a round cut short goes on from there), then one file per variant and draw."""
+    besides, ``group`` rules at a time in their order (each group in lockstep with the reference).
+    Each seed and model's runs are appended to ``round-<label>.jsonl`` in ``out`` as they end; a
+    round cut short goes on from there, running only the variants, seeds and models missing. A
+    variant's file per draw (``<label>-<draw>.json``) is written as soon as its runs of the draw
+    are all in."""
+    os.makedirs(out, exist_ok=True)
     journal = os.path.join(out, f"round-{label(removed)}.jsonl")
-    done: dict[tuple[str, int, str], dict[str, Any]] = {}
-    if os.path.exists(journal):
-        with open(journal, encoding="utf-8") as source:
-            for line in source:
-                if line.strip():
-                    row = json.loads(line)
-                    done[(row["draw"], row["seed"], row["interference"])] = row
-    with_observe = {draw: not os.path.exists(os.path.join(out, f"observe-{draw}.json")) for draw in sets}
-    tasks = [(draw, seed, interference, removed, rules, with_observe[draw]) for draw, seeds in sets.items()
-             for seed in seeds for interference in INTERFERENCE_MODELS if (draw, seed, interference) not in done]
+    done = _read_journal(journal)
+    reference = label(removed)
+    keys = [(draw, seed, interference) for draw, seeds in sets.items() for seed in seeds
+            for interference in INTERFERENCE_MODELS]
+    observe_missing = {draw: not os.path.exists(os.path.join(out, f"observe-{draw}.json")) for draw in sets}
+    chunks = [rules[start:start + max(1, group)] for start in range(0, len(rules), max(1, group))] or [()]
     with ProcessPoolExecutor(max(1, workers)) as pool, open(journal, "a", encoding="utf-8") as sink:
-        for row in pool.map(run_task, tasks):
-            sink.write(json.dumps(row) + "\n")
-            sink.flush()
-            done[(row["draw"], row["seed"], row["interference"])] = row
+        for chunk in chunks:
+            tasks = []
+            for draw, seed, interference in keys:
+                have = done.get((draw, seed, interference), {}).get("runs", {})
+                missing = tuple(rule for rule in chunk if label((*removed, rule)) not in have)
+                with_observe = observe_missing[draw] and "observe" not in have
+                if missing or with_observe or reference not in have:
+                    tasks.append((draw, seed, interference, removed, missing, with_observe))
+            for row in pool.map(run_task, tasks):
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                _merge(done, row)
+            _write_variants(out, done, sets)
+
+
+def _read_journal(journal: str) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """A round's journal: per (draw, seed, model), every variant's run by label and which diverged.
+    A last line cut short (the round was stopped while writing it) is cut off the file."""
+    done: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if not os.path.exists(journal):
+        return done
+    with open(journal, "rb") as source:
+        data = source.read()
+    whole = data[: data.rfind(b"\n") + 1]
+    for number, line in enumerate(whole.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                _merge(done, json.loads(line))
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SystemExit(f"rule_elimination: {journal}, line {number}: not a run's row ({error})") from None
+    if len(whole) < len(data):
+        with open(journal, "r+b") as sink:
+            sink.truncate(len(whole))
+    return done
+
+
+def _merge(done: dict[tuple[str, int, str], dict[str, Any]], row: Mapping[str, Any]) -> None:
+    entry = done.setdefault((row["draw"], row["seed"], row["interference"]), {"runs": {}, "diverged": set()})
+    entry["runs"].update(row["runs"])
+    entry["diverged"].update(row["diverged"])
+
+
+def _write_variants(out: str, done: Mapping[tuple[str, int, str], dict[str, Any]], sets: Mapping[str, range]) -> None:
+    """One file per variant and draw whose runs are all in ``done`` (observe's only once)."""
     for draw, seeds in sets.items():
-        rows = [done[(draw, seed, interference)] for seed in seeds for interference in INTERFERENCE_MODELS]
+        rows = [done.get((draw, seed, interference)) for seed in seeds for interference in INTERFERENCE_MODELS]
+        if any(row is None for row in rows):
+            continue
         for name in sorted({name for row in rows for name in row["runs"]}):
             path = os.path.join(out, f"{name}-{draw}.json")
-            if name == "observe" and os.path.exists(path):
+            if os.path.exists(path) and name == "observe":
                 continue
-            runs = [row["runs"][name] for row in rows if name in row["runs"]]
-            if len(runs) != len(rows):
-                continue  # observe, run only by a round that found it missing
+            if any(name not in row["runs"] for row in rows):
+                continue  # a variant of a group still to run
             diverged = sum(name in row["diverged"] for row in rows)
             with open(path + ".part", "w", encoding="utf-8") as sink:
                 json.dump({"variant": name, "draw": draw, "seeds": [seeds.start, seeds.stop],
-                           "runs_simulated_on_their_own": diverged, "runs": runs}, sink)
+                           "runs_simulated_on_their_own": diverged, "runs": [row["runs"][name] for row in rows]},
+                          sink)
             os.replace(path + ".part", path)
 
 
@@ -500,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("--removed", default="", help="comma-separated rules already removed (default: none)")
     running.add_argument("--rules", default=None, help="comma-separated rules tried off besides (default: every other)")
     running.add_argument("--workers", type=int, default=2, help="simulations in parallel (default 2)")
+    running.add_argument("--group", type=int, default=4,
+                         help="rules run together in lockstep, in the table's order (default 4: a group's "
+                              "files are written when it ends)")
     comparing = commands.add_parser("compare", help="the elimination table from the runs in --out")
     comparing.add_argument("--out", required=True, help="folder of the runs' JSON files")
     comparing.add_argument("--removed", default="", help="comma-separated rules already removed together")
@@ -534,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         os.makedirs(args.out, exist_ok=True)
         rules = tuple(tried) if args.rules is not None else tuple(name for name in RULES if name not in chosen)
-        run_round(args.out, tuple(sorted(chosen)), rules, TUNING, args.workers)
+        run_round(args.out, tuple(sorted(chosen)), rules, TUNING, args.workers, args.group)
         return 0
     table = compare(args.out, chosen, TUNING)
     print(_line("fair (today)", table["fair"]))
