@@ -46,6 +46,31 @@ def test_a_shadow_that_decides_as_the_reference_throughout_had_the_references_ru
     assert row["runs"]["observe"]["max_sd"] == observe.max_sd
 
 
+@pytest.mark.slow
+def test_a_round_stopped_goes_on_with_only_what_its_journal_lacks(tmp_path):
+    """Rules run one group at a time; a variant's file is written when its runs are in; run again
+    (a last line cut short, one more rule), only the new rule's runs are simulated."""
+    sets = {"default": range(2, 3)}
+    rule_elimination.run_round(str(tmp_path), (), ("swaps", "untangle"), sets, workers=1, group=1)
+    journal = tmp_path / "round-fair.jsonl"
+    rows = [json.loads(line) for line in journal.read_text().splitlines()]
+    first, second = ["fair", "observe", "off-swaps"], ["fair", "off-untangle"]
+    assert [sorted(row["runs"]) for row in rows] == [first, first, second, second]
+    names = {"observe", "fair", "off-swaps", "off-untangle"}
+    assert {path.name for path in tmp_path.glob("*.json")} == {f"{name}-default.json" for name in names}
+    before = (tmp_path / "off-swaps-default.json").read_text()
+    with journal.open("a") as sink:
+        sink.write('{"draw": "default", "se')
+    rule_elimination.run_round(str(tmp_path), (), ("swaps", "untangle", "closing"), sets, workers=1, group=2)
+    rows = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [sorted(row["runs"]) for row in rows[4:]] == [["fair", "off-closing"]] * 2
+    assert (tmp_path / "off-swaps-default.json").read_text() == before
+    closing = json.loads((tmp_path / "off-closing-default.json").read_text())
+    assert [run["seed"] for run in closing["runs"]] == [2, 2]
+    model = closing["runs"][0]["interference"]
+    assert closing["runs"][0]["max_sd"] == simulate(("default", 2, model, ("closing",))).max_sd
+
+
 def test_the_noise_band_is_the_issues():
     reference = {"worse": 10, "median_max_sd": 1.300, "churn_median": 20.0}
     assert within_band({"worse": 12, "median_max_sd": 1.305, "churn_median": 22.0}, reference)
