@@ -16,8 +16,11 @@ Sections (each a dict in the result):
    objects, swapping the log folder for a link, holding --metrics-port connections open.
 6. ``filesystem``: runtime directory removed, status file replaced by a folder, a full disk (a
    512 KiB tmpfs when mounting is allowed; else a file-size limit), segments truncated.
+7. ``system``: the machine's system manager (``drbalance-manager --system``) with real jobs of two
+   real users: jobs and the manager killed or stopped, corrupt inputs over its socket, a second
+   user's floods and tricks (``benchmarks/fault_system.py``; needs root).
 
-Usage: python -m benchmarks.fault_campaign [--quick] [--no-write]
+Usage: python -m benchmarks.fault_campaign [--quick] [--only SECTIONS] [--no-write | --out PATH]
 Writes benchmarks/results/fault_campaign.json; docs/reliability.md summarises it.
 """
 
@@ -39,6 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fault_system import campaign_system
 from benchmarks.timing import add_no_write, save, scratch_namespace, summary
 from drbalance import DataRatio
 from drbalance.ipc import discovery, objects
@@ -626,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter floods")
     parser.add_argument("--role", nargs=4, metavar=("ROLE", "NAME", "SECONDS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--only", default=None, help="comma-separated sections to run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the whole result to this file instead of benchmarks/results/")
     add_no_write(parser)
     args = parser.parse_args(argv)
     if args.role:
@@ -639,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         "corrupt": lambda s: campaign_corrupt(s, 60 if args.quick else 200, 60 if args.quick else 200),
         "neighbour": campaign_neighbour,
         "filesystem": campaign_filesystem,
+        "system": lambda s: campaign_system(s, args.quick),
     }
     chosen = args.only.split(",") if args.only else list(sections)
     result: dict[str, Any] = {"cores": os.cpu_count(), "load_before": os.getloadavg()}
@@ -650,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
             result[name]["section_seconds"] = round(time.monotonic() - started, 1)
             print(json.dumps(result[name], indent=1, default=str)[:3000], flush=True)
     result["load_after"] = os.getloadavg()
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        return 0
     save("fault_campaign", "benchmarks.fault_campaign", argv, result, args.no_write)
     return 0
 

@@ -1,7 +1,7 @@
 """Scenario demo-a as two users' jobs: one system manager for both, beside a manager per user.
 
 The demo's six jobs (2 x DenseNet121, 2 x ResNet-50, 2 x AlexNet, real training on emulated GPUs)
-are dealt in turn to two users (uids 4201 and 4202: dense1, res1, alex1 to the first, the others
+are dealt in turn to two users (uids 4201 and 4202: dense1, alex1 and res2 to the first, the others
 to the second) and run twice from the same placement on the same 4 emulated GPUs, which are the
 machine's in both runs (every user's jobs share them, as real GPUs):
 

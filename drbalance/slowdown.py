@@ -65,6 +65,7 @@ class SlowdownTracker:
         self.solo_time = None if solo_time is None else check_solo_time(solo_time)
         self._uncounted = uncounted
         self._uncounted_at_start = uncounted() if uncounted is not None else 0.0
+        self._noted: tuple[float, float] | None = None  # (clock time, seconds left out then): the last step's
         self.start = float(start)
         self.last_mark = float(start)
         self.first = done  # iterations done before this run started (resumed from a checkpoint)
@@ -77,6 +78,7 @@ class SlowdownTracker:
         """Record that one more iteration ended at ``now``; return its duration."""
         if self.done >= self.plan.total:
             raise RuntimeError(f"the plan has {self.plan.total} iterations and all are done")
+        self._noted = (now, self.uncounted_seconds)  # what is said about this moment, said consistently
         now = self.run_time(now)
         duration = max(0.0, now - self.last_mark)
         self.last_mark = now
@@ -91,9 +93,17 @@ class SlowdownTracker:
         """Seconds left out of the run so far (``uncounted``; 0 without it)."""
         return self._uncounted() - self._uncounted_at_start if self._uncounted is not None else 0.0
 
+    def uncounted_at(self, now: float) -> float:
+        """Seconds left out up to ``now``: as read when the last iteration ended, if ``now`` is that
+        moment (a session reports and logs about the moment its step began, some time later:
+        the seconds left out meanwhile are not of that moment), else as read now."""
+        if self._noted is not None and self._noted[0] == now:
+            return self._noted[1]
+        return self.uncounted_seconds
+
     def run_time(self, now: float) -> float:
-        """The clock's ``now`` less the seconds left out since the start."""
-        return now - self.uncounted_seconds
+        """The clock's ``now`` less the seconds left out up to it."""
+        return now - self.uncounted_at(now)
 
     def extend(self, plan: IterationPlan) -> None:
         """Continue with a longer ``plan`` (the solo time grows in proportion to its length)."""

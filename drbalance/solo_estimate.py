@@ -13,12 +13,20 @@ measures itself:
 - **device seconds** of the whole batch on one GPU: from the chunks of slots whose GPU the job had
   *alone* throughout a window (no other process on it at any report, as the backend tells: NVML's
   process list on CUDA, the emulated GPU's memory table on emulated GPUs). Each chunk size's time
-  is the median of its last chunks seen alone; with two sizes or more, a line
-  ``fixed + per_sample x samples`` is fitted to them (the form of the simulator's and the
-  emulated GPUs' model, ``drbalance.workload.models.ModelCosts``) and read at the batch size;
-  with one size, the chunk time is scaled in proportion to the batch. Without any chunk seen
-  alone, the least of every chunk's time scaled to the batch stands: a chunk shared with other
-  jobs is slower than alone, so this is an upper bound, and the estimate is marked ``shared``.
+  is the median of its last chunks seen alone. A chunk of the whole batch seen alone is the
+  answer; else, with two sizes or more, a line ``fixed + per_sample x samples`` is fitted to them
+  (the form of the simulator's and the emulated GPUs' model,
+  ``drbalance.workload.models.ModelCosts``) and read at the batch size; with one size, the chunk
+  time is scaled in proportion to the batch. Without any chunk seen alone, the least of every
+  chunk's time scaled to the batch stands: a chunk shared with other jobs is slower than alone.
+
+**Measured or a bound.** The estimate is the solo time itself when its device part is a chunk of
+the batch seen alone or a line through two sizes or more, and its host part comes from a window
+with one replica. The other ways can only over-estimate it: a chunk scaled in proportion counts the fixed cost once per
+replica, a shared chunk holds the others' turns, and a host time from several replicas holds
+DataParallel's overhead of the extra ones. Such an estimate is marked ``upper_bound``; the SD
+computed from it is then a lower bound, which the record, the SD log, ``drbalance status``, the
+report and the metrics say instead of showing it as the SD (docs/profiles.md).
 
 The estimate is ``host + device`` seconds per iteration; the session multiplies it by its plan's
 iterations. Its error against the true solo time is measured by ``python -m benchmarks.solo_estimate``
@@ -59,12 +67,14 @@ class SlotSample:
 class SoloEstimate:
     """Estimated seconds of one iteration alone on one GPU (``iteration_seconds`` = ``host_seconds``
     + ``device_seconds``); ``basis`` is ``"alone"`` (device time from GPUs the job had alone) or
-    ``"shared"`` (only shared GPUs seen: an upper bound)."""
+    ``"shared"`` (only shared GPUs seen); ``upper_bound``: the estimate can only be too high
+    (see the module docstring), so an SD from it is a lower bound."""
 
     iteration_seconds: float
     host_seconds: float
     device_seconds: float
     basis: str
+    upper_bound: bool = True
 
 
 class SoloEstimator:
@@ -101,12 +111,22 @@ class SoloEstimator:
                 self._least_shared = scaled
         host_seconds = statistics.median(self._single_host or self._multi_host)
         if self._alone:
-            chunks = [(samples, statistics.median(times)) for samples, times in self._alone.items()]
-            device, basis = device_seconds_at(batch, chunks), ALONE
+            device, measured = self._device_alone(batch)
+            basis = ALONE
         else:
-            device, basis = self._least_shared, SHARED
-        self.estimate = SoloEstimate(host_seconds + device, host_seconds, device, basis)
+            device, measured, basis = self._least_shared, False, SHARED
+        bound = not (measured and self._single_host)
+        self.estimate = SoloEstimate(host_seconds + device, host_seconds, device, basis, bound)
         return self.estimate
+
+    def _device_alone(self, batch: int) -> tuple[float, bool]:
+        """Device seconds of the whole batch from the chunks seen alone, and whether measured (a
+        chunk of the batch, or a line through two sizes or more) rather than scaled."""
+        whole = self._alone.get(round(batch, 1))
+        if whole is not None:
+            return statistics.median(whole), True
+        chunks = [(samples, statistics.median(times)) for samples, times in self._alone.items()]
+        return device_seconds_at(batch, chunks), line_through(chunks) is not None
 
     def _add_alone(self, samples: float, seconds: float) -> None:
         """Keep a chunk seen alone under its size (the sizes seen last are kept: ``history`` of them)."""
@@ -144,16 +164,26 @@ def device_seconds_at(batch: float, chunks: Sequence[tuple[float, float]]) -> fl
     """Device seconds of a chunk of ``batch`` samples from ``(samples, seconds)`` of chunks run alone:
     a least-squares line ``fixed + per_sample x samples`` when they have two sizes or more and the
     line is plausible (fixed >= 0, per_sample > 0), else the median seconds per sample x ``batch``."""
-    sizes = {samples for samples, _ in chunks}
-    if len(sizes) >= 2:
-        mean_n = statistics.fmean(samples for samples, _ in chunks)
-        mean_t = statistics.fmean(seconds for _, seconds in chunks)
-        spread = sum((samples - mean_n) ** 2 for samples, _ in chunks)
-        slope = sum((samples - mean_n) * (seconds - mean_t) for samples, seconds in chunks) / spread
-        fixed = mean_t - slope * mean_n
-        if slope > 0 and fixed >= 0:
-            return fixed + slope * batch
+    line = line_through(chunks)
+    if line is not None:
+        fixed, slope = line
+        return fixed + slope * batch
     return statistics.median(seconds / samples for samples, seconds in chunks) * batch
+
+
+def line_through(chunks: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(fixed, per_sample)`` seconds of the least-squares line through ``(samples, seconds)`` of
+    two sizes or more, or None where there are fewer or the line is not plausible (fixed < 0 or
+    per_sample <= 0: noise)."""
+    sizes = {samples for samples, _ in chunks}
+    if len(sizes) < 2:
+        return None
+    mean_n = statistics.fmean(samples for samples, _ in chunks)
+    mean_t = statistics.fmean(seconds for _, seconds in chunks)
+    spread = sum((samples - mean_n) ** 2 for samples, _ in chunks)
+    slope = sum((samples - mean_n) * (seconds - mean_t) for samples, seconds in chunks) / spread
+    fixed = mean_t - slope * mean_n
+    return (fixed, slope) if slope > 0 and fixed >= 0 else None
 
 
 MANAGER = "manager"

@@ -48,6 +48,22 @@ def test_time_left_uncounted_counts_in_neither_iteration_times_nor_the_sd():
     assert plain.uncounted_seconds == 0.0 and plain.run_time(103.0) == 103.0
 
 
+def test_what_is_said_about_a_step_uses_the_time_left_out_up_to_that_step():
+    """A session reports and logs about the moment its step began (``now``), some time later (after
+    waiting for the manager's answer, which an emulated job leaves out as it goes). Read then, the
+    seconds left out meanwhile made that moment's run time too short: SDs at boundaries dipped
+    (0.58 where the job read 1.01 before and after). The reading taken when the step ended stands
+    for that moment; a later moment reads afresh."""
+    uncounted = [0.0]
+    tracker = SlowdownTracker(IterationPlan(1, 10), solo_time=10.0, start=0.0, uncounted=lambda: uncounted[0])
+    tracker.iteration_finished(1.0)
+    tracker.iteration_finished(2.0)  # 1 s
+    uncounted[0] = 0.5  # left out while the session waited for its manager, after the step at 2.0
+    assert tracker.run_time(2.0) == 2.0 and tracker.uncounted_at(2.0) == 0.0
+    assert tracker.slowdown(2.0) == pytest.approx((2.0 + 8 * 1.0) / 10)
+    assert tracker.run_time(2.6) == pytest.approx(2.1)  # a later moment: what is left out by then
+
+
 def test_a_new_window_after_a_boundary_uses_the_last_mean_until_it_has_its_own():
     tracker = SlowdownTracker(IterationPlan(2, 3), solo_time=6.0, start=0.0)
     for now in (1.0, 3.0, 5.0):  # warm-up 1 s, then 2 s, 2 s

@@ -41,7 +41,7 @@ def window(batch: int, sizes: list[int], stretch: list[float] | None = None,
 def test_a_job_alone_on_one_gpu_measures_its_solo_iteration_exactly():
     iteration, slots = window(64, [64, 0])
     estimate = SoloEstimator().observe(iteration, 64, slots)
-    assert estimate.basis == ALONE
+    assert estimate.basis == ALONE and not estimate.upper_bound  # measured: the SD is the SD
     assert estimate.iteration_seconds == pytest.approx(COSTS.solo_iteration(64))
     assert estimate.host_seconds == pytest.approx(COSTS.host_seconds(64))
 
@@ -53,14 +53,16 @@ def test_chunks_of_two_sizes_seen_alone_give_the_fixed_and_per_sample_cost():
     iteration, slots = window(64, [32, 32])
     first = estimator.observe(iteration, 64, slots)
     assert first.device_seconds == pytest.approx(2 * COSTS.device_seconds(32))  # proportional: too high
+    assert first.upper_bound  # and marked so
     iteration, slots = window(64, [48, 16])
     second = estimator.observe(iteration, 64, slots)
     assert second.device_seconds == pytest.approx(COSTS.device_seconds(64))
     # the host time still holds DataParallel's overhead of the second replica: no single-replica window yet
     assert second.host_seconds == pytest.approx(COSTS.host_seconds(64) + COSTS.overhead_seconds(2))
+    assert second.upper_bound
     iteration, slots = window(64, [0, 64])
     third = estimator.observe(iteration, 64, slots)
-    assert third.iteration_seconds == pytest.approx(COSTS.solo_iteration(64))
+    assert third.iteration_seconds == pytest.approx(COSTS.solo_iteration(64)) and not third.upper_bound
 
 
 def test_without_a_gpu_alone_the_least_contended_chunk_is_an_upper_bound():
@@ -68,12 +70,27 @@ def test_without_a_gpu_alone_the_least_contended_chunk_is_an_upper_bound():
     for stretch in (1.8, 1.3, 1.6):
         iteration, slots = window(64, [64, 0], stretch=[stretch, 1.0], alone=[False, None])
         estimate = estimator.observe(iteration, 64, slots)
-    assert estimate.basis == SHARED
+    assert estimate.basis == SHARED and estimate.upper_bound
     assert estimate.device_seconds == pytest.approx(1.3 * COSTS.device_seconds(64))
     assert estimate.iteration_seconds > COSTS.solo_iteration(64)
     # a window alone replaces the bound by the measurement
     iteration, slots = window(64, [64, 0], alone=[True, None])
-    assert estimator.observe(iteration, 64, slots).iteration_seconds == pytest.approx(COSTS.solo_iteration(64))
+    measured = estimator.observe(iteration, 64, slots)
+    assert measured.iteration_seconds == pytest.approx(COSTS.solo_iteration(64)) and not measured.upper_bound
+
+
+def test_a_batch_seen_alone_is_the_device_time_and_the_cpu_path_stays_a_bound():
+    """A chunk of the whole batch seen alone is measured, whatever other sizes say (a line through
+    noisy small chunks could miss it); on the CPU path the backend cannot tell whether the device
+    was shared, so the estimate stays an upper bound."""
+    estimator = SoloEstimator()
+    for sizes, stretch in (([16, 48], [1.0, 1.0]), ([64, 0], [1.0, 1.0]), ([40, 24], [1.5, 0.7])):
+        iteration, slots = window(64, sizes, stretch=stretch)
+        estimate = estimator.observe(iteration, 64, slots)
+    assert estimate.device_seconds == pytest.approx(COSTS.device_seconds(64)) and not estimate.upper_bound
+    cpu = SoloEstimator(parallel=False)
+    iteration, slots = window(64, [64, 0], alone=[None, None], parallel=False)
+    assert cpu.observe(iteration, 64, slots).upper_bound
 
 
 def test_chunks_run_one_after_another_on_the_cpu_path():
@@ -109,10 +126,12 @@ def test_the_record_carries_the_estimated_flag():
                        iteration_time=0.2, solo_time=2.0, start_wall=1.0, updated_wall=2.0, updated_mono=3.0,
                        slots=(SlotStatus("GPU-x", 0.1, 8.0),), solo_estimated=True, solo_basis=SHARED)
     decoded = AppStatus.decode(status.encode(), "test")
-    assert decoded.solo_estimated and decoded == status
+    assert decoded.solo_estimated and decoded.sd_bound and decoded == status
     plain = AppStatus.decode(status.__class__(**{**status.__dict__, "solo_estimated": False,
                                                   "solo_basis": None}).encode(), "test")
-    assert not plain.solo_estimated
+    assert not plain.solo_estimated and not plain.sd_bound
+    measured = AppStatus.decode(status.__class__(**{**status.__dict__, "solo_basis": ALONE}).encode(), "test")
+    assert measured.solo_estimated and not measured.sd_bound
 
 
 # --- a real session on emulated GPUs ------------------------------------------------------------------
@@ -157,6 +176,7 @@ def test_a_session_without_a_solo_time_estimates_it_on_an_emulated_gpu_it_has_al
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]["event"] == "start" and records[0]["solo_time_source"] == "estimated"
     assert all(record["solo_estimated"] for record in records)
+    assert records[0]["sd_bound"] and not records[-1]["sd_bound"]  # nothing measured yet; then the batch alone
     reports = [record for record in records if record["event"] == "report"]
     assert reports and reports[0]["solo_basis"] == ALONE and reports[0]["sd"] is not None
     final = records[-1]
@@ -175,7 +195,7 @@ def test_an_emulated_gpu_another_process_holds_gives_a_shared_estimate(emu, tmp_
     finally:
         holder.kill()
         holder.wait()
-    assert session.estimator.estimate.basis == SHARED
+    assert session.estimator.estimate.basis == SHARED and session.sd_bound
     # the holder runs nothing: the least chunk time is the solo one, marked as a bound
     assert session.tracker.solo_time == pytest.approx(6 * COSTS.solo_iteration(BATCH) * TIME_SCALE, rel=0.10)
 

@@ -2,14 +2,14 @@
 
 Each forward: (1) every chunk's real forward runs on the CPU, one after another, exactly as on
 the CPU backend; (2) a *host phase* lasts the model's host time for this batch plus
-DataParallel's overhead for this many replicas; the real CPU work done since the last device
-phase (backward, optimizer step, data loading, this forward) counts towards it, so on a busy
-2-core machine CPU contention is absorbed as long as the host time is long enough; (3) the
+DataParallel's overhead for this many replicas; the real work done since the last device phase
+(backward, optimizer step, data loading, this forward) counts towards it, and what overruns it is
+this machine's time, left out of the job's SD (:meth:`EmulatedBackend.uncounted_seconds`); (3) the
 *device phase*: each chunk occupies its emulated GPU (``drbalance.emu``) for the model's device
 time of that chunk (forward + backward), all chunks at once on their own GPUs, each waiting while
-another job holds its GPU. A replica's timing is its device phase alone (the wait, the slices, the
-turns given to others), as CUDA events time a replica on a GPU: the real CPU forward is host
-work. Every time is multiplied by ``time_scale``; each real sample counts as
+another job holds its GPU. A replica's timing is its device phase alone as the GPU served it (the
+waits, the turns given to others, the service), as CUDA events time a replica on a GPU: the real
+CPU forward is host work. Every time is multiplied by ``time_scale``; each real sample counts as
 ``sample_scale`` samples of the modelled workload (so small real batches can stand for ImageNet
 batches). See docs/emulation.md.
 
@@ -45,12 +45,12 @@ from drbalance.emu.gpus import (
     DEFAULT_MEMORY_BYTES,
     EmulatedGpu,
     EmulatedOutOfMemory,
+    Occupancy,
     check_memory_size,
     emulated_spec,
     release_at_exit,
     release_emulated_gpus,
 )
-from drbalance.emu.runnable import thread_runnable_seconds
 from drbalance.emu.view import emulated_view, open_view
 from drbalance.workload.models import ModelCosts, estimate_costs
 
@@ -109,8 +109,9 @@ class EmulatedBackend(CpuBackend):
         # follows that process's environment (BalancedDataParallel.__setstate__)
         self.chosen_by_environment = False
         self._uncounted = 0.0  # seconds of host phases left out of the job's time (uncounted_seconds)
-        self._granted = 0.0  # of the host phase under way: what uncounted_seconds has counted so far
-        self._last_target: float | None = None  # the last host phase's modelled seconds
+        self._granted = 0.0  # of the host phase under way: what uncounted_seconds has left out so far
+        self._included = 0.0  # ... and what it has counted so far
+        self._credit: float | None = None  # the last host phase's modelled seconds: what the one under way counts
         self._open_state()
 
     @classmethod
@@ -131,8 +132,7 @@ class EmulatedBackend(CpuBackend):
         self._gpus: list[EmulatedGpu] | None = None
         self._release_at_exit: Callable[[], None] | None = None  # registered with atexit while GPUs are open
         self._pool: ThreadPoolExecutor | None = None
-        self._last_device_end: float | None = None
-        self._runnable_mark: tuple[int, float | None] | None = None  # (thread, runnable time) at the last device end
+        self._last_device_end: float | None = None  # monotonic seconds: the host phase under way began
         self._token = int.from_bytes(os.urandom(4), "little")  # this backend's entries in the memory tables
         self._reserved: dict[int, int] = {}  # bytes held per emulated GPU
         self._peak: dict[int, int] = {}  # peak bytes per emulated GPU since take_peak_memory
@@ -148,57 +148,49 @@ class EmulatedBackend(CpuBackend):
         """The settings; the GPUs seen where it is loaded (``emulated_view`` there)."""
         self.__dict__.update(state)
         self._resolve_view()
-        self._uncounted = self._granted = 0.0
-        self._last_target = None
+        self._uncounted = self._granted = self._included = 0.0
+        self._credit = None
         self._open_state()
 
     def uncounted_seconds(self) -> float:
-        """Seconds by which this backend's host phases overran their modelled host time while the
-        forward's thread ran on this machine's CPU or waited for a core: the session leaves them
-        out of the job's SD and iteration times (``SlowdownTracker``).
+        """Seconds of the job's time that were this machine's, not the emulated server's: the
+        session leaves them out of the job's SD and iteration times (``SlowdownTracker``). The
+        job's emulated time is what the modelled server would take: each host phase's modelled
+        host time, and each device phase's waits for the emulated GPUs (other jobs' turns) and
+        service as modelled.
 
-        That CPU work (each chunk's forward and backward, the optimizer step) stands for work the
-        modelled server does on its GPU, which the device phase already charges; on a 2-core
-        machine emulating a 4-GPU server it also queues for cores and memory bandwidth the
-        server's jobs would not share. An overrun is left out up to the thread's runnable time
-        since the last device phase (``drbalance.emu.runnable``): time it was blocked (the
-        manager's answer, a data-loader worker) counts, and so does the whole device phase (the
-        wait for the emulated GPU is what is emulated). A host phase the modelled time holds
-        leaves nothing out (it sleeps the rest). docs/emulation.md.
+        Left out: (1) a host phase's time past its modelled host time. That is this machine's
+        CPU work (each chunk's forward and backward on PyTorch's threads, the optimizer step, data
+        loading), which stands for work the modelled server does on its GPU or its many cores, its
+        waits for a core, and its waits for this machine's other processes (a data loader's
+        workers, the manager's answer, which on a loaded machine waits for a core itself): on the
+        modelled server all of that is the modelled host time. (2) A device phase's time past its
+        waits and its service: threads of this machine waking late. A host phase the modelled time
+        holds leaves nothing out (it sleeps the rest). docs/emulation.md.
 
-        The host phase under way counts as it goes, past the last phase's modelled time: an
-        iteration ends (``Session.step``) inside the next host phase, after the backward and the
-        optimizer step, so the overrun is left out of the iteration whose time it took.
+        The first host phase begins at the first call (a ``Session`` makes it when it starts), so
+        the set-up before the first forward (the first batch, the cost measurement) is host work
+        like any other. The host phase under way is left out as it goes, past the last phase's
+        modelled time: an iteration ends (``Session.step``) inside the next host phase, after the
+        backward and the optimizer step, so the overrun is left out of the iteration whose time it
+        took. The phase's own modelled time is known only when the forward that ends it comes
+        (after a DR change, with other replicas); the phase then counts its own, or what was
+        counted of it already if that is more: the job's time never runs backwards.
         """
+        if self._last_device_end is None and self._credit is None:
+            self._last_device_end = time.monotonic()  # the first host phase starts here
         return self._uncounted + self._overrun_so_far()
 
     def _overrun_so_far(self) -> float:
         """Of the host phase under way (since the last device phase ended): its time past the last
-        phase's modelled time, at most its runnable time, never less than counted before."""
-        target = self._last_target
-        if target is None or self._runnable_mark is None:
-            return self._granted
-        return self._grant(time.monotonic() - self._last_device_end - target)
-
-    def _grant(self, overrun: float) -> float:
-        """Of the host phase under way, ``overrun`` seconds past its modelled time: what is left out
-        of it, at most the thread's runnable time since the last device phase, never less than
-        granted before (kept in ``_granted``)."""
-        if overrun > self._granted:
-            runnable = self._runnable_since_mark()
-            if runnable is not None:
-                self._granted = max(self._granted, min(overrun, runnable))
+        phase's modelled time (``_credit``), never less than left out before. What it has counted
+        so far (its time less that) is kept in ``_included``."""
+        credit = self._credit
+        if credit is not None and self._last_device_end is not None:
+            elapsed = time.monotonic() - self._last_device_end
+            self._granted = max(self._granted, elapsed - credit)
+            self._included = max(self._included, elapsed - self._granted)
         return self._granted
-
-    def _runnable_since_mark(self) -> float | None:
-        """Seconds the calling thread was runnable since the last device phase ended; None when
-        that is unknown: no device phase since the last host phase, no statistics, or the phase
-        ended on another thread (then nothing is left out)."""
-        mark = self._runnable_mark
-        if mark is None or mark[1] is None or mark[0] != threading.get_ident():
-            return None
-        runnable = thread_runnable_seconds()
-        return None if runnable is None else runnable - mark[1]
 
     @property
     def gpus(self) -> list[EmulatedGpu]:
@@ -319,9 +311,9 @@ class EmulatedBackend(CpuBackend):
         started = time.monotonic()
         cancel = threading.Event()
         try:  # the submissions too: an interrupt between the first and the wait must cancel what was queued
-            futures = [self._pool.submit(_occupy_until, self.gpus[device_ids[slot]], seconds, cancel)
+            futures = [self._pool.submit(self.gpus[device_ids[slot]].occupy_measured, seconds, cancel=cancel)
                        for slot, seconds in zip(plan.slots, device)]
-            ends = _results(futures)
+            occupancies: list[Occupancy] = _results(futures)
         except BaseException:
             # interrupted (Ctrl-C, SIGTERM's SessionTerminated): the replicas give their GPUs up
             # after the current slice, as a dead process's kernels stop. Otherwise their threads
@@ -329,12 +321,14 @@ class EmulatedBackend(CpuBackend):
             # large time scale; the interpreter waits for the pool's threads at exit).
             cancel.set()
             raise
-        self._last_device_end = time.monotonic()
-        self._runnable_mark = (threading.get_ident(), thread_runnable_seconds())
-        # a replica's time is its device phase as its GPU served it: the wait, the slices and the
-        # turns given to other jobs. The real CPU forward is host work here (the host phase counts
-        # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU.
-        spans = [max(0.0, end - started) for end in ends]
+        now = time.monotonic()
+        # a replica's time is its device phase as its GPU served it: the waits (the turns given to
+        # other jobs) and the service. The real CPU forward is host work here (the host phase counts
+        # it): counted in the chunk, a starved CPU would look like a slow or crowded GPU. So is a
+        # thread that wakes late: the phase's time past its longest chunk is left out.
+        spans = [occupancy.waited + occupancy.served for occupancy in occupancies]
+        self._uncounted += max(0.0, now - started - max(spans, default=0.0))
+        self._last_device_end = now
         return outputs, self.timings(device_ids, plan, spans)
 
     def _host_phase(self, plan: ChunkPlan, forward_cpu: float) -> None:
@@ -344,16 +338,14 @@ class EmulatedBackend(CpuBackend):
         spent = now - self._last_device_end if self._last_device_end is not None else forward_cpu
         if target > spent:
             time.sleep(target - spent)
-            self._close_host_phase(0.0, target)
-        else:
-            self._close_host_phase(spent - target, target)
+            spent += time.monotonic() - now  # a sleep this machine ends late: left out like any overrun
+        self._close_host_phase(spent, target)
 
-    def _close_host_phase(self, overrun: float, target: float) -> None:
-        """The host phase ends ``overrun`` seconds past its modelled time ``target``: as much of it as
-        the thread was runnable since the last device phase ended is left uncounted (at least what
-        ``uncounted_seconds`` already counted of it)."""
-        self._uncounted += self._grant(overrun)
-        self._granted, self._runnable_mark, self._last_target = 0.0, None, target
+    def _close_host_phase(self, spent: float, target: float) -> None:
+        """The host phase ends after ``spent`` seconds, modelled as ``target``: it counts ``target``
+        (or what it counted already, if more: see ``uncounted_seconds``), the rest is left out."""
+        self._uncounted += spent - max(target, self._included)
+        self._granted, self._included, self._credit = 0.0, 0.0, target
 
     def close(self) -> None:
         """Release memory reservations and close the emulated GPUs, removing those no other process
@@ -406,13 +398,6 @@ def _results(futures: Sequence[Future]) -> list[Any]:
     while pending:
         _done, pending = wait(pending, timeout=SIGNAL_CHECK_INTERVAL)
     return [future.result() for future in futures]
-
-
-def _occupy_until(gpu: EmulatedGpu, seconds: float, cancel: threading.Event | None = None) -> float:
-    """Occupy ``gpu`` for ``seconds`` of device time (less once ``cancel`` is set); the monotonic
-    time at which it was done."""
-    gpu.occupy(seconds, cancel=cancel)
-    return time.monotonic()
 
 
 def _warn_unmeasured(name: str, error: BaseException) -> None:

@@ -8,6 +8,7 @@ docs/client.md ("Out of memory after a DR change").
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -162,6 +163,33 @@ def coerce_ratio(value: DataRatio | Sequence[float] | Any) -> DataRatio:
         if dtype is None:
             raise
         raise ValueError(f"{error} (the DR was an array of dtype {dtype})") from None
+
+
+class outside_compile:  # noqa: N801 - a decorator, named like torch's
+    """A method kept out of ``torch.compile``, as ``torch.compiler.disable`` keeps it, without
+    importing ``torch._dynamo`` (seconds: as long as ``import torch`` itself) in every process that
+    never compiles. While ``torch._dynamo`` is not loaded, nothing can compile, and a lookup gives
+    the plain method. The first lookup once it is (``torch.compile`` loads it, and looks the
+    method up when it wraps the module, before it traces anything) puts the method wrapped by
+    ``torch.compiler.disable`` in this descriptor's place in its class, where dynamo then finds it
+    as if the class had been written with the decorator."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+        self.__wrapped__ = method
+        self.owner: type | None = None
+        self.name = method.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Callable[..., Any]:
+        method = self.method
+        if "torch._dynamo" in sys.modules and self.owner is not None:
+            method = torch.compiler.disable(self.method)
+            setattr(self.owner, self.name, method)  # from now on the class holds the disabled method
+        return method.__get__(instance, owner)
 
 
 class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
@@ -341,14 +369,15 @@ class BalancedDataParallel(nn.DataParallel, Generic[ModuleT]):
         slots = tuple(slot for slot, size in enumerate(sizes) if size > 0)
         return ChunkPlan(slots, tuple(sizes[s] for s in slots), self.dim, self.scalar_outputs)
 
-    @torch.compiler.disable
+    @outside_compile
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Split the batch by the DR, run the replicas, gather the outputs in sample order.
 
-        Kept out of ``torch.compile`` (``torch.compiler.disable``): the split and the bookkeeping
-        (DR, timings, out-of-memory records, emulated costs) change with every DR and would make
-        dynamo break its graphs and recompile at each change. ``model.compile()`` compiles the
-        wrapped module instead (:meth:`compile`), whose chunks then run compiled.
+        Kept out of ``torch.compile`` (``torch.compiler.disable``, applied once dynamo is loaded:
+        :class:`outside_compile`): the split and the bookkeeping (DR, timings, out-of-memory
+        records, emulated costs) change with every DR and would make dynamo break its graphs and
+        recompile at each change. ``model.compile()`` compiles the wrapped module instead
+        (:meth:`compile`), whose chunks then run compiled.
         """
         with torch.autograd.profiler.record_function("BalancedDataParallel.forward"):
             state = self._state

@@ -66,7 +66,7 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
-from drbalance.solo_estimate import SHARED, AloneWindow, SlotSample, SoloEstimator, chosen_solo
+from drbalance.solo_estimate import ALONE, MANAGER, SHARED, AloneWindow, SlotSample, SoloEstimator, chosen_solo
 
 logger = logging.getLogger("drbalance.client")
 
@@ -464,15 +464,43 @@ class Session:
     def _status(self, now: float) -> AppStatus:
         tracker = self.tracker
         return AppStatus(
-            pid=self.pid, app=self.app, state=self._state, ratio=self.model.ratio,
+            pid=self.pid, app=self.app, state=self._state, ratio=self._steered_ratio(),
             epoch=tracker.epoch, epochs=self.plan.epochs, iteration=tracker.done,
             iterations_total=self.plan.total, iterations_per_epoch=self.plan.iterations_per_epoch,
             notice_seq=self.notice_seq, slowdown=tracker.slowdown(now),
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time or UNKNOWN_SOLO_SECONDS,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
-            slots=self._slot_statuses(), solo_estimated=self.estimator is not None, solo_basis=self.solo_basis,
+            slots=self._slot_statuses(), solo_estimated=self.estimator is not None,
+            solo_basis=self._published_basis(),
         )
+
+    def _steered_ratio(self) -> DataRatio:
+        """The DR the manager should count as the job's: the model's; for a DDP job, the one it
+        has proposed to its ranks if that is still on its way (the next control exchange carries
+        it). Published as the model's in force instead, a manager that decides again before the
+        exchange sees the old DR, keeps it, and its "keep" (sent as the job has it) withdrew the
+        proposal: the job never took the manager's DR."""
+        return self.job.ratio if self.job is not None else self.model.ratio
+
+    @property
+    def sd_bound(self) -> bool:
+        """Whether the SD is a lower bound, not the SD: its solo time is the job's own online
+        estimate, which can still only be too high (``drbalance.solo_estimate``); never while it
+        uses the manager's estimate."""
+        if self.estimator is None or self.solo_basis == MANAGER:
+            return False
+        estimate = self.estimator.estimate
+        return estimate is None or estimate.upper_bound
+
+    def _published_basis(self) -> str | None:
+        """The record's ``solo_basis``: None for a solo time given, the ``manager``'s estimate, or
+        the job's own: ``shared`` while it is a bound (``sd_bound``), else ``alone``."""
+        if self.estimator is None:
+            return None
+        if self.solo_basis == MANAGER:
+            return MANAGER
+        return SHARED if self.sd_bound else ALONE
 
     def _last_batch(self) -> int:
         sizes = getattr(self.model, "last_chunk_sizes", None)
@@ -719,6 +747,8 @@ class Session:
         self._attached_pid = 0
         self._awaiting = None
         self._cadence = self._boundary_due = None
+        if getattr(self.link, "objects_pending", False):
+            return  # the link said why no manager can reach this job (e.g. /dev/shm full): one warning
         if not self._warned_absent and self.measurement_output is None and not isinstance(self.link, DetachedLink):
             self._warned_absent = True
             logger.warning("drbalance: no manager in namespace %r (%s); %r trains on with DR %s",
@@ -741,12 +771,12 @@ class Session:
             "iterations_total": self.plan.total, "sd": tracker.slowdown(now),
             "iter_time": tracker.mean_iteration_time, "dr": ratio.to_list(), "dr_total": ratio.total,
         }
-        uncounted = tracker.uncounted_seconds
-        if uncounted > 0:  # emulated GPUs: this machine's CPU time the SD leaves out
+        uncounted = tracker.uncounted_at(now)
+        if uncounted > 0:  # emulated GPUs: this machine's time the SD leaves out
             record["uncounted"] = uncounted
         if self.estimator is not None:  # the SD's solo time is estimated: the job's own estimate or the manager's
             record.update(solo_estimated=True, solo_time=tracker.solo_time,
-                          solo_basis=None if tracker.solo_time is None else self.solo_basis)
+                          solo_basis=None if tracker.solo_time is None else self.solo_basis, sd_bound=self.sd_bound)
         record.update(extra)
         self.log.write(record)
         if event != "report":

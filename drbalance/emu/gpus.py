@@ -104,6 +104,17 @@ def parse_memory_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
+class Occupancy:
+    """One occupation of an emulated GPU (seconds): ``waited``, for the GPU while other jobs had
+    their turns (the steps aside included); ``served``, the GPU's time for this job's work as
+    modelled (at the co-location capacity while shared). What the occupation took beyond their sum
+    was this machine's: threads waking late, waiting for a core."""
+
+    waited: float
+    served: float
+
+
+@dataclass(frozen=True)
 class Account:
     busy_total: float
     busy_since: float
@@ -187,7 +198,14 @@ class EmulatedGpu:
         return account.busy_total + ongoing
 
     def occupy(self, seconds: float, quantum: float = DEFAULT_QUANTUM, cancel: threading.Event | None = None) -> float:
-        """Hold this GPU for ``seconds`` of device time; return how long we waited for it (seconds).
+        """Hold this GPU for ``seconds`` of device time; return how long we waited for it (seconds):
+        :meth:`occupy_measured`'s ``waited``."""
+        return self.occupy_measured(seconds, quantum, cancel).waited
+
+    def occupy_measured(self, seconds: float, quantum: float = DEFAULT_QUANTUM,
+                        cancel: threading.Event | None = None) -> Occupancy:
+        """Hold this GPU for ``seconds`` of device time; how long we waited for it and how long it
+        served us, as modelled (:class:`Occupancy`).
 
         The time is served in slices of ``quantum`` seconds. After a slice, a holder that sees
         another job waiting lets it go first, so co-located jobs share the GPU in turns (as a
@@ -199,17 +217,18 @@ class EmulatedGpu:
         time is abandoned at the end of the current slice (at most ``quantum`` seconds), as a
         killed process's kernels stop; the busy time served so far is accounted.
         """
-        remaining, waited = max(0.0, seconds), 0.0
+        remaining, waited, served = max(0.0, seconds), 0.0, 0.0
         fcntl.flock(self._wait_fd, fcntl.LOCK_SH)  # we wait (the kernel drops this if we die)
         try:
+            asked = self.clock.monotonic()
             while remaining > 1e-9 and not (cancel is not None and cancel.is_set()):
-                asked = self.clock.monotonic()
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
                 try:
                     fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # our turn: we no longer wait
                     start = self.clock.monotonic()
                     waited += start - asked
-                    remaining = self._serve(remaining, quantum, start, cancel)
+                    remaining, turn = self._serve(remaining, quantum, start, cancel)
+                    served += turn
                     if cancel is not None and cancel.is_set():
                         break
                     if remaining > 1e-9:
@@ -217,33 +236,38 @@ class EmulatedGpu:
                 finally:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 if remaining > 1e-9:
-                    time.sleep(YIELD_SECONDS)  # give the waiting job its turn
+                    asked = self.clock.monotonic()  # the turn given to the waiting job is a wait too
+                    time.sleep(YIELD_SECONDS)
         finally:
             fcntl.flock(self._wait_fd, fcntl.LOCK_UN)  # nothing to undo unless an error came while we waited
-        return waited
+        return Occupancy(waited, served)
 
-    def _serve(self, remaining: float, quantum: float, start: float, cancel: threading.Event | None = None) -> float:
+    def _serve(self, remaining: float, quantum: float, start: float,
+               cancel: threading.Event | None = None) -> tuple[float, float]:
         """One turn on this GPU (held since ``start``, monotonic seconds): serve ``remaining``
         seconds of device work in slices until it is done, ``cancel`` is set or, after a slice
         while another job waits, that job's turn comes; account the busy time. Returns the device
-        seconds left."""
+        seconds left and the seconds the turn lasted as modelled (its slices' lengths: a sleep
+        that this machine ends late does not lengthen the turn's work)."""
         previous = self.read()
         total = previous.busy_total if previous is not None else 0.0  # a dead holder's time is lost
         count = previous.acquisitions + 1 if previous is not None else 1
         self.area.write(ACCOUNT.pack(total, start, os.getpid(), _own_ticks() & 0xFFFFFFFF, count))
+        served = 0.0
         try:
             while remaining > 1e-9 and not (cancel is not None and cancel.is_set()):
                 shared = self._others_waiting()
                 gain = self.co_location_capacity if shared else 1.0
                 piece = min(quantum, remaining / gain)
                 time.sleep(piece)
+                served += piece
                 remaining -= piece * gain  # while shared, kernels overlap: more work per second
                 if remaining > 1e-9 and shared:
                     break
         finally:
             end = self.clock.monotonic()
             self.area.write(ACCOUNT.pack(total + (end - start), 0.0, 0, 0, count))
-        return remaining
+        return remaining, served
 
     # --- memory ---------------------------------------------------------------------------------
     @contextmanager

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from drbalance.ipc.names import APP_NAME_PATTERN
 from drbalance.ratio import MAX_TOTAL, DataRatio
 
-LAYOUT_VERSION = 4  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: the solo estimate's basis, the manager's estimate
+LAYOUT_VERSION = 5  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: FLAG_SD_BOUND; 5: FLAG_SOLO_MANAGER,
+# AppCommand.solo_iteration
 MAX_GPUS = 32
 SEGMENT_SIZE = 8192
 SEGMENT_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, status offset, command offset
@@ -83,10 +84,10 @@ def _shares(ratio: DataRatio) -> list[int]:
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
 FLAG_SOLO_ESTIMATED = 4  # the solo time (and so the SD) is estimated online, not given (layout version 3)
-FLAG_SOLO_SHARED = 8  # ...from GPUs the job shared only: an upper bound (layout version 4)
-FLAG_SOLO_MANAGER = 16  # ...by the manager (``AppCommand.solo_iteration``; layout version 4)
-STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SOLO_SHARED | FLAG_SOLO_MANAGER
-SOLO_BASIS_FLAGS = {"alone": 0, "shared": FLAG_SOLO_SHARED, "manager": FLAG_SOLO_MANAGER}
+FLAG_SD_BOUND = 8  # ...by the job, and can only be too high: the SD is a lower bound (layout version 4)
+FLAG_SOLO_MANAGER = 16  # ...by the manager (``AppCommand.solo_iteration``; layout version 5)
+STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND | FLAG_SOLO_MANAGER
+SOLO_BASIS_FLAGS = {"alone": 0, "shared": FLAG_SD_BOUND, "manager": FLAG_SOLO_MANAGER}
 """``AppStatus.solo_basis`` -> its status flag (with ``FLAG_SOLO_ESTIMATED``)."""
 COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
@@ -155,9 +156,11 @@ class AppStatus:
     unknown). ``min_share``: the smallest share, in units of the DR total, that every slot must
     keep (0 = a slot may be emptied, as DataParallel allows; DDP ranks need >= 1). ``slots``: one
     ``SlotStatus`` per DR entry, or empty when nothing is known. ``solo_estimated``: the solo time
-    is estimated online, not a given or profiled one; ``solo_basis`` then says by whom and from
-    what: the job's own estimate (``drbalance.solo_estimate``) from GPUs it had ``alone``, or from
-    ``shared`` ones only (an upper bound), or the ``manager``'s (``AppCommand.solo_iteration``).
+    is estimated online, not a given or profiled one; ``solo_basis`` then says by whom: the job's
+    own estimate (``drbalance.solo_estimate``), ``alone`` when measured on GPUs it had alone, or
+    ``shared`` while it can still only be too high (from GPUs it shared only, or not yet measured
+    alone at its batch: ``sd_bound``, the SD is a lower bound, shown as such, never as the SD), or
+    the ``manager``'s (``AppCommand.solo_iteration``).
     """
 
     pid: int
@@ -193,6 +196,12 @@ class AppStatus:
                                                                 and self.solo_basis not in SOLO_BASIS_FLAGS):
             raise ValueError(f"solo_basis must be one of {', '.join(SOLO_BASIS_FLAGS)} for an estimated solo time "
                              f"and None otherwise; got {self.solo_basis!r} (estimated: {self.solo_estimated})")
+
+    @property
+    def sd_bound(self) -> bool:
+        """Whether the SD is a lower bound: the job's own solo-time estimate can still only be too
+        high (``solo_basis`` ``shared``)."""
+        return self.solo_basis == "shared"
 
     def encode(self) -> bytes:
         flags = ((FLAG_SD_KNOWN if self.slowdown is not None else 0)

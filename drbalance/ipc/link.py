@@ -165,14 +165,22 @@ class PosixManagerLink:
                 raise
             self._set_up_failed = True
             self.problem = f"its record and semaphore cannot be made yet ({error})"
-            self._report(f"setup:{type(error).__name__}", "drbalance: POSIX IPC unavailable for %r (%s); it trains "
-                         "with its own DR and tries again at its later reports", self.app, error)
+            # said once, whatever the error of a later try (ENOSPC, then posix_ipc's own)
+            self._report("setup:name" if isinstance(error, AppNameInUse) else "setup", "drbalance: POSIX IPC "
+                         "unavailable for %r (%s); it trains with its own DR and tries again at its later reports",
+                         self.app, error)
             return False
         if self._set_up_failed:
             self._set_up_failed = False
-            self._reported = {key for key in self._reported if not key.startswith("setup:")}
-            logger.warning("drbalance: %r made its record %s; a manager can reach it now", self.app, self.record.name)
+            self._reported = {key for key in self._reported if not key.startswith("setup")}
+            logger.info("drbalance: %r made its record %s; a manager can reach it now", self.app, self.record.name)
         return True
+
+    @property
+    def objects_pending(self) -> bool:
+        """Whether the record and semaphore are still to be made: the fault that keeps them from
+        being made was said (once), and they are tried again at each later look for a manager."""
+        return self._set_up_failed
 
     # --- status -------------------------------------------------------------------------------
     def publish(self, status: AppStatus) -> None:

@@ -27,6 +27,8 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """Seals a record passed to a system manager must carry: its size can never change again, so the
 manager's mapping of it can never fault (a record truncated under a mapping would kill the
 manager with SIGBUS) and nobody can add or remove seals later."""
+WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10  # F_SEAL_FUTURE_WRITE (Linux 5.1; not named in fcntl)
+"""Seals a record passed to a system manager must not carry: it writes its commands into the record."""
 
 
 class PeerRefused(PermissionError):
@@ -118,7 +120,8 @@ def namespace_pids(pid: int) -> tuple[int, ...]:
 
 def check_record_descriptor(fd: int, peer: Peer, size: int) -> None:
     """``PeerRefused`` unless ``fd`` (passed by ``peer``) is a memfd of the peer's uid, exactly
-    ``size`` bytes, sealed against resizing (``REQUIRED_SEALS``): what a system manager may map."""
+    ``size`` bytes, sealed against resizing (``REQUIRED_SEALS``) and not against writing
+    (``WRITE_SEALS``): what a system manager may map and write."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise PeerRefused(f"{peer.describe()} passed a descriptor that is not a memory file (mode "
@@ -138,6 +141,9 @@ def check_record_descriptor(fd: int, peer: Peer, size: int) -> None:
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise PeerRefused(f"{peer.describe()} passed a record that is not sealed against resizing (seals "
                           f"{seals:#x}, need {REQUIRED_SEALS:#x})")
+    if seals & WRITE_SEALS:
+        raise PeerRefused(f"{peer.describe()} passed a record sealed against writing (seals {seals:#x}): the "
+                          f"manager writes its commands into the record")
     if info.st_size != size:
         raise PeerRefused(f"{peer.describe()} passed a record of {info.st_size} bytes, expected {size}")
 

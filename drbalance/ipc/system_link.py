@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 
 from drbalance.clock import Clock, SystemClock
 from drbalance.ipc import system, wire
@@ -36,21 +37,27 @@ ATTACH_TIMEOUT = 2.0
 """Seconds a job waits for a system manager's welcome when it attaches (an answer the manager
 gives at its next turn; a manager that does not answer in time is taken as absent, and the job
 looks again at its later reports)."""
+LOOK_AGAIN_SECONDS = 5.0
+"""Seconds after an attach that waited in vain (no welcome within ``ATTACH_TIMEOUT``, or no room in
+the manager's queue) before a job tries again: a stopped or hung manager would otherwise cost
+every look, a session's start (three looks in a row) and each boundary, the whole wait. A job
+alone looks for a manager every 5 s of reports as well."""
 _FROM_MANAGER = frozenset({wire.Kind.WELCOME, wire.Kind.REFUSED, wire.Kind.COMMAND})
 
 
-def connect(place: system.SystemPlace) -> tuple[socket.socket, Peer]:
+def connect(place: system.SystemPlace, timeout: float = ATTACH_TIMEOUT) -> tuple[socket.socket, Peer]:
     """A connection to the system manager's socket in ``place``, reached through the checked
     folder's descriptor (so the folder checked is the folder used), and the listener, whose uid the
     kernel says is the system owner's or root's (``PeerRefused`` otherwise; ``UnsafePath`` for a
-    socket file that is not one; ``FileNotFoundError``, ``ConnectionRefusedError`` with no listener)."""
+    socket file that is not one; ``FileNotFoundError``, ``ConnectionRefusedError`` with no listener;
+    ``TimeoutError`` after ``timeout`` seconds with a listener whose queue is full)."""
     folder = place.open_folder()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         info = os.stat(system.SOCKET_NAME, dir_fd=folder, follow_symlinks=False)
         if not stat.S_ISSOCK(info.st_mode):
             raise UnsafePath(place.socket, "is not a socket")
-        sock.connect(f"/proc/self/fd/{folder}/{system.SOCKET_NAME}")
+        connect_within(sock, f"/proc/self/fd/{folder}/{system.SOCKET_NAME}", timeout)
         return sock, check_manager(sock, (place.owner, 0))
     except BaseException:
         sock.close()
@@ -79,6 +86,7 @@ class SystemManagerLink:
         self._published: DataRatio | None = None
         self._status: AppStatus | None = None
         self._reported: set[str] = set()
+        self._look_again = -float("inf")  # monotonic time before which no attach is tried (LOOK_AGAIN_SECONDS)
         try:
             self._attach(first=True)
         except BaseException:
@@ -93,6 +101,11 @@ class SystemManagerLink:
             sock = self._connect()
         except (FileNotFoundError, ConnectionRefusedError):
             self.problem = f"no system manager listens at {self.place.socket}"
+            return False
+        except BlockingIOError:
+            self.problem = (f"the system manager at {self.place.socket} accepts no connection within "
+                            f"{self.attach_timeout:g} s (stopped, hung or overloaded)")
+            self._look_again = self.clock.monotonic() + LOOK_AGAIN_SECONDS
             return False
         except (UnsafePath, PeerRefused) as error:
             self.problem = f"not trusting {self.place.socket}: {error}"
@@ -114,6 +127,7 @@ class SystemManagerLink:
         if answer is None:
             sock.close()
             self.problem = f"the system manager did not answer within {self.attach_timeout:g} s"
+            self._look_again = self.clock.monotonic() + LOOK_AGAIN_SECONDS
             return False
         if answer.kind == wire.Kind.REFUSED:
             sock.close()
@@ -128,7 +142,7 @@ class SystemManagerLink:
         return True
 
     def _connect(self) -> socket.socket:
-        return connect(self.place)[0]
+        return connect(self.place, self.attach_timeout)[0]
 
     def _answer(self, sock: socket.socket) -> wire.Message | None:
         """The manager's ``WELCOME`` or ``REFUSED`` to an attach (None after ``attach_timeout``)."""
@@ -178,7 +192,7 @@ class SystemManagerLink:
 
     def manager(self) -> ManagerBeat | None:
         self._pump()
-        if self.sock is None and not self._attach():
+        if self.sock is None and (self.clock.monotonic() < self._look_again or not self._attach()):
             return None
         welcome = self.welcome
         return ManagerBeat(welcome.pid, welcome.gpu_count, welcome.dr_total, welcome.started, self.clock.monotonic())
@@ -292,6 +306,12 @@ class AutoLink:
         self.current = self.user
         return self.current
 
+    @property
+    def objects_pending(self) -> bool:
+        """Whether the user's link still has to make its record and semaphore (it said why, once:
+        ``PosixManagerLink.objects_pending``) and no system manager holds the job."""
+        return self.current is self.user and self.user is not None and self.user.objects_pending
+
     def publish(self, status: AppStatus) -> None:
         self.current.publish(status)
 
@@ -327,6 +347,17 @@ class AutoLink:
         self.current = DetachedLink()
 
 
+def connect_within(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect the Unix socket ``sock`` to ``path``, waiting at most ``timeout`` seconds for room in
+    the listener's queue: a stopped or hung manager accepts nothing, and a plain ``connect`` would
+    wait for it for ever once its queue is full (``BlockingIOError`` then; ``SO_SNDTIMEO`` bounds
+    the kernel's wait)."""
+    seconds = max(0.0, timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000)))
+    sock.connect(path)
+
+
 def running_system_manager(namespace: str) -> Peer | None:
     """The system manager that listens in ``namespace`` now, as the kernel names it; None when
     none does (no folder, no listener, or one that is not the folder owner's)."""
@@ -357,13 +388,16 @@ def read_system_status(namespace: str, timeout: float = ATTACH_TIMEOUT) -> dict 
         return None
     sock = None
     try:
-        sock, _ = connect(place)
+        sock, _ = connect(place, timeout)
         if not wire.send(sock, wire.Kind.STATUS, timeout=timeout) or not wire.wait_readable(sock, timeout):
             raise SystemStatusError(f"the system manager at {place.socket} did not answer within {timeout:g} s")
         message = wire.receive(sock, frozenset({wire.Kind.STATUS_REPLY, wire.Kind.REFUSED}), size=wire.MAX_REPLY,
                                max_fds=0)
     except (FileNotFoundError, ConnectionRefusedError):
         return None  # its folder stays after it stopped (it is in /run): no system manager runs
+    except BlockingIOError:
+        raise SystemStatusError(f"the system manager at {place.socket} accepts no connection within {timeout:g} s "
+                                f"(stopped, hung or overloaded)") from None
     except (OSError, EOFError, wire.WireError, PeerRefused) as error:
         raise SystemStatusError(f"cannot ask the system manager at {place.socket}: {error}") from None
     finally:

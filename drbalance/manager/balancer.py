@@ -22,7 +22,7 @@ from typing import Any
 
 from drbalance import defaults
 from drbalance.clock import Clock, SystemClock
-from drbalance.ipc.layout import AppCommand, RecordError
+from drbalance.ipc.layout import AppCommand, AppState, RecordError
 from drbalance.jsonlog import JsonLinesWriter
 from drbalance.manager.metrics import AppMetrics, ManagerMetrics, MetricsSnapshot
 from drbalance.manager.slurm import DEFAULT_PERIOD as DEFAULT_WEIGHT_PERIOD
@@ -56,6 +56,10 @@ records every one). Without that cap, notices for 188,000 made-up app names in 3
 of the same user) would write as many warnings and hold 85 MB of them for a minute."""
 UNREPORTED_SAID_SECONDS = 60.0
 """How often (seconds, at most) the count of problems not named on stderr is said."""
+
+
+class NotLive(Exception):
+    """An app's record says it is not running (``FINISHED``): it gets no decision."""
 
 
 class SampleFailed(RuntimeError):
@@ -239,7 +243,9 @@ class Balancer:
         the command goes back in the app's own order. Policies see every DR at the manager's DR
         total, whatever total the app's record carries, and a new DR is sent at that total; a DR
         kept is sent as the app has it (a job takes a command only at its manager's total, or
-        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR.
+        when it keeps the DR the job has). An app whose GPUs this manager does not see keeps its DR,
+        and so does one whose record says it finished (branch ``finished``): the snapshot leaves it
+        out, and a policy asked about it would fail.
         """
         snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
         app_old = entry.effective_ratio()
@@ -247,7 +253,12 @@ class Balancer:
         next_boundary = None
         pushes: dict[str, DataRatio] = {}
         try:
+            if entry.status.state == AppState.FINISHED:  # its record says it ended: in no snapshot, so no policy
+                raise NotLive("its record says it finished (a FINISH notice removes a job that ends)")
             view = entry.view(self.config.dr_total, self.server)
+        except NotLive as error:
+            view = None
+            old, ratio, branch, details = app_old, app_old, "finished", {"error": str(error)}
         except Unmapped as error:
             view = None
             old, ratio, branch, details = app_old, app_old, "unmapped", {"error": str(error)}
@@ -485,7 +496,7 @@ class Balancer:
         return {"name": entry.name, "pid": status.pid, "epoch": status.epoch, "epochs": status.epochs,
                 "iteration": status.iteration, "iterations_total": status.iterations_total, "sd": status.slowdown,
                 "dr": dr, "state": status.state.name, "sd_estimated": status.solo_estimated,
-                "solo_basis": status.solo_basis,
+                "solo_basis": status.solo_basis, "sd_bound": status.sd_bound,
                 "updated_ago": now - status.updated_mono,
                 "quiet_for": None if entry.quiet_since is None else now - entry.quiet_since, "steered": steered}
 
@@ -523,7 +534,7 @@ class Balancer:
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
             apps.append(AppMetrics(self.metric_name(entry), status.slowdown, status.iteration_time, shares,
-                                   status.solo_estimated, status.solo_basis == "manager"))
+                                   status.solo_estimated, status.solo_basis == "manager", status.sd_bound))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 

@@ -24,7 +24,7 @@ from drbalance.manager.daemon import Manager, ManagerAlreadyRunning, ManagerSett
 from drbalance.manager.metrics import ManagerMetrics, MetricsServerError
 from drbalance.manager.slurm import SlurmWeight
 from drbalance.manager.system import SystemManager
-from drbalance.manager.utilization import MAX_WINDOW, UtilizationUnavailable, open_source
+from drbalance.manager.utilization import MAX_WINDOW, UtilizationSource, UtilizationUnavailable, open_source
 from drbalance.policy import POLICIES
 
 logger = logging.getLogger("drbalance.manager")
@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dr-total", type=positive_int, default=defaults.dr_total,
                         help="granularity of DRs: shares are 1/DR_TOTAL of a mini-batch; 1..65535 (a record's "
                         "shares are 16-bit)")
-    parser.add_argument("--source", default="nvml",
+    parser.add_argument("--source", default=None,
                         help="utilisation source: 'nvml' (real GPUs), 'emulated[:N[:MEMORY]]' (emulated GPUs; "
-                        "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests)")
+                        "docs/emulation.md), or 'scripted:FILE' (a JSON script, for tests) (default: 'nvml'; "
+                        "where NVML finds no GPU and DRBALANCE_EMULATED_GPUS is set, 'emulated', as for the jobs)")
     parser.add_argument("--gpus", type=parse_gpus, default=None,
                         help="which GPUs the DRs index, e.g. 0,1,2,3 (default: all of the source's)")
     parser.add_argument("--sample-period", type=sample_period, default=defaults.sample_period,
@@ -156,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit after this many seconds (default: run until stopped)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
+
+
+NO_GPU_HINT = ("; without NVIDIA GPUs (or their driver), run on emulated GPUs: drbalance-manager --source "
+               "emulated:4, with DRBALANCE_EMULATED_GPUS=4 for the jobs (or set it for both: the manager then "
+               "starts on them) (docs/emulation.md)")
+"""What a manager that finds no NVML adds to the error: the way on a machine without GPUs."""
+
+
+def open_default_source(gpus: list[int] | None, namespace: str,
+                        machine: system.SystemPlace | None = None) -> UtilizationSource:
+    """The source without ``--source``: NVML; where it finds no GPU and ``DRBALANCE_EMULATED_GPUS``
+    is set, that many emulated GPUs, as a job's ``BalancedDataParallel`` of this environment
+    chooses (CUDA where there is one, else the variable's emulated GPUs). ``machine``: a system
+    manager's folder (``open_source``)."""
+    try:
+        return open_source("nvml", gpus, namespace=namespace, machine=machine)
+    except UtilizationUnavailable as error:
+        if not env.emulated_gpus():
+            raise
+        logger.info("drbalance-manager: no NVIDIA GPU (%s); on DRBALANCE_EMULATED_GPUS=%s emulated GPUs",
+                    error, env.emulated_gpus())
+        return open_source("emulated", gpus, namespace=namespace, machine=machine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,11 +245,15 @@ def _serve(args: argparse.Namespace) -> int:
             slurm_weight_period=args.slurm_weight_period,
         )
         machine = _system_place(namespace) if args.system else None
-        source = open_source(args.source, args.gpus, namespace=namespace, machine=machine)
+        source = open_default_source(args.gpus, namespace, machine) if args.source is None else \
+            open_source(args.source, args.gpus, namespace=namespace, machine=machine)
     except ManagerStartError as error:
         logger.error("drbalance-manager: %s", error)
         return 1
-    except (UtilizationUnavailable, ValueError) as error:
+    except UtilizationUnavailable as error:
+        logger.error("drbalance-manager: %s%s", error, NO_GPU_HINT if args.source in (None, "nvml") else "")
+        return 2
+    except ValueError as error:
         logger.error("drbalance-manager: %s", error)
         return 2
     except UnsafePath as error:  # e.g. emulated GPUs in a runtime directory others can write: the path is to blame

@@ -4,6 +4,8 @@ The series (every name starts with ``drbalance_``; docs/operations.md explains e
 
 - ``drbalance_apps`` (gauge): live apps in the manager's table.
 - ``drbalance_app_slowdown{app}`` (gauge): the app's slow-down SD (predicted finish / solo time).
+- ``drbalance_app_slowdown_lower_bound{app}`` (gauge): in its place while the app's own estimate of
+  its solo-run time can still only be too high: the SD is at least this (``drbalance.solo_estimate``).
 - ``drbalance_app_slowdown_estimated{app}`` (gauge): 1 when the app's SD divides by its own online
   estimate of its solo-run time (the job was given none), 0 when by a given or profiled one.
 - ``drbalance_app_slowdown_manager_estimate{app}`` (gauge): 1 when that estimate is the manager's
@@ -98,6 +100,7 @@ class AppMetrics:
     shares: tuple[float, ...] = ()
     slowdown_estimated: bool = False
     slowdown_from_manager: bool = False
+    slowdown_bound: bool = False  # ``slowdown`` is a lower bound, not the SD
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,9 @@ class _StateCollector(Collector):
         shares = GaugeMetricFamily("drbalance_app_dr_share_ratio",
                                    "Fraction of the app's mini-batch on the GPU (DR share / DR total)",
                                    labels=("app", "gpu"))
+        lower = GaugeMetricFamily("drbalance_app_slowdown_lower_bound",
+                                  "In place of the SD while the app's own estimate of its solo-run time can still "
+                                  "only be too high: the SD is at least this", labels=("app",))
         estimated = GaugeMetricFamily("drbalance_app_slowdown_estimated",
                                       "1 when the app's SD uses its own online estimate of its solo-run time",
                                       labels=("app",))
@@ -142,12 +148,12 @@ class _StateCollector(Collector):
             estimated.add_metric((app.name,), float(app.slowdown_estimated))
             from_manager.add_metric((app.name,), float(app.slowdown_from_manager))
             if app.slowdown is not None:
-                slowdown.add_metric((app.name,), app.slowdown)
+                (lower if app.slowdown_bound else slowdown).add_metric((app.name,), app.slowdown)
             if app.iteration_seconds is not None:
                 iteration.add_metric((app.name,), app.iteration_seconds)
             for gpu, share in enumerate(app.shares):
                 shares.add_metric((app.name, str(gpu)), share)
-        yield from (slowdown, estimated, from_manager, iteration, shares)
+        yield from (slowdown, lower, estimated, from_manager, iteration, shares)
         utilization = GaugeMetricFamily("drbalance_gpu_utilization_ratio",
                                         "Smoothed GPU utilisation (fraction of time busy, 0-1) as the policy sees it",
                                         labels=("gpu",))

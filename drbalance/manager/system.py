@@ -37,7 +37,7 @@ from drbalance.ipc.peer import Peer, PeerRefused, ProcessHandle, check_record_de
 from drbalance.ipc.private import UnsafePath, login_name, user_name
 from drbalance.ipc.records import AppRecord, RecordEmpty, SegmentTruncated
 from drbalance.jsonlog import JsonLinesWriter
-from drbalance.manager.admission import Admission, NoticeQueue, UserLimits
+from drbalance.manager.admission import Admission, NoticeQueue, TokenBucket, UserLimits
 from drbalance.manager.balancer import Balancer, ManagerAlreadyRunning, ManagerSettings, ManagerStartError
 from drbalance.manager.metrics import ManagerMetrics
 from drbalance.manager.table import AppEntry, AppTable
@@ -56,6 +56,15 @@ SERVE_SECONDS = 0.05
 """Seconds a turn spends answering queued notices at most before its periodic tasks."""
 REFUSALS_PER_SECOND = 1.0
 """``REFUSED`` messages sent per connection and second at most (a flood is refused silently)."""
+PROBLEM_LINES_PER_SECOND = 10
+"""Lines a user's refused messages (``invalid``, ``refused``) may write to the manager log per
+second, with a burst of as many; past that they are counted and the count logged (``withheld``)
+once a GC period. A reason of its own for each junk message would otherwise let one user write a
+line per message: rotate the administrator's log away, and slow the manager down for everyone."""
+RECORD_READ_ATTEMPTS = 20
+"""Tries to read a job's record before keeping its last valid status; so few never sleep
+(``SeqlockArea.read``): a record its owner, another user, keeps mid-write costs microseconds at
+each decision, not a wait."""
 _FROM_PEERS = frozenset({wire.Kind.ATTACH, wire.Kind.NOTICE, wire.Kind.STATUS})
 
 
@@ -99,7 +108,7 @@ class SocketChannel:
         self.token = ""
 
     def read_status(self):
-        return self.record.read_status()
+        return self.record.read_status(RECORD_READ_ATTEMPTS)
 
     def answer(self, command: AppCommand) -> bool:
         """Write the command into the job's record, then signal it on its connection (a full
@@ -154,6 +163,8 @@ class SystemManager(Balancer):
         self._selector = selectors.DefaultSelector()
         self._serials = 0
         self._told: dict[int, float] = {}  # per user: when a refused connection was last told why
+        self._problem_lines: dict[int, TokenBucket] = {}  # per user: the allowance of PROBLEM_LINES_PER_SECOND
+        self._withheld: dict[int, int] = {}  # per user: problem lines not written since the last ``withheld``
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,7 +199,7 @@ class SystemManager(Balancer):
                  owner=user_name(self.place.owner), limits=asdict(self.limits), show_names=self.show_names,
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()})
         now = self.clock.monotonic()
-        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "metrics", "slurm", "socket"), now)
+        self._next = dict.fromkeys(("sample", "util_log", "gc", "idle", "withheld", "metrics", "slurm", "socket"), now)
         logger.info("drbalance-manager: system manager of namespace %r at %s, policy %r, %d GPU(s), log %s",
                     self.namespace, self.place.socket, self.policy.name, self.gpu_count, self._log_path)
 
@@ -319,6 +330,7 @@ class SystemManager(Balancer):
                                   ("util_log", settings.util_log_period, self._log_utilization),
                                   ("gc", settings.gc_period, self._collect_garbage),
                                   ("idle", settings.gc_period, self._close_idle),
+                                  ("withheld", settings.gc_period, self._log_withheld),
                                   ("metrics", settings.status_period, self._update_metrics),
                                   ("slurm", 1.0, self._slurm_weight),
                                   ("socket", settings.rescan_period, self._check_socket)):
@@ -396,11 +408,28 @@ class SystemManager(Balancer):
     def _report_refusal(self, event: str, peer: Peer, app: str | None, reason: str) -> None:
         """Log a refusal once per user and reason while it lasts (names looked up only then)."""
         key = (event, str(peer.uid), reason)
+        now = self.clock.monotonic()
         if key in self._reported:
-            self._reported[key] = self.clock.monotonic()
+            self._reported[key] = now
+            return
+        allowance = self._problem_lines.get(peer.uid)
+        if allowance is None:
+            allowance = self._problem_lines[peer.uid] = TokenBucket(PROBLEM_LINES_PER_SECOND, now)
+        if not allowance.take(now):
+            self._withheld[peer.uid] = self._withheld.get(peer.uid, 0) + 1
             return
         self._report_once(key, event, what="message", app=app, uid=peer.uid, user=user_name(peer.uid),
                           pid=peer.pid, error=reason)
+
+    def _log_withheld(self, now: float) -> None:
+        """Log how many problem lines of each user were not written (``PROBLEM_LINES_PER_SECOND``)."""
+        for uid, count in self._withheld.items():
+            self.log("withheld", uid=uid, user=user_name(uid), count=count)
+        self._withheld.clear()
+        for uid in [uid for uid, allowance in self._problem_lines.items()
+                    if allowance.tokens + (now - allowance.updated) * allowance.rate >= allowance.rate
+                    and not self.admission.connections.get(uid)]:
+            del self._problem_lines[uid]  # a full allowance of a user with no connection: nothing to keep
 
     def _read_user(self, connections: list[Connection]) -> None:
         """Read one user's ready connections, one message from each in turn, ``READ_BUDGET``
@@ -649,10 +678,11 @@ class SystemManager(Balancer):
         ticks = connection.process.start_ticks if connection.process is not None else 0
         pids = connection.process.pids if connection.process is not None else (peer.pid,)
         try:
-            status = connection.record.read_status()
+            status = connection.record.read_status(RECORD_READ_ATTEMPTS)
             if status.pid not in pids or (ticks and status.start_ticks and status.start_ticks != ticks):
-                raise RecordError(f"the record of app {connection.app!r} names pid {status.pid}; the kernel says "
-                                  f"its connection is pid {peer.pid}: refused")
+                raise RecordError(f"the record of app {connection.app!r} names pid {status.pid} started at "
+                                  f"{status.start_ticks}; the kernel says its connection is pid {peer.pid} started at "
+                                  f"{ticks} (clock ticks since boot): refused")
         except (RecordEmpty, RecordError) as error:
             self._refuse(connection, wire.Refusal.INVALID, str(error))
             return None

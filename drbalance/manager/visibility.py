@@ -40,8 +40,8 @@ def anonymous(app: dict[str, Any]) -> dict[str, Any]:
     """An app of another user as load only: its DR (the GPUs it uses), SD and state."""
     return {"name": ANONYMOUS, "anonymous": True, "pid": 0, "epoch": 0, "epochs": 0, "iteration": 0,
             "iterations_total": 0, "sd": app.get("sd"), "sd_estimated": app.get("sd_estimated"),
-            "dr": app.get("dr", []), "state": app.get("state"), "steered": app.get("steered"),
-            "quiet_for": app.get("quiet_for"), "updated_ago": app.get("updated_ago")}
+            "sd_bound": app.get("sd_bound"), "dr": app.get("dr", []), "state": app.get("state"),
+            "steered": app.get("steered"), "quiet_for": app.get("quiet_for"), "updated_ago": app.get("updated_ago")}
 
 
 def metric_label(app: str, user: str, serial: int, show_names: bool) -> str:

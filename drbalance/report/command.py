@@ -1,8 +1,9 @@
 """``drbalance report [PATH ...]``: a summary table and PNG plots, runs side by side.
 
 A PATH is a run directory (``launch``, ``demo``, ``simulate --out``: one column each), a folder of
-SD logs (``$DRBALANCE_LOG_DIR``: one column), or SD log files (together one column). Without a
-PATH: the jobs in this user's log folder, beside the running (or last) manager's log.
+SD logs (``$DRBALANCE_LOG_DIR``), or SD log files; the jobs of a folder or of the files are
+grouped into runs of overlapping jobs, one column each. Without a PATH: the jobs in this user's log
+folder, beside the running (or last) manager's log.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from drbalance.report.metrics import (
     RunData,
     Selection,
     Summary,
-    load_logs,
+    load_log_groups,
     load_run,
     run_span,
     summarise,
@@ -71,7 +72,7 @@ def format_table(summaries: list[Summary]) -> str:
     ]
     apps = sorted({name for s in summaries for name in s.final_sd})
     for name in apps:
-        rows.append((f"final SD {name}", [_estimated_mark(s, name) + _fmt(s.final_sd.get(name)) for s in summaries]))
+        rows.append((f"final SD {name}", [_final_sd(s, name) for s in summaries]))
     header = ("", [s.label for s in summaries])
     width0 = max(len(r[0]) for r in [header, *rows])
     widths = [max(len(header[1][i]), *(len(r[1][i]) for r in rows)) for i in range(len(summaries))]
@@ -90,13 +91,25 @@ def format_table(summaries: list[Summary]) -> str:
         lines.append("~ final SD from the job's own estimate of its solo-run time (no solo_time given)")
     if "manager" in bases:
         lines.append("* final SD from the manager's estimate of its solo-run time (no solo_time given, no GPU alone)")
+    if any(s.final_sd_bound for s in summaries):
+        lines.append(">= the final SD is at least this: the job's own estimate of its solo-run time could still only "
+                     "be too high (in no other number; docs/profiles.md)")
+    profiled = sum(s.profile_runs for s in summaries)
+    if profiled:
+        lines.append(f"left out: {profiled} measuring run(s) of drbalance profile")
     return "\n".join(lines)
 
 
-def _estimated_mark(summary: Summary, app: str) -> str:
-    """``~`` before a final SD from the job's own solo-time estimate, ``*`` from the manager's."""
-    basis = summary.solo_basis.get(app) if summary.final_sd.get(app) is not None else None
-    return "" if basis is None else "*" if basis == "manager" else "~"
+def _final_sd(summary: Summary, name: str) -> str:
+    """A job's final SD for the table: the SD (``~`` before one from the job's own solo-time
+    estimate, ``*`` from the manager's), ``>=`` a lower bound, or ``-``."""
+    bound = summary.final_sd_bound.get(name)
+    if bound is not None:
+        return f">={bound:.3f}"
+    sd = summary.final_sd.get(name)
+    basis = summary.solo_basis.get(name) if sd is not None else None
+    mark = "" if basis is None else "*" if basis == "manager" else "~"
+    return mark + _fmt(sd)
 
 
 def _is_report(path: Path) -> bool:
@@ -150,7 +163,10 @@ def load_sources(args: argparse.Namespace, select: Selection) -> tuple[list[RunD
             runs.append(load_run(folder, select))
         else:
             logs = _sd_logs_in(folder)
-            runs.append(_logs_run(folder.resolve().name, logs, manager_log(args.manager_log, folder), select))
+            groups = _logs_runs(folder.resolve().name, logs, manager_log(args.manager_log, folder), select)
+            runs += groups
+            bases += [folder.resolve().parent] * len(groups)
+            continue
         bases.append(folder.resolve().parent)
     if files:
         missing = [str(path) for path in files if not path.exists()]
@@ -159,20 +175,24 @@ def load_sources(args: argparse.Namespace, select: Selection) -> tuple[list[RunD
         other = [str(path) for path in files if not path.name.endswith(".sd.jsonl")]
         if other:
             raise NotADirectoryError(f"run directory {other[0]} is not a folder, nor an SD log (<app>.sd.jsonl)")
-        runs.append(_logs_run("jobs", files, manager_log(args.manager_log, files[0].parent), select))
+        runs += _logs_runs("jobs", files, manager_log(args.manager_log, files[0].parent), select)
         bases.append(files[0].resolve().parent.parent)
     return runs, bases[0] / "report"
 
 
-def _logs_run(label: str, logs: list[Path], manager: Path | None, select: Selection) -> RunData:
-    """One column from SD logs and a manager log (none: the utilisation is left out, with a note)."""
+def _logs_runs(label: str, logs: list[Path], manager: Path | None, select: Selection) -> list[RunData]:
+    """Columns from SD logs and a manager log (none: the utilisation is left out, with a note): one
+    per group of jobs that overlapped in time (jobs that never ran together share no SD_max^diff)."""
     if manager is None:
         print("no manager log found (give --manager-log FILE): GPU utilisation is left out", file=sys.stderr)
-    run_data = load_logs(label, logs, rotated_files(manager) if manager is not None else [], select)
-    if not run_data.apps:
+    runs = load_log_groups(label, logs, rotated_files(manager) if manager is not None else [], select)
+    if not any(run_data.apps for run_data in runs):
         raise FileNotFoundError(f"no jobs in {', '.join(sorted({str(log.parent) for log in logs}))} match the "
                                 f"selection (--app, --since, --until)")
-    return run_data
+    if len(runs) > 1:
+        print(f"{label}: {len(runs)} runs of jobs that never ran at the same time, one column each",
+              file=sys.stderr)
+    return runs
 
 
 def _grid_step(runs: list[RunData], step: float | None) -> float:

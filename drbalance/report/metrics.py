@@ -10,6 +10,13 @@ Definitions (docs/report.md):
 - An app's records are placed at their session's clock (``elapsed`` since its ``start`` record,
   which a wall-clock step does not move) where they have one, at their wall time ``t`` otherwise,
   and its SD points are sorted by that time.
+- An SD logged as a lower bound (``sd_bound``: the job's own estimate of its solo time could still
+  only be too high) is not an SD: it is in no view and no mean; a job whose final SD is one shows
+  it as such (``>=0.412``) and counts in no final number.
+- Measuring runs of ``drbalance profile`` (``measuring`` in their ``start`` record) are no jobs of
+  the report: they are left out and counted.
+- SD logs read without a run directory (a log folder, log files) hold jobs of many runs: jobs whose
+  lifetimes overlap, directly or through others, are one run, and each run is one column.
 - Summary: final SD per app (the SD of its last record in the log's order: its ``finish``, or the
   ``closed`` record of an app stopped before it, else the last known one),
   makespan (last finish - start; none if an app did not finish or has no SD records), final
@@ -23,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +52,7 @@ class AppSeries:
     times: list[float] = field(default_factory=list)  # seconds since the run's start, ascending
     sds: list[float] = field(default_factory=list)
     last_sd: float | None = None  # the SD of its last record that has one, in the log's order: its last word
+    last_sd_bound: bool = False  # that last SD is only a lower bound (sd_bound): not the SD
     solo_basis: str | None = None  # that record's estimated solo time's basis (alone, shared, manager); None: given
 
     def sd_at(self, t: float) -> float | None:
@@ -55,7 +64,13 @@ class AppSeries:
 
     @property
     def final_sd(self) -> float | None:
-        return self.last_sd
+        """The final SD; None while it is unknown or only a lower bound (:attr:`final_sd_bound`)."""
+        return None if self.last_sd_bound else self.last_sd
+
+    @property
+    def final_sd_bound(self) -> float | None:
+        """The final SD's lower bound, where the final SD is only that."""
+        return self.last_sd if self.last_sd_bound else None
 
 
 @dataclass
@@ -70,6 +85,7 @@ class RunData:
     util_means: list[float]
     info: dict
     no_records: list[str] = field(default_factory=list)  # apps of the run with no SD records at all
+    profile_runs: int = 0  # measuring runs of drbalance profile found in its logs and left out
 
 
 @dataclass(frozen=True)
@@ -122,29 +138,89 @@ def load_logs(label: str, sd_logs: list[Path], manager_logs: list[Path], select:
 
     An SD log is ``<app>.sd.jsonl``; one that holds several runs of the same app name (a job run
     again with the same name appends to its log) gives one job per run, named ``<app>#1``,
-    ``<app>#2``, ... in the log's order. ``select`` picks jobs by name and time; the manager's
-    utilisation samples are kept from the first picked job's start to the last one's end (a
-    manager log of weeks does not count its idle days). ``expected``: app names that should have
-    records (``run.json``'s): those without are in ``no_records``."""
+    ``<app>#2``, ... in the log's order (measuring runs of ``drbalance profile`` are left out).
+    ``select`` picks jobs by name and time; the manager's utilisation samples are kept from the
+    first picked job's start to the last one's end (a manager log of weeks does not count its idle
+    days). ``expected``: app names that should have records (``run.json``'s): those without are in
+    ``no_records``."""
+    jobs, profile_runs = read_jobs(sd_logs, select)
+    for name in expected or ():
+        if select.picks(name, jobs.get(name, [])):
+            jobs.setdefault(name, [])
+    return _run_of_jobs(label, jobs, manager_logs, info, path, profile_runs)
+
+
+def load_log_groups(label: str, sd_logs: list[Path], manager_logs: list[Path],
+                    select: Selection = EVERYTHING) -> list[RunData]:
+    """SD log files that are not one run directory's (a log folder): one run per group of jobs whose
+    lifetimes overlap (:func:`overlapping_groups`), oldest first. With one group its label is
+    ``label``; with several, ``label`` and the group's start time (local), e.g. ``logs 12-07 09:30``."""
+    jobs, profile_runs = read_jobs(sd_logs, select)
+    groups = overlapping_groups(jobs)
+    if len(groups) <= 1:
+        return [_run_of_jobs(label, jobs, manager_logs, None, None, profile_runs)]
+    runs = []
+    for names in groups:
+        first = min(record["t"] for name in names for record in jobs[name])
+        stamp = time.strftime("%m-%d %H:%M", time.localtime(first))
+        group_label = f"{label} {stamp}"
+        if any(run.label == group_label for run in runs):  # two runs begun in one minute
+            group_label = f"{label} {time.strftime('%m-%d %H:%M:%S', time.localtime(first))}"
+        runs.append(_run_of_jobs(group_label, {name: jobs[name] for name in names}, manager_logs, None, None,
+                                 profile_runs if not runs else 0))
+    return runs
+
+
+def overlapping_groups(jobs: dict[str, list[dict]]) -> list[list[str]]:
+    """The jobs (records with wall times ``t``) in groups of overlapping lifetimes (first to last
+    record): two jobs are in one group when their lifetimes overlap, or both overlap a third of
+    it. Groups oldest first; jobs without records are left out."""
+    spans = sorted((min(r["t"] for r in records), max(r["t"] for r in records), name)
+                   for name, records in jobs.items() if records)
+    groups: list[list[str]] = []
+    end = None
+    for first, last, name in spans:
+        if end is None or first > end:
+            groups.append([])
+            end = last
+        groups[-1].append(name)
+        end = max(end, last)
+    return [sorted(group) for group in groups]
+
+
+def read_jobs(sd_logs: list[Path], select: Selection = EVERYTHING) -> tuple[dict[str, list[dict]], int]:
+    """The jobs of SD log files, each its records (see :func:`load_logs`), and how many measuring
+    runs of ``drbalance profile`` were left out."""
     jobs: dict[str, list[dict]] = {}
+    profile_runs = 0
     for log in sd_logs:
         name = log.name[: -len(".sd.jsonl")] if log.name.endswith(".sd.jsonl") else log.name
-        runs = _sessions(_timed_records([log], fields=APP_FIELDS))
+        sessions = _sessions(_timed_records([log], fields=APP_FIELDS))
+        runs = [records for records in sessions if not _measuring(records)]
+        profile_runs += len(sessions) - len(runs)
         for index, records in enumerate(runs, start=1):
             job = name if len(runs) == 1 else f"{name}#{index}"
             if select.picks(job, records):
                 jobs[job] = records
-    for name in expected or ():
-        if select.picks(name, jobs.get(name, [])):
-            jobs.setdefault(name, [])
+    return jobs, profile_runs
+
+
+def _run_of_jobs(label: str, jobs: dict[str, list[dict]], manager_logs: list[Path], info: dict | None,
+                 path: Path | None, profile_runs: int) -> RunData:
     times = [record["t"] for records in jobs.values() for record in records]
     manager = [record for record in _timed_records(manager_logs, events={"util"}, fields=MANAGER_FIELDS)
                if info is not None or (times and min(times) <= record["t"] <= max(times))]
     run = run_from_records(label, jobs, manager, info, path)
+    run.profile_runs = profile_runs
     if run.no_records:
         logger.warning("%s: apps %s of the run have no SD records (no SD log, or an empty one): they are in no "
                        "number of the report, and it claims no makespan", path or label, ", ".join(run.no_records))
     return run
+
+
+def _measuring(records: list[dict]) -> bool:
+    """Whether a session's records are a measuring run of ``drbalance profile`` (its ``start`` says so)."""
+    return bool(records) and records[0].get("event") == "start" and records[0].get("measuring") is True
 
 
 def _sessions(records: list[dict]) -> list[list[dict]]:
@@ -174,7 +250,8 @@ def _read_run_info(path: Path) -> dict:
     return info
 
 
-APP_FIELDS = ("t", "elapsed", "event", "sd", "solo_estimated", "solo_basis")  # what the report reads of SD logs
+APP_FIELDS = ("t", "elapsed", "event", "sd", "sd_bound", "measuring", "solo_estimated",
+              "solo_basis")  # what the report reads of an SD log record
 MANAGER_FIELDS = ("t", "event", "util")  # ... and of a manager log record (its util records only)
 
 
@@ -253,7 +330,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     anchor = None  # wall time of the session's start: its 't' less its 'elapsed'
     points: list[tuple[float, int, float]] = []  # (time, order in the log, SD)
     begin = end = None
-    finished, last_sd, basis = False, None, None
+    finished, last_sd, last_bound, basis = False, None, False, None
     for order, record in enumerate(records):
         event, elapsed = record.get("event"), record.get("elapsed")
         if finite_number(elapsed) and (anchor is None or event == "start"):
@@ -262,17 +339,18 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
         begin = t if begin is None else begin
         sd = record.get("sd")
         if event in SD_EVENTS and sd_value(sd):
-            points.append((t, order, float(sd)))
-            last_sd = float(sd)
+            last_sd, last_bound = float(sd), record.get("sd_bound") is True
             found = record.get("solo_basis") if record.get("solo_estimated") is True else None
             basis = found if isinstance(found, str) else None
+            if not last_bound:  # a lower bound is no SD: in no view
+                points.append((t, order, float(sd)))
         if event == "finish":
             end, finished = t, True
         elif event == "closed" and not finished:
             end = t
     points.sort()
     return AppSeries(name, begin if begin is not None else 0.0, end, finished, [t for t, _, _ in points],
-                     [sd for _, _, sd in points], last_sd, basis)
+                     [sd for _, _, sd in points], last_sd, last_bound, basis)
 
 
 MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
@@ -334,6 +412,8 @@ class Summary:
     mean_util: float | None
     unfinished: list[str]
     no_records: list[str] = field(default_factory=list)  # apps of the run without SD records (final SD None)
+    final_sd_bound: dict[str, float] = field(default_factory=dict)  # apps whose final SD is only this lower bound
+    profile_runs: int = 0  # measuring runs of drbalance profile left out
     solo_basis: dict[str, str] = field(default_factory=dict)  # apps whose final SD uses an estimated solo time
 
 
@@ -362,6 +442,9 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
         mean_sd_diff=_mean(diffs), mean_sd=_mean(means),
         final_mean_sd=_mean(known), mean_util=_mean(util), unfinished=sorted(unfinished),
         no_records=list(run.no_records),
+        final_sd_bound={name: app.final_sd_bound for name, app in sorted(run.apps.items())
+                        if app.final_sd_bound is not None},
+        profile_runs=run.profile_runs,
         solo_basis={name: app.solo_basis for name, app in sorted(run.apps.items()) if app.solo_basis is not None},
     )
 

@@ -247,3 +247,41 @@ def test_the_exchange_interval_rule_by_hand():
     assert exchange_interval(0.002, 0.024) == MAX_EXCHANGE_INTERVAL  # a straggler's wait counted as cost
     assert exchange_interval(0.002, 0.024, wall_seconds=0.022) == 45  # ... bounded by 1 s of 22 ms steps
     assert exchange_interval(0.002, 0.024, wall_seconds=2.0) == 1  # steps over a second: every step
+
+
+@pytest.mark.slow
+def test_a_managers_dr_reaches_a_job_whose_own_dr_total_is_not_the_managers(ipc_env, tmp_path):
+    """Weights ``[3, 1]`` make a DDP job's DR ``[9, 3]/12``; the manager decides at total 10. Its
+    ``[4, 6]`` is proposed to the ranks and rides on the next control exchange, K steps later. The
+    record showed the DR in force meanwhile, so the manager, deciding again before that exchange,
+    saw ``[9, 3]`` still, kept it, and its keep (sent as the job has it, ``[9, 3]/12``) withdrew the
+    proposal: the job trained 3:1 throughout, logging no ``applied``. The timing, not the total,
+    lost it (a job at ``[5, 5]/10`` lost it the same way). The record now shows the proposal while
+    it is on its way."""
+    util = tmp_path / "util.json"
+    util.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [50, 50]}]}))
+    settings = ManagerSettings(log_path=tmp_path / "manager.jsonl", sample_period=0.2)
+    policy = ScriptPolicy("ddpjob", [[4, 6]])  # then "keep": the DR the record shows
+    manager = Manager(settings, ScriptedSource(util), policy=policy)
+    manager.start()
+    loop = threading.Thread(target=manager.run, daemon=True)
+    loop.start()
+    try:
+        # K pinned above the steps between decisions: every decision comes before the exchange
+        job = torchrun(tmp_path / "torchrun", 2, "--app", "ddpjob", "--ratio", "3,1", "--epochs", "2",
+                       "--iterations", "8", "--decide-every", "2", "--report-every", "1", "--exchange-every", "5",
+                       "--exchange-timeout", "60")
+        out, err = job.communicate(timeout=150)
+    finally:
+        manager.request_stop("test over")
+        loop.join(timeout=30)
+        manager.stop()
+    assert job.returncode == 0, err[-3000:]
+    steps = [line for line in json_lines(out) if line.get("rank") == 0 and "step" in line]
+    assert steps[0]["ratio"] == [9, 3]  # the job's own DR, at its own total
+    sd_log = list(read_json_lines(Path(os.environ["DRBALANCE_LOG_DIR"]) / "ddpjob.sd.jsonl"))
+    assert [e["applied_dr"] for e in sd_log if e["event"] == "applied"] == [[4, 6]]
+    assert steps[-1]["ratio"] == [4, 6] and steps[-1]["sizes"] == [4, 6]
+    events = list(read_json_lines(settings.log_path))
+    kept = [e for e in events if e["event"] == "decision" and e["branch"] == "keep" and e["trigger"] == "boundary"]
+    assert kept and all(e["old_dr"] == [4, 6] for e in kept)  # the manager counted the proposal as the job's

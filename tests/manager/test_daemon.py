@@ -192,6 +192,7 @@ def test_nvml_without_a_driver_and_bad_options_exit_non_zero(ipc_env):
     process = python_process("drbalance.manager.cli", "--source", "nvml")
     _, err = process.communicate(timeout=30)
     assert process.returncode == 2 and "NVML unavailable" in err
+    assert "run on emulated GPUs: drbalance-manager --source emulated:4" in err  # the way on such a machine
     for args, message in ((["--source", "bogus"], "unknown utilisation source"),
                           (["--source", "scripted:/nonexistent.json"], "No such file"),
                           (["--sample-period", "0", "--source", "scripted:x"], "--sample-period: must be a positive"),
@@ -389,3 +390,22 @@ def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(
     assert "250 more problem(s)" in caplog.text
     invalid = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"invalid"' in line]
     assert len(invalid) == 300  # the log records every one
+
+
+@pytest.mark.slow
+def test_a_manager_on_a_machine_without_gpus_says_how_and_starts_on_the_jobs_emulated_gpus(ipc_env, tmp_path,
+                                                                                          monkeypatch):
+    """The README's ``drbalance-manager`` on a machine without NVIDIA GPUs: not only "NVML
+    unavailable", but the way (``--source emulated:N``); and where ``DRBALANCE_EMULATED_GPUS`` is
+    set, as for the jobs, it starts on those emulated GPUs without being told."""
+    monkeypatch.delenv("DRBALANCE_EMULATED_GPUS", raising=False)
+    process = python_process("drbalance.manager.cli", "--duration", "1")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and "NVML unavailable" in err, err
+    assert "run on emulated GPUs: drbalance-manager --source emulated:4" in err and "DRBALANCE_EMULATED_GPUS" in err
+    process = python_process("drbalance.manager.cli", "--duration", "1", "--log", str(tmp_path / "m.jsonl"),
+                             env={"DRBALANCE_EMULATED_GPUS": "3"})
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "on DRBALANCE_EMULATED_GPUS=3 emulated GPUs" in err and "3 GPU(s)" in err
+    assert not ipc_env.manager_status().exists()  # stopped cleanly, its emulated GPUs with it

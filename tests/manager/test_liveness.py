@@ -404,3 +404,44 @@ def test_what_the_manager_keeps_about_jobs_stays_bounded_as_jobs_come_and_go(ipc
     assert max(size[2] for size in sizes) <= 1, sizes  # the successor, while it runs
     warned = [r.getMessage() for r in caplog.records if "cannot admit 'stray99'" in r.getMessage()]
     assert len(warned) == 2, warned
+
+
+def test_a_boundary_notice_from_a_job_whose_record_says_finished_gets_no_policy_decision(ipc_env, tmp_path,
+                                                                                           caplog):
+    """A process of the same user writes ``state=FINISHED`` (CRC-correct) into a live job's record,
+    and the job then sends a boundary notice. The snapshot leaves finished apps out, so ``fair``
+    asked about it failed (``KeyError: "app 'cj' is not in the snapshot"``), logged as the policy's
+    error with a traceback. The manager keeps the job's DR without asking the policy (branch
+    ``finished``) and writes no traceback."""
+    from torch import nn
+
+    from drbalance.client import BalancedDataParallel, Session
+    from drbalance.ipc.layout import Notice, NoticeKind
+
+    script = tmp_path / "util.json"
+    script.write_text('{"gpus": 4, "steps": [{"at": 0, "util": [50, 50, 50, 50]}]}')
+    manager = Manager(ManagerSettings(namespace=ipc_env.namespace, log_path=tmp_path / "m.jsonl"),
+                      ScriptedSource(script))
+    session = None
+    try:
+        manager.start()
+        session = Session(BalancedDataParallel(nn.Linear(4, 1), device_ids=[0, 1, 2, 3]), app="cj", epochs=1,
+                          iterations_per_epoch=100, solo_time=10.0, sd_log=False, exchange_timeout=0.0,
+                          handle_sigterm=False)
+        manager.handle(Notice(NoticeKind.REGISTER, os.getpid(), session.notice_seq, "cj", time.time()))
+        for _ in range(12):
+            session.step()
+        forged = dataclasses.replace(session._status(time.monotonic()), state=AppState.FINISHED,
+                                     notice_seq=session.notice_seq + 1)
+        session.link.publish(forged)  # as the neighbour's write: CRC-correct, in the job's own record
+        manager.handle(Notice(NoticeKind.BOUNDARY, os.getpid(), session.notice_seq + 1, "cj", time.time()))
+    finally:
+        if session is not None:
+            session.close()
+        manager.stop()
+    decisions = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()
+                 if '"event":"decision"' in line]
+    assert [d["branch"] for d in decisions][-1] == "finished", decisions
+    assert decisions[-1]["new_dr"] == decisions[-1]["old_dr"]
+    assert "policy-error" not in {d["branch"] for d in decisions}
+    assert "Traceback" not in caplog.text and "failed" not in caplog.text

@@ -61,7 +61,8 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     metrics = ManagerMetrics("ns1", "fair")
     metrics.update(MetricsSnapshot(
         apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)),
-              AppMetrics("b", None, None, (), slowdown_estimated=True, slowdown_from_manager=True)),
+              AppMetrics("b", None, None, (), slowdown_estimated=True, slowdown_from_manager=True),
+              AppMetrics("c", 0.4, 0.1, (), slowdown_estimated=True, slowdown_bound=True)),
         utilization=(40.0, None),
         memory=(MemoryInfo(16 * GIB, 4 * GIB, 12 * GIB), None),
     ))
@@ -71,11 +72,15 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     metrics.exchange(0.003)
     metrics.exchange(-1.0)  # a clock step, or a send time written by hand: dropped, never a negative sum
     found = samples(prometheus_client.generate_latest(metrics.registry).decode())
-    assert named(found, "drbalance_apps") == {(): 2}
-    assert named(found, "drbalance_app_slowdown") == {(("app", "a"),): 1.25}  # b's SD is unknown: no sample
-    assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0}
-    assert named(found, "drbalance_app_slowdown_manager_estimate") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0}
-    assert named(found, "drbalance_app_iteration_seconds") == {(("app", "a"),): 0.5}
+    assert named(found, "drbalance_apps") == {(): 3}
+    # b's SD is unknown: no sample; c's is only a lower bound: in its own series, not as an SD
+    assert named(found, "drbalance_app_slowdown") == {(("app", "a"),): 1.25}
+    assert named(found, "drbalance_app_slowdown_lower_bound") == {(("app", "c"),): 0.4}
+    assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0,
+                                                                (("app", "c"),): 1.0}
+    assert named(found, "drbalance_app_slowdown_manager_estimate") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0,
+                                                                       (("app", "c"),): 0.0}
+    assert named(found, "drbalance_app_iteration_seconds") == {(("app", "a"),): 0.5, (("app", "c"),): 0.1}
     assert named(found, "drbalance_app_dr_share_ratio") == {(("app", "a"), ("gpu", "0")): 0.75,
                                                             (("app", "a"), ("gpu", "1")): 0.25}
     assert named(found, "drbalance_gpu_utilization_ratio") == {(("gpu", "0"),): 0.4}
@@ -288,8 +293,10 @@ def test_connections_that_trickle_bytes_hold_no_thread_and_are_closed_oldest_fir
 
 @pytest.mark.slow
 def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metrics(ipc_env, tmp_path, capsys):
-    """A job given no solo time estimates it; the record says so, and the manager's
-    status file, ``drbalance status`` and the metrics mark its SD as estimated (the other job's not)."""
+    """A job given no solo time estimates it; the record says so, and the manager's status file,
+    ``drbalance status`` and the metrics mark its SD as estimated (the other job's not). This one
+    trains on the CPU, which cannot tell whether it had its device alone: its estimate can only be
+    too high, and its SD is shown as the lower bound it is (``>=``), never as the SD."""
     manager = ManagerProcess(tmp_path, ipc_env, (0, 0, 0, 0), "--metrics-port", "0")
     apps = []
     try:
@@ -299,15 +306,19 @@ def test_a_job_without_a_solo_time_shows_its_sd_as_estimated_in_status_and_metri
             first_line(app)
             drain(app)
             apps.append(app)
-        found = scrape_until(url, lambda f: len(named(f, "drbalance_app_slowdown")) == 2, timeout=90)
+        found = scrape_until(url, lambda f: named(f, "drbalance_app_slowdown_lower_bound")
+                             and named(f, "drbalance_app_slowdown"), timeout=90)
         assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "guessing"),): 1.0,
                                                                     (("app", "given"),): 0.0}
+        assert set(named(found, "drbalance_app_slowdown")) == {(("app", "given"),)}
+        assert set(named(found, "drbalance_app_slowdown_lower_bound")) == {(("app", "guessing"),)}
         status = {app["name"]: app for app in json.loads(ipc_env.manager_status().read_text())["apps"]}
         assert status["guessing"]["sd_estimated"] is True and status["given"]["sd_estimated"] is False
+        assert status["guessing"]["sd_bound"] is True and status["given"]["sd_bound"] is False
         assert drbalance(["status"]) == 0
         rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
-        assert rows["guessing"][4].startswith("~") and not rows["given"][4].startswith("~")
-        assert "~" in rows and "estimate of its solo-run time" in " ".join(rows["~"])
+        assert rows["guessing"][4].startswith(">=") and not rows["given"][4].startswith((">=", "~"))
+        assert ">=" in rows and "estimate of its solo-run time can still only be too high" in " ".join(rows[">="])
     finally:
         for app in apps:
             stop_app(app)

@@ -215,3 +215,14 @@ def test_an_estimated_sd_is_marked_in_the_frame_and_the_table():
         assert "~1.50" in rows["resnet"] and "1.00" in rows["elsewhere"]
         assert "estimate of its solo-run time" in text
     assert "~" not in format_table(status()) and "estimate" not in format_watch(status())
+
+
+def test_an_sd_that_is_only_a_lower_bound_is_shown_as_one():
+    """While the job's estimate of its solo time can still only be too high, its SD is at least
+    the number: ``>=1.50``, never ``~1.50``, with a line that says what the mark means."""
+    apps = status()["apps"]
+    apps[0].update(sd_estimated=True, sd_bound=True)
+    for text in (format_watch(status(apps=apps), width=60), format_table(status(apps=apps))):
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
+        assert ">=1.50" in rows["resnet"] and "~1.50" not in rows["resnet"] and "1.00" in rows["elsewhere"]
+        assert "the SD is at least this" in text and "~ SD from" not in text

@@ -4,15 +4,22 @@ Other users' jobs: test_system_users.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
+import socket
+import threading
 import time
 
 import pytest
 
-from drbalance.ipc import wire
+from drbalance.ipc import system, wire
+from drbalance.ipc.objects import process_start_ticks
+from drbalance.ipc.system_link import LOOK_AGAIN_SECONDS, SystemManagerLink, SystemStatusError, read_system_status
 from drbalance.manager.status import read_status
 from tests.conftest import wait_for
+from tests.helpers.clock import ManualClock
 from tests.helpers.processes import ManagerProcess, first_line, stop_app, toy_app
 from tests.helpers.system import RawClient, SystemManagerProcess
 
@@ -116,6 +123,25 @@ def test_a_notice_or_record_naming_another_process_is_refused_and_reported(machi
     assert not machine.events("decision")  # nothing was decided on a lie
 
 
+def test_a_record_naming_another_start_time_is_refused_saying_so(machine, ipc_env):
+    """The pid is right, the process start time is not (a record of an earlier process of that
+    pid): the refusal names the start times, not only the pids (which agree)."""
+    client = RawClient(ipc_env.namespace)
+    try:
+        assert client.attach("reborn").kind == wire.Kind.WELCOME
+        client.publish("reborn")
+        status = client.record.read_status()
+        ticks = process_start_ticks(os.getpid())
+        client.record.write_status(dataclasses.replace(status, start_ticks=ticks + 7))
+        client.notice("reborn")
+        answer = client.answer()
+        assert answer.kind == wire.Kind.REFUSED
+        assert f"started at {ticks + 7}" in wire.refusal(answer.payload)[1], wire.refusal(answer.payload)[1]
+        assert f"started at {ticks}" in wire.refusal(answer.payload)[1]
+    finally:
+        client.close()
+
+
 def test_a_record_that_is_not_a_sealed_memfd_is_refused(machine, ipc_env, tmp_path):
     plain = tmp_path / "record"
     plain.write_bytes(bytes(8192))
@@ -183,3 +209,64 @@ def test_a_removed_socket_is_made_again_and_jobs_attach_there(machine, ipc_env):
         assert client.attach("after").kind == wire.Kind.WELCOME
     finally:
         client.close()
+
+
+def test_a_job_and_the_status_do_not_wait_on_a_stopped_system_manager_whose_queue_is_full(machine, ipc_env):
+    """A stopped (or hung) system manager accepts no connection: once its listen queue is full, a
+    job that connects must not wait for it (its start and every later look would hang)."""
+    place = system.find(ipc_env.namespace)
+    os.kill(machine.process.pid, signal.SIGSTOP)
+    held, outcome = [], {}
+    try:
+        while True:  # the queue filled, as another user's connections can fill it
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            try:
+                sock.connect(str(place.socket))
+            except BlockingIOError:
+                sock.close()
+                break
+            held.append(sock)
+
+        def start_a_job_and_ask_the_status() -> None:
+            link = SystemManagerLink(place, "late", attach_timeout=1.0)
+            outcome["attached"], outcome["problem"] = link.sock is not None, link.problem
+            link.close()
+            try:
+                read_system_status(ipc_env.namespace, timeout=1.0)
+            except SystemStatusError as error:
+                outcome["status"] = str(error)
+
+        job = threading.Thread(target=start_a_job_and_ask_the_status, daemon=True)
+        job.start()
+        job.join(timeout=30)
+        returned = not job.is_alive()
+    finally:
+        os.kill(machine.process.pid, signal.SIGCONT)
+        for sock in held:
+            sock.close()
+    job.join(timeout=60)
+    assert returned, "the job waited for a stopped system manager to accept its connection"
+    assert outcome["attached"] is False and "accepts no connection" in outcome["problem"], outcome
+    assert "accepts no connection" in outcome["status"], outcome
+
+
+def test_a_job_that_waited_in_vain_for_a_stopped_system_manager_looks_again_only_later(machine, ipc_env):
+    """A look at a stopped system manager costs the attach wait; a job does not pay it again at its
+    next looks (a session's start looks three times in a row), only after ``LOOK_AGAIN_SECONDS``."""
+    place = system.find(ipc_env.namespace)
+    clock = ManualClock()
+    os.kill(machine.process.pid, signal.SIGSTOP)
+    link = None
+    try:
+        link = SystemManagerLink(place, "late", clock=clock, attach_timeout=0.2)  # no welcome: not attached
+        tries = []
+        connect = link._connect
+        link._connect = lambda: tries.append(clock.monotonic()) or connect()
+        assert link.manager() is None and link.manager() is None
+        assert tries == []
+        clock.advance(LOOK_AGAIN_SECONDS)
+        assert link.manager() is None and tries == [LOOK_AGAIN_SECONDS]
+    finally:
+        os.kill(machine.process.pid, signal.SIGCONT)
+        if link is not None:
+            link.close()

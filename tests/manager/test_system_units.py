@@ -4,21 +4,29 @@ the wire format, the checks of a passed record, and which system folder a job tr
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from drbalance.ipc import system, wire
-from drbalance.ipc.layout import LAYOUT_VERSION, SEGMENT_SIZE, Notice, NoticeKind
+from drbalance.ipc.layout import LAYOUT_VERSION, SEGMENT_SIZE, AppState, AppStatus, Notice, NoticeKind
 from drbalance.ipc.peer import Peer, PeerRefused, check_record_descriptor
 from drbalance.ipc.private import UnsafePath
-from drbalance.ipc.records import AppRecord
+from drbalance.ipc.records import AppRecord, RecordBusy
+from drbalance.jsonlog import read_json_lines
 from drbalance.manager.admission import Admission, NoticeQueue, TokenBucket, UserLimits
+from drbalance.manager.balancer import ManagerSettings
+from drbalance.manager.system import PROBLEM_LINES_PER_SECOND, Connection, SocketChannel, SystemManager
+from drbalance.manager.utilization import ScriptedSource
 from drbalance.manager.visibility import ANONYMOUS, status_for
+from drbalance.ratio import DataRatio
+from tests.helpers.clock import ManualClock
 from tests.helpers.neighbour import needs_second_user
 
 
@@ -124,9 +132,11 @@ def test_messages_the_protocol_does_not_allow_are_refused_and_their_descriptors_
         wire.decode(wire.encode(wire.Kind.NOTICE, b"x"), [fd], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
-    version = LAYOUT_VERSION.to_bytes(2, "little")
-    for data, error in ((b"XXXX" + version + b"\x02\x00", "magic"), (wire.encode(wire.Kind.WELCOME), "not expected"),
-                        (b"DRBW" + version + b"\xff\x00", "unknown message kind"), (b"DR", "shorter")):
+    version = wire.LAYOUT_VERSION
+    for data, error in ((wire.HEADER.pack(b"XXXX", version, 2, 0), "magic"),
+                        (wire.encode(wire.Kind.WELCOME), "not expected"),
+                        (wire.HEADER.pack(wire.MAGIC, version, 255, 0), "unknown message kind"),
+                        (wire.HEADER.pack(wire.MAGIC, version - 1, 2, 0), "layout version"), (b"DR", "shorter")):
         with pytest.raises(wire.WireError, match=error):
             wire.decode(data, [], 0, frozenset({wire.Kind.NOTICE}))
     with pytest.raises(wire.WireError, match="longer"):
@@ -177,6 +187,50 @@ def test_a_passed_record_must_be_a_sealed_memfd_of_the_peer_of_the_records_size(
     finally:
         for fd in (unsealed, wrong_size, pipe_read, pipe_write, file_fd):
             os.close(fd)
+
+
+def test_a_passed_record_sealed_against_writing_is_refused_saying_so():
+    """The manager writes its commands into the record: one sealed against writing cannot be
+    mapped for that, and is refused with the reason (not an unexplained "Operation not permitted")."""
+    me = Peer(os.getpid(), os.geteuid(), os.getegid())
+    resizing = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    for write_seal in (fcntl.F_SEAL_WRITE, 0x10):  # F_SEAL_WRITE, F_SEAL_FUTURE_WRITE (Linux 5.1)
+        fd = os.memfd_create("w", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SEGMENT_SIZE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, resizing | write_seal | fcntl.F_SEAL_SEAL)
+            with pytest.raises(PeerRefused, match="sealed against writing"):
+                check_record_descriptor(fd, me, SEGMENT_SIZE)
+        finally:
+            os.close(fd)
+
+
+def test_the_system_manager_never_waits_on_a_record_its_owner_keeps_mid_write(monkeypatch):
+    """A job (another user's) can keep its record's seqlock counter odd, a new value each time:
+    reading it must cost the system manager no wait (it keeps the job's last valid status), or
+    every decision, for every user's jobs, would wait about 20 ms per such record."""
+    job_side = AppRecord.create_sealed("busy")
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection = Connection(right, Peer(os.getpid(), os.geteuid(), os.getegid()), 0.0)
+    connection.record = AppRecord.adopt(os.dup(job_side.segment.memory.fd), "busy", "record of 'busy'")
+    try:
+        now = time.time()
+        job_side.write_status(AppStatus(os.getpid(), "busy", AppState.RUNNING, DataRatio([1, 1], 2), 0, 2, 1, 10, 5,
+                                        1, 1.0, 0.1, 1.0, now, now, time.monotonic()))
+        channel = SocketChannel(connection)
+        assert channel.read_status().app == "busy"
+        sleeps = []
+        monkeypatch.setattr(time, "sleep", sleeps.append)
+        words, index = job_side.status_area.words, job_side.status_area.counter_index
+        for odd in (1001, 1003, 1005):  # a write "under way", another one at every read
+            words[index] = odd
+            with pytest.raises(RecordBusy):
+                channel.read_status()
+        assert sleeps == []
+    finally:
+        connection.close()
+        job_side.close()
+        left.close()
 
 
 def test_a_notice_keeps_its_format_inside_a_message():
@@ -246,3 +300,39 @@ def test_a_link_or_a_writable_folder_on_the_way_is_refused(root_tmp):
         system.find("ns")
     os.chown(link, 0, 0, follow_symlinks=False)  # root's link is followed
     assert system.find("ns").root == link
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a system dir is trusted only where root made it; CI runs as root")
+def test_one_users_junk_messages_write_few_lines_to_the_manager_log_the_rest_are_counted(root_tmp, tmp_path):
+    """Every malformed message is refused; but junk with a reason of its own each must not write a
+    line apiece to the administrator's log (one user could rotate it away, and slow the manager
+    down for everyone): past ``PROBLEM_LINES_PER_SECOND`` a user's lines are counted (``withheld``)."""
+    script = tmp_path / "util.json"
+    script.write_text(json.dumps({"gpus": 2, "steps": [{"at": 0, "util": [10, 20]}]}))
+    clock = ManualClock(start=1000.0)  # still while the junk is read: no new allowance
+    manager = SystemManager(ManagerSettings(namespace="junk", log_path=tmp_path / "m.jsonl"),
+                            ScriptedSource(script, clock), clock=clock)
+    manager.start()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    junk = 100
+    try:
+        sock.connect(str(manager.place.socket))
+        for pid in range(1, junk + 1):  # "pid -N is not a process id": a reason of its own each
+            payload = Notice.STRUCT.pack(Notice.MAGIC, LAYOUT_VERSION, 2, 0, -pid, 1, b"junk", 1.0)
+            assert wire.send(sock, wire.Kind.NOTICE, payload, timeout=5)
+        assert wire.send(sock, wire.Kind.STATUS, timeout=5)  # answered once all the junk before it was read
+        answers = []
+        while wire.Kind.STATUS_REPLY not in answers:
+            manager.turn()
+            while wire.wait_readable(sock, 0):
+                answers.append(wire.receive(sock, frozenset(wire.Kind), size=wire.MAX_REPLY).kind)
+        clock.advance(manager.settings.gc_period)
+        manager.turn()
+    finally:
+        sock.close()
+        manager.stop()
+    events = list(read_json_lines(tmp_path / "m.jsonl"))
+    lines = [e for e in events if e["event"] == "invalid"]
+    withheld = [e for e in events if e["event"] == "withheld"]
+    assert len(lines) == PROBLEM_LINES_PER_SECOND, len(lines)
+    assert sum(e["count"] for e in withheld) == junk - len(lines) and withheld[0]["uid"] == os.geteuid()

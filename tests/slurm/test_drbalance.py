@@ -164,6 +164,15 @@ def node_weight(cluster: SlurmCluster, node: str) -> int:
     return int(dict(f.split("=", 1) for f in shown.split() if "=" in f)["Weight"])
 
 
+def logged_weight(cluster: SlurmCluster, node: str) -> int | None:
+    """The weight of the last update ``node``'s manager logged as done (``None``: none yet)."""
+    updates = [e for e in events(cluster, node, "slurm_weight") if e["returncode"] == 0]
+    if not updates:
+        return None
+    assert updates[-1]["command"].endswith(f"NodeName={node} Weight={updates[-1]['weight']}"), updates[-1]
+    return int(updates[-1]["weight"])
+
+
 def test_slurm_weight_sends_the_next_job_to_the_quieter_node(slurm_cluster, slurm_users, job_folders):
     user = slurm_users[1]
     folder = job_folders[user.name]
@@ -175,8 +184,8 @@ def test_slurm_weight_sends_the_next_job_to_the_quieter_node(slurm_cluster, slur
         running(slurm_cluster, job)
         wait_for(lambda job=job: decided(slurm_cluster, "n1", user, job), timeout=240)
     wait_for(lambda: node_weight(slurm_cluster, "n1") > node_weight(slurm_cluster, "n2"), timeout=60)
-    updates = [e for e in events(slurm_cluster, "n1", "slurm_weight") if e["returncode"] == 0]
-    assert updates[-1]["command"].endswith(f"NodeName=n1 Weight={node_weight(slurm_cluster, 'n1')}")
+    # the manager logs an update when it collects scontrol's exit, a turn after Slurm shows it
+    wait_for(lambda: logged_weight(slurm_cluster, "n1") == node_weight(slurm_cluster, "n1"), timeout=60)
     following = submit(slurm_cluster, user, folder)
     assert running(slurm_cluster, following)["NodeList"] == "n2"
     with contextlib.suppress(AssertionError):

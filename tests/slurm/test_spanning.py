@@ -38,9 +38,12 @@ exec srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run --nnode
 """
 
 
-def attached(cluster: SlurmCluster, node: str) -> list[str]:
+def attached(cluster: SlurmCluster, node: str, name: str) -> list[str]:
+    """The apps named ``name`` or ``name@<node>`` that ``node``'s manager added (the cluster is the
+    run's: other tests' jobs are in its log too)."""
     path = cluster.folder / node / "system" / "default" / "manager.jsonl"
-    return [e["app"] for e in read_json_lines(path) if e.get("event") == "app_added"] if path.exists() else []
+    added = [e["app"] for e in read_json_lines(path) if e.get("event") == "app_added"] if path.exists() else []
+    return [app for app in added if app.split(":", 1)[-1].split("@", 1)[0] == name]
 
 
 def test_a_job_over_both_nodes_trains_with_the_whole_batch_gradient_and_both_managers_list_it(
@@ -61,5 +64,5 @@ def test_a_job_over_both_nodes_trains_with_the_whole_batch_gradient_and_both_man
     for step in steps:
         assert step["counts"] == step["sizes"] and step["error"] <= 1e-6 * max(1.0, step["scale"]), step
     assert {tuple(step["sizes"]) for step in steps if step["batch"] == 0} == {(1, 4, 3, 8)}  # 16 as 1:3:2:6
-    for node in ("n1", "n2"):
-        assert attached(slurm_cluster, node) == [f"{user.uid}:spanjob@{node}"]  # each node's manager, its part
+    for node in ("n1", "n2"):  # each node's manager lists its part of the job
+        assert attached(slurm_cluster, node, "spanjob") == [f"{user.uid}:spanjob@{node}"]
