@@ -8,15 +8,15 @@ import math
 import pytest
 
 from drbalance.ipc.layout import (
+    FLAG_SD_BOUND,
     FLAG_SOLO_ESTIMATED,
     FLAG_SOLO_MANAGER,
-    FLAG_SOLO_SHARED,
     AppCommand,
     AppState,
     AppStatus,
     RecordError,
 )
-from drbalance.manager.status import estimate_notes, sd_text
+from drbalance.manager.status import sd_notes, sd_text
 from drbalance.policy import AppView
 from drbalance.policy.fair import FairPolicy
 from drbalance.policy.predictor import Predictor
@@ -109,7 +109,8 @@ def status(**solo) -> AppStatus:
 @pytest.mark.parametrize("basis", ["alone", "shared", "manager"])
 def test_the_record_says_whose_estimate_the_sd_uses(basis):
     sent = status(solo_estimated=True, solo_basis=basis)
-    assert AppStatus.decode(sent.encode(), "test") == sent
+    got = AppStatus.decode(sent.encode(), "test")
+    assert got == sent and got.sd_bound == (basis == "shared")  # the job's own bound: the SD is a lower bound
     assert AppStatus.decode(status().encode(), "test").solo_basis is None
 
 
@@ -120,7 +121,7 @@ def test_a_basis_without_an_estimate_or_two_bases_are_refused():
         status(solo_basis="manager")
     good = bytearray(status(solo_estimated=True, solo_basis="alone").encode())
     flags_at = 4 + 48 + 1  # pid, name, state
-    for flags in (FLAG_SOLO_SHARED, FLAG_SOLO_ESTIMATED | FLAG_SOLO_SHARED | FLAG_SOLO_MANAGER):
+    for flags in (FLAG_SD_BOUND, FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND | FLAG_SOLO_MANAGER):
         good[flags_at] = flags
         with pytest.raises(RecordError, match="basis"):
             AppStatus.decode(bytes(good), "test")
@@ -141,6 +142,6 @@ def test_the_status_table_marks_the_managers_estimate_apart_from_the_jobs_own():
     apps = [{"sd": 1.5, "sd_estimated": True, "solo_basis": "manager"},
             {"sd": 1.25, "sd_estimated": True, "solo_basis": "shared"}, {"sd": 1.0, "sd_estimated": False}]
     assert [sd_text(app) for app in apps] == ["*1.50", "~1.25", "1.00"]
-    notes = estimate_notes(apps)
+    notes = sd_notes(apps)
     assert len(notes) == 2 and notes[0].startswith("~") and notes[1].startswith("*")
-    assert estimate_notes(apps[2:]) == []
+    assert sd_notes(apps[2:]) == []
