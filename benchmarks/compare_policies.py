@@ -1,6 +1,6 @@
 """Two policies of the same random-mix sweeps compared run by run: misses, final max SD, churn.
 
-    python -m benchmarks.compare_policies HELDOUT.json WIDE.json --policies fair,plan --margin 0.02
+    python -m benchmarks.compare_policies HELDOUT.json WIDE.json --policies fair,f-sched --margin 0.02
 
 Each file is what ``python -m benchmarks.random_mixes --policies A,B --json PATH`` writes (both
 policies and ``observe`` in one sweep). Per file and interference model, then pooled: the runs
@@ -75,7 +75,7 @@ def _line(label: str, row: dict, policies: Sequence[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="FILE", help="random_mixes --json files")
-    parser.add_argument("--policies", default="fair,plan", help="the two policies compared (default fair,plan)")
+    parser.add_argument("--policies", default="fair,f-sched", help="the two policies compared (default fair,f-sched)")
     parser.add_argument("--margin", type=float, default=0.02, help="SD above observe's that counts as worse (0.02)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args(argv)

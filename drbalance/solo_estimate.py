@@ -184,3 +184,18 @@ def line_through(chunks: Sequence[tuple[float, float]]) -> tuple[float, float] |
     slope = sum((samples - mean_n) * (seconds - mean_t) for samples, seconds in chunks) / spread
     fixed = mean_t - slope * mean_n
     return (fixed, slope) if slope > 0 and fixed >= 0 else None
+
+
+MANAGER = "manager"
+
+
+def chosen_solo(own: SoloEstimate | None, manager_seconds: float | None) -> tuple[float, str] | None:
+    """The solo iteration (seconds) a job given no solo time uses for its SD, and its basis: its own
+    estimate where it had a GPU alone (``alone``); else the manager's estimate where the manager
+    sent one (``manager``: its predictor knows what slows the job on its shared GPUs); else its
+    own upper bound (``shared``); None while it has none."""
+    if own is not None and own.basis == ALONE:
+        return own.iteration_seconds, ALONE
+    if manager_seconds is not None and manager_seconds > 0:
+        return manager_seconds, MANAGER
+    return None if own is None else (own.iteration_seconds, own.basis)

@@ -124,13 +124,14 @@ def test_the_record_carries_the_estimated_flag():
     status = AppStatus(pid=1, app="a", state=AppState.RUNNING, ratio=DataRatio([10]), epoch=0, epochs=1,
                        iteration=3, iterations_total=10, iterations_per_epoch=10, notice_seq=1, slowdown=1.5,
                        iteration_time=0.2, solo_time=2.0, start_wall=1.0, updated_wall=2.0, updated_mono=3.0,
-                       slots=(SlotStatus("GPU-x", 0.1, 8.0),), solo_estimated=True)
+                       slots=(SlotStatus("GPU-x", 0.1, 8.0),), solo_estimated=True, solo_basis=SHARED)
     decoded = AppStatus.decode(status.encode(), "test")
-    assert decoded.solo_estimated and not decoded.sd_bound and decoded == status
-    plain = AppStatus.decode(status.__class__(**{**status.__dict__, "solo_estimated": False}).encode(), "test")
-    assert not plain.solo_estimated
-    bound = AppStatus.decode(status.__class__(**{**status.__dict__, "sd_bound": True}).encode(), "test")
-    assert bound.sd_bound and bound.solo_estimated
+    assert decoded.solo_estimated and decoded.sd_bound and decoded == status
+    plain = AppStatus.decode(status.__class__(**{**status.__dict__, "solo_estimated": False,
+                                                  "solo_basis": None}).encode(), "test")
+    assert not plain.solo_estimated and not plain.sd_bound
+    measured = AppStatus.decode(status.__class__(**{**status.__dict__, "solo_basis": ALONE}).encode(), "test")
+    assert measured.solo_estimated and not measured.sd_bound
 
 
 # --- a real session on emulated GPUs ------------------------------------------------------------------

@@ -66,7 +66,7 @@ from drbalance.jsonlog import JsonLinesWriter
 from drbalance.profiling.store import Measurement, SoloTime, resolve_solo_time
 from drbalance.ratio import DataRatio
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
-from drbalance.solo_estimate import AloneWindow, SlotSample, SoloEstimator
+from drbalance.solo_estimate import ALONE, MANAGER, SHARED, AloneWindow, SlotSample, SoloEstimator, chosen_solo
 
 logger = logging.getLogger("drbalance.client")
 
@@ -240,6 +240,8 @@ class Session:
         backend_kind = getattr(getattr(model, "backend", None), "kind", None)
         self.estimator = None if self.solo is not None else SoloEstimator(parallel=backend_kind != "cpu")
         self.alone_window = AloneWindow()  # which GPUs the job had alone throughout the window (the estimate's)
+        self.manager_solo: float | None = None  # the manager's estimate of the solo iteration (s; AppCommand)
+        self.solo_basis: str | None = None if self.estimator is None else SHARED  # of the SD's solo time
         self.tracker = SlowdownTracker(self.plan, None if self.solo is None else self.solo.seconds,
                                        start=self.clock.monotonic(),
                                        done=start_epoch * self.plan.iterations_per_epoch,
@@ -469,7 +471,8 @@ class Session:
             iteration_time=tracker.mean_iteration_time, solo_time=tracker.solo_time or UNKNOWN_SOLO_SECONDS,
             start_wall=self.start_wall, updated_wall=self.clock.wall(), updated_mono=now,
             start_ticks=self.start_ticks, batch=self._last_batch(), min_share=self.min_share,
-            slots=self._slot_statuses(), solo_estimated=self.estimator is not None, sd_bound=self.sd_bound,
+            slots=self._slot_statuses(), solo_estimated=self.estimator is not None,
+            solo_basis=self._published_basis(),
         )
 
     def _steered_ratio(self) -> DataRatio:
@@ -482,12 +485,22 @@ class Session:
 
     @property
     def sd_bound(self) -> bool:
-        """Whether the SD is a lower bound, not the SD: a solo time estimated online that can
-        still only be too high (``drbalance.solo_estimate``)."""
-        if self.estimator is None:
+        """Whether the SD is a lower bound, not the SD: its solo time is the job's own online
+        estimate, which can still only be too high (``drbalance.solo_estimate``); never while it
+        uses the manager's estimate."""
+        if self.estimator is None or self.solo_basis == MANAGER:
             return False
         estimate = self.estimator.estimate
         return estimate is None or estimate.upper_bound
+
+    def _published_basis(self) -> str | None:
+        """The record's ``solo_basis``: None for a solo time given, the ``manager``'s estimate, or
+        the job's own: ``shared`` while it is a bound (``sd_bound``), else ``alone``."""
+        if self.estimator is None:
+            return None
+        if self.solo_basis == MANAGER:
+            return MANAGER
+        return SHARED if self.sd_bound else ALONE
 
     def _last_batch(self) -> int:
         sizes = getattr(self.model, "last_chunk_sizes", None)
@@ -516,9 +529,16 @@ class Session:
         alone = self.alone_window.update(_slots_alone(self.model))
         slots = [None if mean is None else SlotSample(mean[0], mean[1], alone[slot])
                  for slot, mean in enumerate(self.slot_window.means())]
-        estimate = self.estimator.observe(self.tracker.mean_iteration_time, self._last_batch(), slots)
-        if estimate is not None and estimate.iteration_seconds > 0:
-            self.tracker.set_solo_time(estimate.iteration_seconds * self.plan.total)
+        self.estimator.observe(self.tracker.mean_iteration_time, self._last_batch(), slots)
+        self._choose_solo()
+
+    def _choose_solo(self) -> None:
+        """The SD's solo time: the job's own estimate, or the manager's where the job had no GPU
+        alone (``chosen_solo``)."""
+        chosen = chosen_solo(self.estimator.estimate, self.manager_solo)
+        if chosen is not None and chosen[0] > 0:
+            self.tracker.set_solo_time(chosen[0] * self.plan.total)
+            self.solo_basis = chosen[1]
 
     def _sample_memory(self, now: float) -> None:
         """Per slot: peak memory per sample (the last measured value stands), the out-of-memory
@@ -679,6 +699,9 @@ class Session:
 
     def _apply(self, command: AppCommand, now: float, late: bool = False) -> None:
         self.applied_generation = command.generation
+        if command.solo_iteration is not None and self.estimator is not None:
+            self.manager_solo = command.solo_iteration
+            self._choose_solo()
         if not command.pushed:  # an answer: nothing awaited now; a pushed DR leaves the cadence as it was
             self._awaiting = None
             self._cadence = command.next_boundary
@@ -751,10 +774,9 @@ class Session:
         uncounted = tracker.uncounted_at(now)
         if uncounted > 0:  # emulated GPUs: this machine's time the SD leaves out
             record["uncounted"] = uncounted
-        if self.estimator is not None:  # the SD's solo time is this job's own estimate
-            estimate = self.estimator.estimate
+        if self.estimator is not None:  # the SD's solo time is estimated: the job's own estimate or the manager's
             record.update(solo_estimated=True, solo_time=tracker.solo_time,
-                          solo_basis=None if estimate is None else estimate.basis, sd_bound=self.sd_bound)
+                          solo_basis=None if tracker.solo_time is None else self.solo_basis, sd_bound=self.sd_bound)
         record.update(extra)
         self.log.write(record)
         if event != "report":

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from drbalance.ipc.names import APP_NAME_PATTERN
 from drbalance.ratio import MAX_TOTAL, DataRatio
 
-LAYOUT_VERSION = 4  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: FLAG_SD_BOUND
+LAYOUT_VERSION = 5  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: FLAG_SD_BOUND; 5: FLAG_SOLO_MANAGER,
+# AppCommand.solo_iteration
 MAX_GPUS = 32
 SEGMENT_SIZE = 8192
 SEGMENT_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, status offset, command offset
@@ -83,8 +84,11 @@ def _shares(ratio: DataRatio) -> list[int]:
 FLAG_SD_KNOWN = 1
 FLAG_ITER_TIME_KNOWN = 2
 FLAG_SOLO_ESTIMATED = 4  # the solo time (and so the SD) is estimated online, not given (layout version 3)
-FLAG_SD_BOUND = 8  # the estimated solo time can only be too high: the SD is a lower bound (layout version 4)
-STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND
+FLAG_SD_BOUND = 8  # ...by the job, and can only be too high: the SD is a lower bound (layout version 4)
+FLAG_SOLO_MANAGER = 16  # ...by the manager (``AppCommand.solo_iteration``; layout version 5)
+STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND | FLAG_SOLO_MANAGER
+SOLO_BASIS_FLAGS = {"alone": 0, "shared": FLAG_SD_BOUND, "manager": FLAG_SOLO_MANAGER}
+"""``AppStatus.solo_basis`` -> its status flag (with ``FLAG_SOLO_ESTIMATED``)."""
 COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
 SLOT_FIELDS = struct.Struct(f"<{UUID_BYTES}sdddq")  # uuid, chunk s, chunk samples, bytes/sample, max samples
@@ -152,9 +156,11 @@ class AppStatus:
     unknown). ``min_share``: the smallest share, in units of the DR total, that every slot must
     keep (0 = a slot may be emptied, as DataParallel allows; DDP ranks need >= 1). ``slots``: one
     ``SlotStatus`` per DR entry, or empty when nothing is known. ``solo_estimated``: the solo time
-    is the job's own online estimate (``drbalance.solo_estimate``), not a given or profiled one.
-    ``sd_bound``: that estimate can still only be too high, so the SD is a lower bound (shown as
-    such, never as the SD: ``drbalance.solo_estimate``).
+    is estimated online, not a given or profiled one; ``solo_basis`` then says by whom: the job's
+    own estimate (``drbalance.solo_estimate``), ``alone`` when measured on GPUs it had alone, or
+    ``shared`` while it can still only be too high (from GPUs it shared only, or not yet measured
+    alone at its batch: ``sd_bound``, the SD is a lower bound, shown as such, never as the SD), or
+    the ``manager``'s (``AppCommand.solo_iteration``).
     """
 
     pid: int
@@ -178,7 +184,7 @@ class AppStatus:
     min_share: int = 0
     slots: tuple[SlotStatus, ...] = field(default=())
     solo_estimated: bool = False
-    sd_bound: bool = False
+    solo_basis: str | None = None  # "alone", "shared" or "manager" when solo_estimated, else None
 
     HEAD = struct.Struct(f"<i48sBBBBHH{MAX_GPUS}HIIQQQQddddddQIHH")
     STRUCT_SIZE = HEAD.size + MAX_GPUS * SLOT_FIELDS.size
@@ -186,12 +192,21 @@ class AppStatus:
     def __post_init__(self) -> None:
         if self.slots and len(self.slots) != len(self.ratio):
             raise ValueError(f"{len(self.slots)} slot entries for a DR of {len(self.ratio)} GPUs")
+        if (self.solo_basis is None) == self.solo_estimated or (self.solo_estimated
+                                                                and self.solo_basis not in SOLO_BASIS_FLAGS):
+            raise ValueError(f"solo_basis must be one of {', '.join(SOLO_BASIS_FLAGS)} for an estimated solo time "
+                             f"and None otherwise; got {self.solo_basis!r} (estimated: {self.solo_estimated})")
+
+    @property
+    def sd_bound(self) -> bool:
+        """Whether the SD is a lower bound: the job's own solo-time estimate can still only be too
+        high (``solo_basis`` ``shared``)."""
+        return self.solo_basis == "shared"
 
     def encode(self) -> bytes:
         flags = ((FLAG_SD_KNOWN if self.slowdown is not None else 0)
                  | (FLAG_ITER_TIME_KNOWN if self.iteration_time is not None else 0)
-                 | (FLAG_SOLO_ESTIMATED if self.solo_estimated else 0)
-                 | (FLAG_SD_BOUND if self.sd_bound else 0))
+                 | (FLAG_SOLO_ESTIMATED | SOLO_BASIS_FLAGS[self.solo_basis] if self.solo_estimated else 0))
         head = self.HEAD.pack(
             self.pid, self.app.encode("ascii"), int(self.state), flags, len(self.ratio), 0,
             self.ratio.total, 0, *_shares(self.ratio),
@@ -222,6 +237,7 @@ class AppStatus:
             raise RecordError(f"{where}: unknown app state {state}") from None
         if flags & ~STATUS_FLAGS:
             raise RecordError(f"{where}: unknown status flags {flags:#x}")
+        basis = _solo_basis(flags, where)
         ratio = _ratio(count, total, shares, where)
         if iterations_total < 1 or per_epoch < 1 or epochs < 1:
             raise RecordError(
@@ -249,7 +265,18 @@ class AppStatus:
         )
         return cls(pid, _name(raw_name, where), app_state, ratio, epoch, epochs, iteration, iterations_total,
                    per_epoch, notice_seq, sd, it, solo_time, start_wall, updated_wall, updated_mono,
-                   start_ticks, batch, min_share, slots, bool(flags & FLAG_SOLO_ESTIMATED), bool(flags & FLAG_SD_BOUND))
+                   start_ticks, batch, min_share, slots, basis is not None, basis)
+
+
+def _solo_basis(flags: int, where: str) -> str | None:
+    """``AppStatus.solo_basis`` from a status's flags (None: the solo time is not estimated)."""
+    found = [basis for basis, flag in SOLO_BASIS_FLAGS.items() if flag and flags & flag]
+    if found and not flags & FLAG_SOLO_ESTIMATED or len(found) > 1:
+        raise RecordError(f"{where}: status flags {flags:#x} give a solo time's basis without an estimate, "
+                          f"or two bases")
+    if not flags & FLAG_SOLO_ESTIMATED:
+        return None
+    return found[0] if found else "alone"
 
 
 @dataclass(frozen=True)
@@ -260,6 +287,9 @@ class AppCommand:
     no epoch has ended (None: only at its own boundaries). ``pushed``: the manager changed the DR
     without a notice of the app's (its part of a decision about several apps); ``generation`` is
     then the app's latest notice, and the app applies it after its current iteration.
+    ``solo_iteration``: the manager's estimate of the app's solo iteration time (seconds of one
+    iteration alone on one GPU; None: it has none), for a job given no solo time that had no GPU
+    alone (``drbalance.solo_estimate.chosen_solo``).
     """
 
     manager_pid: int
@@ -269,14 +299,16 @@ class AppCommand:
     written_wall: float
     next_boundary: float | None = None
     pushed: bool = False
+    solo_iteration: float | None = None
 
-    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sdd")
+    STRUCT = struct.Struct(f"<iQBBH{MAX_GPUS}H16sddd")
 
     def encode(self) -> bytes:
         return self.STRUCT.pack(
             self.manager_pid, self.generation, len(self.ratio), COMMAND_PUSHED if self.pushed else 0,
             self.ratio.total, *_shares(self.ratio), self.branch.encode("ascii", "replace")[:16], self.written_wall,
             self.next_boundary if self.next_boundary is not None else 0.0,
+            self.solo_iteration if self.solo_iteration is not None else 0.0,
         )
 
     @classmethod
@@ -284,7 +316,7 @@ class AppCommand:
         fields = cls.STRUCT.unpack(payload)
         manager_pid, generation, count, flags, total = fields[:5]
         shares = fields[5:5 + MAX_GPUS]
-        raw_branch, written_wall, next_boundary = fields[5 + MAX_GPUS:]
+        raw_branch, written_wall, next_boundary, solo_iteration = fields[5 + MAX_GPUS:]
         if flags & ~COMMAND_PUSHED:
             raise RecordError(f"{where}: unknown command flags {flags:#x}")
         if manager_pid <= 0:
@@ -295,8 +327,10 @@ class AppCommand:
         except UnicodeDecodeError:
             raise RecordError(f"{where}: branch name is not ASCII") from None
         _finite(next_boundary, "next boundary", where, 0.0)
+        _finite(solo_iteration, "solo iteration", where, 0.0)
         return cls(manager_pid, generation, ratio, branch, _finite(written_wall, "write time", where),
-                   next_boundary if next_boundary > 0 else None, bool(flags & COMMAND_PUSHED))
+                   next_boundary if next_boundary > 0 else None, bool(flags & COMMAND_PUSHED),
+                   solo_iteration if solo_iteration > 0 else None)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from drbalance.manager.slurm import SlurmWeight, new_job_slowdown
 from drbalance.manager.table import AppEntry, AppTable, ServerGpus, Unmapped
 from drbalance.manager.utilization import UtilizationSource, UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, AppView, Policy, PolicyConfig, Snapshot, make_policy, violations
+from drbalance.policy.base import SoloEstimating
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
 
 logger = logging.getLogger("drbalance.manager")
@@ -101,12 +102,8 @@ class ManagerSettings:
     log_max_bytes: int | None = DEFAULT_LOG_MAX_BYTES
     log_keep: int = DEFAULT_LOG_KEEP
     slurm_weight_period: float = DEFAULT_WEIGHT_PERIOD  # seconds between weight updates (--slurm-weight)
-    plan_period: float | None = None  # seconds between a planning policy's plans (None: the policy's own)
 
     def __post_init__(self) -> None:
-        if self.plan_period is not None and not 0 < self.plan_period < math.inf:
-            raise ValueError(f"the plan period (--plan-period) must be a positive number of seconds; "
-                             f"got {self.plan_period!r}")
         for name in ("sample_period", "util_log_period", "heartbeat_period", "gc_period", "rescan_period",
                      "status_period", "quiet_after", "slurm_weight_period"):
             value = getattr(self, name)
@@ -315,7 +312,9 @@ class Balancer:
         spent = time.perf_counter() - started
         if sent != ratio:
             details["app_dr"] = sent.to_list()  # the same DR in the app's slot order
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary))
+        solo = self._solo_estimate(entry.name)
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), next_boundary,
+                                        solo_iteration=solo))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.decisions += 1
         if self.metrics is not None:
@@ -325,13 +324,25 @@ class Balancer:
                  sd={view.name: view.slowdown for view in snapshot.apps},
                  dr={view.name: view.ratio.to_list() for view in snapshot.apps},
                  util=list(snapshot.utilization), details=details, next_boundary=next_boundary,
-                 decide_us=spent * 1e6, **({} if queued is None else {"queued_us": queued * 1e6}))
+                 solo_estimate=solo, decide_us=spent * 1e6, **({} if queued is None else {"queued_us": queued * 1e6}))
         for other, other_ratio in pushes.items():
             if other == entry.name:  # the deciding app's own DR is the answer above, never a push
                 self.log("push", app=other, branch=branch, refused="a push to the deciding app itself")
                 continue
             self._push(other, other_ratio, branch, snapshot)
         return sent
+
+    def _solo_estimate(self, app: str) -> float | None:
+        """The policy's estimate of the app's solo iteration in seconds, sent with every answer and
+        push (``policy.base.SoloEstimating``); None if the policy makes none or it fails (logged)."""
+        if not isinstance(self.policy, SoloEstimating):
+            return None
+        try:
+            seconds = self.policy.solo_estimate(app)
+        except Exception:  # a policy bug must never crash the daemon or reach the app
+            logger.exception("drbalance-manager: policy %r failed to estimate %r's solo time", self.policy.name, app)
+            return None
+        return seconds if isinstance(seconds, float) and math.isfinite(seconds) and seconds > 0 else None
 
     def _push(self, name: str, ratio: DataRatio, branch: str, snapshot: Snapshot) -> None:
         """Send another app its part of a joint decision now (it applies it after its current iteration)."""
@@ -349,7 +360,8 @@ class Balancer:
             self.log("push", app=name, branch=branch, new_dr=shown, refused=str(error))
             return
         generation = entry.status.notice_seq
-        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True))
+        entry.channel.answer(AppCommand(os.getpid(), generation, sent, branch, self.clock.wall(), pushed=True,
+                                        solo_iteration=self._solo_estimate(name)))
         entry.assigned, entry.assigned_mono = sent, self.clock.monotonic()
         self.log("push", app=name, branch=branch, generation=generation, old_dr=view.ratio.to_list(),
                  new_dr=ratio.to_list())
@@ -513,7 +525,8 @@ class Balancer:
         return {"name": entry.name, "pid": status.pid, "epoch": status.epoch, "epochs": status.epochs,
                 "iteration": status.iteration, "iterations_total": status.iterations_total, "sd": status.slowdown,
                 "dr": dr, "state": status.state.name, "sd_estimated": status.solo_estimated,
-                "sd_bound": status.sd_bound, "updated_ago": now - status.updated_mono,
+                "solo_basis": status.solo_basis, "sd_bound": status.sd_bound,
+                "updated_ago": now - status.updated_mono,
                 "quiet_for": None if entry.quiet_since is None else now - entry.quiet_since, "steered": steered}
 
     def _server_dr(self, entry: AppEntry) -> tuple[list[int], bool]:
@@ -550,7 +563,7 @@ class Balancer:
             except (Unmapped, ArithmeticError, ValueError):
                 shares = ()
             apps.append(AppMetrics(self.metric_name(entry), status.slowdown, status.iteration_time, shares,
-                                   status.solo_estimated, status.sd_bound))
+                                   status.solo_estimated, status.solo_basis == "manager", status.sd_bound))
         memory = self.server.memory or (None,) * self.gpu_count
         self.metrics.update(MetricsSnapshot(tuple(apps), tuple(self.window.values()), tuple(memory)))
 

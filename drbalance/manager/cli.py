@@ -87,11 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="DR-management policy: 'fair' = predict every job's SD from its measurements and "
                         "move to lower the largest (docs/policy.md); 'f-sched' = the F-scheduling thesis's "
                         "throughput-under-a-variance-bound rule; 'paper' = the paper's Alg. 1+2; 'observe' = "
-                        "never change a DR (baseline); 'plan' = every job's DR chosen at once by one solve over a "
-                        "learned performance model (experimental)")
-    parser.add_argument("--plan-period", type=positive_float, default=None, metavar="SECONDS",
-                        help="seconds between the plans of a planning policy ('plan'; besides every arrival and "
-                        "departure); default: the policy's own (10)")
+                        "never change a DR (baseline)")
     parser.add_argument("--sd-threshold", type=non_negative_float, default=defaults.sd_threshold,
                         help="SD_th (paper policy): no move while max SD - min SD is below this")
     parser.add_argument("--util-threshold", type=percent, default=defaults.util_threshold,
@@ -245,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
             policy=args.policy, sd_threshold=args.sd_threshold, util_threshold=args.util_threshold,
             dr_total=args.dr_total, sample_period=args.sample_period, window=args.window,
             util_log_period=args.util_log_period, quiet_after=args.quiet_after, log_path=args.log,
-            log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep, plan_period=args.plan_period,
+            log_max_bytes=args.log_max_bytes or None, log_keep=args.log_keep,
             slurm_weight_period=args.slurm_weight_period,
         )
         machine = _system_place(namespace) if args.system else None

@@ -63,9 +63,7 @@ from drbalance.manager.metrics import ManagerMetrics
 from drbalance.manager.status import printable
 from drbalance.manager.table import AppEntry, AppTable
 from drbalance.manager.utilization import UtilizationSource
-from drbalance.policy import Policy, Snapshot
-from drbalance.policy.base import Planner
-from drbalance.ratio import DataRatio
+from drbalance.policy import Policy
 
 logger = logging.getLogger("drbalance.manager")
 
@@ -157,10 +155,6 @@ class Manager(Balancer):
         self._claims_left: set[tuple[str, str]] = set()  # (app, token) removed while its claim was still locked
         self._lock: ManagerLock | None = None
         self._endpoint: ManagerEndpoint | None = None
-        self._planner = self.policy if isinstance(self.policy, Planner) else None
-        if self._planner is not None and settings.plan_period is not None:
-            self._planner.plan_period = settings.plan_period
-        self._planned_apps: frozenset[str] = frozenset()  # the apps in the table at the last plan
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -208,8 +202,6 @@ class Manager(Balancer):
         tasks = ("beat", "sample", "util_log", "gc", "runtime", "endpoint", "rescan", "system", "status", "metrics",
                  "slurm")
         self._next = dict.fromkeys(tasks, now)
-        if self._planner is not None:
-            self._next["plan"] = now + self._planner.plan_period
         self._run_task("beat", self._heartbeat, now)
         # a restarted manager picks up the apps still running, with the listing made before it could be reached
         self._run_task("rescan", lambda at: self._rescan(at, first_listing), now)
@@ -287,40 +279,6 @@ class Manager(Balancer):
                 self._run_task(key, task, now)
         if self._lister.ready():  # the listing of /dev/shm the last rescan began in a thread
             self._run_task("listing", self._take_listing, now)
-        if self._planner is not None:
-            self._run_task("plan", self._plan, now)
-
-    # --- plans: several apps' DRs at once, for a policy that plans --------------------------------
-    def _plan(self, now: float) -> None:
-        """The planner's turn: every ``plan_period`` seconds, and at once (after the notices of this
-        turn are answered) when apps arrived or left. Its changes are pushed to the apps."""
-        names = frozenset(self.table.entries)
-        arrived, left = names - self._planned_apps, self._planned_apps - names
-        if not arrived and not left and now < self._next["plan"]:
-            return
-        trigger = "arrival" if arrived else "departure" if left else "period"
-        self._planned_apps, self._next["plan"] = names, now + self._planner.plan_period
-        if not names and trigger == "period":
-            return  # nobody to plan for
-        self._refresh_all(now)
-        snapshot = Snapshot(self.table.views(self.config.dr_total, self.server), self.window.values(), self.config)
-        started = time.perf_counter()
-        try:
-            plan = self._planner.plan(trigger, snapshot)
-        except Exception as error:  # a policy bug must never crash the daemon or reach an app
-            logger.exception("drbalance-manager: policy %r failed to plan", self.policy.name)
-            self.log("plan", trigger=trigger, branch="policy-error", error=repr(error))
-            return
-        self.log("plan", trigger=trigger, branch=plan.branch, plan_us=(time.perf_counter() - started) * 1e6,
-                 changes={name: ratio.to_list() if isinstance(ratio, DataRatio) else repr(ratio)
-                          for name, ratio in plan.changes.items()}, details=dict(plan.details))
-        if self.metrics is not None:
-            self.metrics.decision(self.policy.name, plan.branch)
-        for name, ratio in plan.changes.items():
-            self._push(name, ratio, plan.branch, snapshot)
-
-
-
 
     # --- notices: steps 3 to 6 ------------------------------------------------------------------
     def handle(self, notice: Notice) -> None:

@@ -8,6 +8,8 @@ The series (every name starts with ``drbalance_``; docs/operations.md explains e
   its solo-run time can still only be too high: the SD is at least this (``drbalance.solo_estimate``).
 - ``drbalance_app_slowdown_estimated{app}`` (gauge): 1 when the app's SD divides by its own online
   estimate of its solo-run time (the job was given none), 0 when by a given or profiled one.
+- ``drbalance_app_slowdown_manager_estimate{app}`` (gauge): 1 when that estimate is the manager's
+  (the job had no GPU alone; ``AppCommand.solo_iteration``), else 0.
 - ``drbalance_app_dr_share_ratio{app,gpu}`` (gauge): the fraction of the app's mini-batch on that
   GPU (its DR share / DR total), in the manager's GPU order.
 - ``drbalance_app_iteration_seconds{app}`` (gauge): the app's mean iteration time, seconds.
@@ -97,6 +99,7 @@ class AppMetrics:
     iteration_seconds: float | None
     shares: tuple[float, ...] = ()
     slowdown_estimated: bool = False
+    slowdown_from_manager: bool = False
     slowdown_bound: bool = False  # ``slowdown`` is a lower bound, not the SD
 
 
@@ -138,15 +141,19 @@ class _StateCollector(Collector):
         estimated = GaugeMetricFamily("drbalance_app_slowdown_estimated",
                                       "1 when the app's SD uses its own online estimate of its solo-run time",
                                       labels=("app",))
+        from_manager = GaugeMetricFamily("drbalance_app_slowdown_manager_estimate",
+                                         "1 when the app's SD uses the manager's estimate of its solo-run time",
+                                         labels=("app",))
         for app in snapshot.apps:
             estimated.add_metric((app.name,), float(app.slowdown_estimated))
+            from_manager.add_metric((app.name,), float(app.slowdown_from_manager))
             if app.slowdown is not None:
                 (lower if app.slowdown_bound else slowdown).add_metric((app.name,), app.slowdown)
             if app.iteration_seconds is not None:
                 iteration.add_metric((app.name,), app.iteration_seconds)
             for gpu, share in enumerate(app.shares):
                 shares.add_metric((app.name, str(gpu)), share)
-        yield from (slowdown, lower, estimated, iteration, shares)
+        yield from (slowdown, lower, estimated, from_manager, iteration, shares)
         utilization = GaugeMetricFamily("drbalance_gpu_utilization_ratio",
                                         "Smoothed GPU utilisation (fraction of time busy, 0-1) as the policy sees it",
                                         labels=("gpu",))

@@ -131,16 +131,22 @@ def _malformed(status: Any) -> str | None:
 
 def sd_text(app: dict[str, Any]) -> str:
     """An app's SD for the tables: ``1.23``, ``~1.23`` when it divides by the job's own estimate of its
-    solo-run time (the job was given none), ``>=0.41`` while that estimate can only be too high (the
-    SD is at least that), ``-`` while unknown."""
+    solo-run time (the job was given none), ``*1.23`` by the manager's, ``>=0.41`` while the job's
+    own estimate can only be too high (the SD is at least that), ``-`` while unknown."""
     if app.get("sd") is None:
         return "-"
     if app.get("sd_bound") is True:
         return f">={app['sd']:.2f}"
-    return f"{'~' if app.get('sd_estimated') is True else ''}{app['sd']:.2f}"
+    mark = "*" if _from_manager(app) else "~" if app.get("sd_estimated") is True else ""
+    return f"{mark}{app['sd']:.2f}"
+
+
+def _from_manager(app: dict[str, Any]) -> bool:
+    return app.get("sd_estimated") is True and app.get("solo_basis") == "manager"
 
 
 ESTIMATED_NOTE = "~ SD from the job's own estimate of its solo-run time (no solo_time given; docs/profiles.md)"
+MANAGER_NOTE = "* SD from the manager's estimate of its solo-run time (no solo_time given, no GPU alone)"
 BOUND_NOTE = (">= the SD is at least this: the job's estimate of its solo-run time can still only be too high "
               "(docs/profiles.md)")
 
@@ -148,8 +154,11 @@ BOUND_NOTE = (">= the SD is at least this: the job's estimate of its solo-run ti
 def sd_notes(apps: list[dict[str, Any]]) -> list[str]:
     """The notes that explain the marks ``sd_text`` put in a table of ``apps``."""
     notes = []
-    if any(app.get("sd_estimated") is True and app.get("sd_bound") is not True for app in apps):
+    if any(app.get("sd_estimated") is True and app.get("sd_bound") is not True and not _from_manager(app)
+           for app in apps):
         notes.append(ESTIMATED_NOTE)
+    if any(_from_manager(app) and app.get("sd_bound") is not True for app in apps):
+        notes.append(MANAGER_NOTE)
     if any(app.get("sd_bound") is True and app.get("sd") is not None for app in apps):
         notes.append(BOUND_NOTE)
     return notes

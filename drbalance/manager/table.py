@@ -127,7 +127,7 @@ class AppEntry:
         common = dict(
             name=self.name, slowdown=status.slowdown, pid=status.pid, epoch=status.epoch,
             iteration=status.iteration, iterations_total=status.iterations_total,
-            iteration_time=status.iteration_time, solo_time=status.solo_time,
+            iteration_time=status.iteration_time, solo_time=status.solo_time, solo_basis=status.solo_basis,
             min_share=math.ceil(status.min_share * total / status.ratio.total), batch=status.batch or None,
         )
         if server is None:

@@ -13,7 +13,6 @@ from drbalance.policy.base import AppView, Decision, ObservePolicy, Policy, Poli
 from drbalance.policy.fair import FairPolicy
 from drbalance.policy.fsched import FSchedPolicy
 from drbalance.policy.paper import PaperPolicy
-from drbalance.policy.plan import PlanPolicy
 
 DEFAULT_POLICY = "fair"
 """The policy the manager and the simulator use unless told otherwise."""
@@ -23,7 +22,6 @@ POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
     "f-sched": FSchedPolicy,
     "paper": PaperPolicy,
     "observe": ObservePolicy,
-    "plan": PlanPolicy,
 })
 
 

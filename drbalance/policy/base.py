@@ -42,6 +42,10 @@ class PolicyConfig:
             raise ValueError(f"util_threshold must be within 0..100 percentage points; got {self.util_threshold!r}")
 
 
+SOLO_BASES = (None, "alone", "shared", "manager")
+"""``AppView.solo_basis`` values."""
+
+
 @dataclass(frozen=True)
 class AppView:
     """One live app as a policy sees it. Times in seconds; ``slowdown`` None = not known yet.
@@ -52,7 +56,9 @@ class AppView:
     total; 0 = a GPU may be emptied), ``max_share`` (per GPU, the largest share that fits its
     memory; None = no cap). Measurements: ``chunk_seconds`` (per GPU, mean seconds of the app's
     replica per iteration, None where not measured), ``chunk_samples`` (mean samples of those
-    chunks), ``batch`` (samples per global mini-batch; None = unknown).
+    chunks), ``batch`` (samples per global mini-batch; None = unknown). ``solo_basis``: where
+    ``solo_time`` comes from: None given or profiled; the job's own online estimate from GPUs it
+    had ``alone``, or from ``shared`` ones only (an upper bound); the ``manager``'s estimate.
     """
 
     name: str
@@ -70,8 +76,11 @@ class AppView:
     chunk_seconds: tuple[float | None, ...] | None = None
     chunk_samples: tuple[float, ...] | None = None
     batch: int | None = None
+    solo_basis: str | None = None
 
     def __post_init__(self) -> None:
+        if self.solo_basis not in SOLO_BASES:
+            raise ValueError(f"app {self.name!r}: solo_basis must be one of {SOLO_BASES}; got {self.solo_basis!r}")
         if self.slowdown is not None and not (math.isfinite(self.slowdown) and self.slowdown >= 0):
             raise ValueError(f"app {self.name!r}: slowdown must be finite and >= 0 or None; got {self.slowdown!r}")
         for what in ("max_share", "chunk_seconds", "chunk_samples"):
@@ -82,6 +91,12 @@ class AppView:
             raise ValueError(f"app {self.name!r}: allowed GPUs {self.allowed} are not within 0..{len(self.ratio) - 1}")
         if self.min_share < 0:
             raise ValueError(f"app {self.name!r}: min_share must be >= 0; got {self.min_share}")
+
+    @property
+    def solo_measured(self) -> bool:
+        """Whether ``solo_time`` is the job's own (given, profiled, or estimated from GPUs it had
+        alone): not an upper bound, nor the manager's estimate."""
+        return self.solo_basis is None or self.solo_basis == "alone"
 
     def usable(self, gpu: int) -> bool:
         """Whether the app may hold a share on ``gpu``."""
@@ -163,25 +178,13 @@ class Policy(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Plan:
-    """New DRs for some apps, decided together (the manager pushes each at once), the branch, and why."""
-
-    changes: Mapping[str, DataRatio]
-    branch: str
-    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-
 @runtime_checkable
-class Planner(Protocol):
-    """A policy that also plans every app's DR at once: every ``plan_period`` seconds and at each
-    arrival or departure (``trigger``: ``period``, ``arrival`` or ``departure``), besides answering
-    notices."""
+class SoloEstimating(Protocol):
+    """A policy that also estimates each app's solo iteration time from what it learned (``fair``,
+    ``f-sched``); the manager sends it with every answer (``AppCommand.solo_iteration``)."""
 
-    plan_period: float
-
-    def plan(self, trigger: str, snapshot: Snapshot) -> Plan:
-        """DR changes for any apps of the snapshot, to be pushed to them now."""
+    def solo_estimate(self, app: str) -> float | None:
+        """Seconds of one iteration of ``app`` alone on one GPU, or None."""
         ...
 
 

@@ -188,6 +188,11 @@ class FairPolicy:
         # (0 or an overflow) leaves the app's own cadence, where it would make the Decision refuse it
         return replace(decision, next_boundary=window if 0.0 < window < math.inf else None)
 
+    def solo_estimate(self, app: str) -> float | None:
+        """The predictor's estimate of the app's solo iteration in seconds (``Predictor.solo_estimate``),
+        None if it has none."""
+        return None if self.predictor is None else self.predictor.solo_estimate(app)
+
     def window_seconds(self, view: AppView) -> float:
         """How long the app's decision (and measurement) window lasts."""
         per_iteration = view.iteration_time or view.solo_time / max(1, view.iterations_total)
@@ -209,7 +214,7 @@ class FairPolicy:
                 return placed
         if trigger == "register" or me.slowdown is None or me.iteration_time is None or me.chunk_seconds is None:
             return Decision.of(app, me.ratio, "no-measurement")
-        search = _Search(self, snapshot, predictor, me, self._locked_gpus(app, live))
+        search = self._new_search(snapshot, predictor, me, self._locked_gpus(app, live))
         checked = self._check_last_move(me, ratio, track, search)
         if checked is not None:
             return checked
@@ -362,7 +367,12 @@ class FairPolicy:
                 return None
         if closing:
             return None
-        return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * search.app_count >= needed else None
+        return self._sum_win(mean_rise, search.app_count, needed)
+
+    @staticmethod
+    def _sum_win(mean_rise: float, app_count: int, needed: float) -> Verdict | None:
+        """No SD differs by the needed gain: a fall of the SDs' sum by it wins (gain: the fall per app)."""
+        return Verdict(-mean_rise, (-mean_rise, -mean_rise)) if -mean_rise * app_count >= needed else None
 
     def windows_left(self, view: AppView) -> float:
         """How many of its decision windows the app has left to run: its iterations left at its
@@ -395,13 +405,21 @@ class FairPolicy:
         return excess * (sum(parts) / len(parts)) if parts else 0.0
 
     # --- bookkeeping -----------------------------------------------------------------------------
+    def _new_search(self, snapshot: Snapshot, predictor: Predictor, me: AppView, locked: set[int]) -> _Search:
+        """The search of one decision of ``me`` (the candidates and their scores)."""
+        return _Search(self, snapshot, predictor, me, locked)
+
+    def _new_predictor(self, gpu_count: int) -> Predictor:
+        """A predictor for a server of ``gpu_count`` GPUs."""
+        return Predictor(gpu_count, self.config.predictor)
+
     def _predictor(self, snapshot: Snapshot, app: str, live: set[str] | None = None) -> Predictor:
         """The predictor, having forgotten the apps that are gone and learned from the snapshot
         (``live``: the names of the snapshot's apps, if the caller has them)."""
         if self.predictor is None or self.predictor.gpu_count != snapshot.config.gpu_count:
             if self.predictor is not None:  # another server: the moves, locks and bans were of the last one's GPUs
                 self.tracks.clear()
-            self.predictor = Predictor(snapshot.config.gpu_count, self.config.predictor)
+            self.predictor = self._new_predictor(snapshot.config.gpu_count)
         if live is None:
             live = {view.name for view in snapshot.apps}
         restarted = self._restarted(snapshot.apps, live)
@@ -526,6 +544,17 @@ class FairPolicy:
         threshold = self.config.idle_tolerance
         return Verdict(loss, (loss,)) if loss >= threshold else None
 
+    def _undo_verdict(self, me: AppView, move: _Move, measured: float | None, search: _Search) -> Verdict | None:
+        """The gain of undoing the app's judged move: its measured loss (a move of the app alone),
+        going back winning the objective, or lowering the affected SDs' sum by ``min_gain``; None
+        if the move stays."""
+        found = self._measured_loss(me, move, measured, search)
+        if found is None:
+            found = search.gain({me.name: move.before})
+        if found is None:
+            found = search.mean_gain({me.name: move.before})
+        return found
+
     def _learn_from_move(self, me: AppView, move: _Move, measured: float, predictor: Predictor) -> None:
         """What a move measured for a whole window teaches (``measured`` and ``move.predicted``:
         seconds per iteration, both > 0): the replica penalty, if it changed the app's replica
@@ -579,11 +608,7 @@ class FairPolicy:
             self._learn_from_move(me, move, measured, search.predictor)
         if violations(me, move.before, search.config):
             return None
-        found = self._measured_loss(me, move, measured, search)
-        if found is None:
-            found = search.gain({me.name: move.before})
-        if found is None:
-            found = search.mean_gain({me.name: move.before})
+        found = self._undo_verdict(me, move, measured, search)
         if found is None:
             return None
         track.banned[move.after.shares] = me.iteration + self.config.ban_windows * max(1, track.window)

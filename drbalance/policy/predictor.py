@@ -42,6 +42,7 @@ Times in seconds. Predicted SD at finish follows Eq. 2 with the predicted iterat
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -248,7 +249,8 @@ class Predictor:
             others = self._co_runners(view, placement, views)
             quiet = self._quiet_gpus(view.name)
             self._learn_host(view, model, placement)
-            self._learn_gpus(view, model, placement, others, quiet)
+            if view.solo_measured:  # else its work is a guess: its chunks would teach wrong speeds and kappas
+                self._learn_gpus(view, model, placement, others, quiet)
             self._learn_correction(view, model, self._measured_configuration_time(view, model, placement, others))
 
     def _note_occupants(self, name: str, used: tuple[int, ...]) -> None:
@@ -523,6 +525,31 @@ class Predictor:
             found = sums[True].estimate(app, other)
         self._estimated.append((self.kappa_rows(app)[1 if crowd else 0], other))
         return self.config.interference_prior if found is None else found
+
+    def solo_estimate(self, name: str) -> float | None:
+        """The app's solo iteration (seconds of one iteration alone on one GPU of speed 1) from its
+        last window: its host time (the iteration less its longest chunk and its measured replica
+        overhead) plus its chunks' device time with what slowed them taken out: the other apps'
+        duties there times ``pair_kappa`` (for an app whose solo time is not measured,
+        ``AppView.solo_measured``, that comes from other apps' pairs: it learns no kappa of its
+        own), the GPU's speed and the chunk's size; the median over its GPUs. None before a window."""
+        view, model = self._modelled.get(name), self.apps.get(name)
+        placement = None if view is None else _measured_samples(view)
+        if placement is None or model is None:
+            return None
+        others = self._co_runners(view, placement, tuple(self._modelled.values()))
+        works = []
+        for gpu, duties in others.items():
+            seconds = view.chunk_seconds[gpu]
+            if seconds:
+                crowd = len(duties) > 1
+                stretch = 1.0 + sum(self.pair_kappa(name, other, crowd) * duty for other, duty in duties.items())
+                works.append(seconds * self.speed[gpu] / (self.size_factor(placement[gpu], model.batch) * stretch))
+        if not works:
+            return None
+        longest = max(seconds for seconds in view.chunk_seconds if seconds is not None)
+        host = view.iteration_time - longest - (len(others) - 1) * (model.overhead or 0.0)
+        return max(0.0, host) + statistics.median(works)
 
     # --- prediction -------------------------------------------------------------------------------
     def chunks(self, name: str, ratio: DataRatio) -> Chunks:

@@ -86,6 +86,11 @@ def format_table(summaries: list[Summary]) -> str:
     silent = [f"{s.label}: {', '.join(s.no_records)}" for s in summaries if s.no_records]
     if silent:
         lines.append("no SD records (in no number): " + "; ".join(silent))
+    bases = {basis for s in summaries for name, basis in s.solo_basis.items() if s.final_sd.get(name) is not None}
+    if bases - {"manager"}:
+        lines.append("~ final SD from the job's own estimate of its solo-run time (no solo_time given)")
+    if "manager" in bases:
+        lines.append("* final SD from the manager's estimate of its solo-run time (no solo_time given, no GPU alone)")
     if any(s.final_sd_bound for s in summaries):
         lines.append(">= the final SD is at least this: the job's own estimate of its solo-run time could still only "
                      "be too high (in no other number; docs/profiles.md)")
@@ -96,9 +101,15 @@ def format_table(summaries: list[Summary]) -> str:
 
 
 def _final_sd(summary: Summary, name: str) -> str:
-    """A job's final SD for the table: the SD, ``>=`` a lower bound, or ``-``."""
+    """A job's final SD for the table: the SD (``~`` before one from the job's own solo-time
+    estimate, ``*`` from the manager's), ``>=`` a lower bound, or ``-``."""
     bound = summary.final_sd_bound.get(name)
-    return f">={bound:.3f}" if bound is not None else _fmt(summary.final_sd.get(name))
+    if bound is not None:
+        return f">={bound:.3f}"
+    sd = summary.final_sd.get(name)
+    basis = summary.solo_basis.get(name) if sd is not None else None
+    mark = "" if basis is None else "*" if basis == "manager" else "~"
+    return mark + _fmt(sd)
 
 
 def _is_report(path: Path) -> bool:

@@ -53,6 +53,7 @@ class AppSeries:
     sds: list[float] = field(default_factory=list)
     last_sd: float | None = None  # the SD of its last record that has one, in the log's order: its last word
     last_sd_bound: bool = False  # that last SD is only a lower bound (sd_bound): not the SD
+    solo_basis: str | None = None  # that record's estimated solo time's basis (alone, shared, manager); None: given
 
     def sd_at(self, t: float) -> float | None:
         index = bisect_right(self.times, t)
@@ -249,7 +250,8 @@ def _read_run_info(path: Path) -> dict:
     return info
 
 
-APP_FIELDS = ("t", "elapsed", "event", "sd", "sd_bound", "measuring")  # what the report reads of an SD log record
+APP_FIELDS = ("t", "elapsed", "event", "sd", "sd_bound", "measuring", "solo_estimated",
+              "solo_basis")  # what the report reads of an SD log record
 MANAGER_FIELDS = ("t", "event", "util")  # ... and of a manager log record (its util records only)
 
 
@@ -328,7 +330,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
     anchor = None  # wall time of the session's start: its 't' less its 'elapsed'
     points: list[tuple[float, int, float]] = []  # (time, order in the log, SD)
     begin = end = None
-    finished, last_sd, last_bound = False, None, False
+    finished, last_sd, last_bound, basis = False, None, False, None
     for order, record in enumerate(records):
         event, elapsed = record.get("event"), record.get("elapsed")
         if finite_number(elapsed) and (anchor is None or event == "start"):
@@ -338,6 +340,8 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
         sd = record.get("sd")
         if event in SD_EVENTS and sd_value(sd):
             last_sd, last_bound = float(sd), record.get("sd_bound") is True
+            found = record.get("solo_basis") if record.get("solo_estimated") is True else None
+            basis = found if isinstance(found, str) else None
             if not last_bound:  # a lower bound is no SD: in no view
                 points.append((t, order, float(sd)))
         if event == "finish":
@@ -346,7 +350,7 @@ def _series(name: str, records: list[dict], start: float) -> AppSeries:
             end = t
     points.sort()
     return AppSeries(name, begin if begin is not None else 0.0, end, finished, [t for t, _, _ in points],
-                     [sd for _, _, sd in points], last_sd, last_bound)
+                     [sd for _, _, sd in points], last_sd, last_bound, basis)
 
 
 MAX_GRID_POINTS = 1_000_000  # a finer --step than the run's length / this would only fill memory
@@ -410,6 +414,7 @@ class Summary:
     no_records: list[str] = field(default_factory=list)  # apps of the run without SD records (final SD None)
     final_sd_bound: dict[str, float] = field(default_factory=dict)  # apps whose final SD is only this lower bound
     profile_runs: int = 0  # measuring runs of drbalance profile left out
+    solo_basis: dict[str, str] = field(default_factory=dict)  # apps whose final SD uses an estimated solo time
 
 
 def summarise(run: RunData, step: float = 1.0) -> Summary:
@@ -440,6 +445,7 @@ def summarise(run: RunData, step: float = 1.0) -> Summary:
         final_sd_bound={name: app.final_sd_bound for name, app in sorted(run.apps.items())
                         if app.final_sd_bound is not None},
         profile_runs=run.profile_runs,
+        solo_basis={name: app.solo_basis for name, app in sorted(run.apps.items()) if app.solo_basis is not None},
     )
 
 

@@ -23,14 +23,13 @@ from typing import Any, NamedTuple
 from drbalance import defaults
 from drbalance.manager.utilization import UtilizationWindow
 from drbalance.policy import DEFAULT_POLICY, POLICIES, AppView, Policy, PolicyConfig, Snapshot, violations
-from drbalance.policy.base import Planner
 from drbalance.ratio import DataRatio
 from drbalance.sim.model import ContentionModel, Interference, Workload
 from drbalance.slowdown import IterationPlan, SlotWindow, SlowdownTracker
 from drbalance.workload.models import ModelCosts, model_costs
 from drbalance.workload.scenarios import AppSpec, Scenario
 
-ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME, PLAN = range(8)
+ARRIVAL, REGISTER, HOST_END, GPU_DONE, SAMPLE, TICK, RESUME = range(7)
 
 
 class ChunkTiming(NamedTuple):
@@ -249,14 +248,12 @@ class Simulation:
         self.push(0.0, SAMPLE)
         if self.config.scheduler == "themis":
             self.push(0.0, TICK)
-        elif isinstance(self.policy, Planner):
-            self.push(self.policy.plan_period, PLAN)
 
     def advance(self, until: float = math.inf) -> None:
         """Process events up to simulated time ``until`` (seconds), or until every app has
         finished. Called repeatedly, it drives a run in steps (``interference.fit_pair`` does)."""
         handlers = {ARRIVAL: self._arrive, REGISTER: self._register, HOST_END: self._host_end, SAMPLE: self._sample,
-                    TICK: self._tick, RESUME: self._resume, PLAN: self._plan}
+                    TICK: self._tick, RESUME: self._resume}
         events = self.events
         while events and self.remaining and events[0][0] <= until:
             time, _, kind, a, b = heapq.heappop(events)
@@ -330,8 +327,6 @@ class Simulation:
 
     def _register(self, app: _App) -> None:
         self._decide(app, "register")
-        if isinstance(self.policy, Planner):
-            self._replan("arrival")
         self._start_iteration(app)
 
     def _start_iteration(self, app: _App) -> None:
@@ -375,8 +370,6 @@ class Simulation:
             self._record(app, "finish")
             if self.config.scheduler is not None:
                 self.push(self.now, TICK)
-            elif isinstance(self.policy, Planner) and self.remaining:
-                self._replan("departure")
             return
         decide_every = self.config.decide_every
         if (done % tracker.plan.iterations_per_epoch == 0 or (decide_every and done % decide_every == 0)
@@ -479,33 +472,6 @@ class Simulation:
                                                  "refused": why})
                 continue
             other.pushed = pushed
-
-    def _plan(self, _: Any) -> None:
-        """The planner's period: plan, and come back after another period."""
-        self._replan("period")
-        if self.remaining:
-            self.push(self.now + self.policy.plan_period, PLAN)
-
-    def _replan(self, trigger: str) -> None:
-        """Ask the planner for new DRs and push them, as the daemon does (each checked first)."""
-        snapshot = self._snapshot()
-        plan = self.policy.plan(trigger, snapshot)
-        self.decisions += 1
-        if self.config.record:
-            self.manager_records.append({"t": self.now, "event": "plan", "trigger": trigger, "branch": plan.branch,
-                                         "changes": {name: ratio.to_list() for name, ratio in plan.changes.items()},
-                                         "sd": {view.name: view.slowdown for view in snapshot.apps},
-                                         "details": dict(plan.details)})
-        by_name = {other.name: other for other in self.apps if other.alive}
-        for name, ratio in plan.changes.items():
-            app = by_name.get(name)
-            why = f"app {name!r} is not live" if app is None else self._refusal(snapshot.app(name), ratio)
-            if why is not None:
-                if self.config.record:
-                    self.manager_records.append({"t": self.now, "event": "push", "app": name, "branch": plan.branch,
-                                                 "refused": why})
-                continue
-            app.pushed = ratio
 
     def _refusal(self, view: AppView, ratio: object) -> str | None:
         """Why the daemon would not send ``ratio`` to the app of ``view`` (None: it would), as

@@ -27,7 +27,7 @@ from drbalance.sim.mixes import scenario_named
 from drbalance.sim.model import INTERFERENCE_MODELS, make_interference
 from drbalance.workload.scenarios import SCENARIOS
 
-POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis", "plan")
+POLICY_ROWS = ("fair", "f-sched", "paper", "observe", "themis")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ class PerUserPolicy:
 
     ``users``: app name -> user. ``factory``: makes one user's policy (e.g. ``FairPolicy``); each
     user's object keeps its own state, as each user's manager does. A DR pushed to another user's
-    app (``Decision.others``) is refused: such a manager cannot reach that app's record. A policy
-    that also plans (has ``plan``) is refused: only notices are routed to users here.
+    app (``Decision.others``) is refused: such a manager cannot reach that app's record.
     """
 
     name = "per-user"
@@ -36,10 +35,6 @@ class PerUserPolicy:
     def __init__(self, users: Mapping[str, str], factory: Callable[[], Policy]) -> None:
         self.users = MappingProxyType(dict(users))
         self.policies: dict[str, Policy] = {user: factory() for user in sorted(set(self.users.values()))}
-        for user, policy in self.policies.items():
-            if callable(getattr(policy, "plan", None)):
-                raise TypeError(f"PerUserPolicy: user {user!r}'s policy {getattr(policy, 'name', policy)!r} plans "
-                                f"every app at once; only policies that answer notices can be split by user")
 
     def user_of(self, app: str) -> str:
         """The user an app belongs to; ValueError for an app the mapping does not name."""

@@ -393,27 +393,6 @@ def test_notices_for_thousands_of_made_up_names_name_a_bounded_number_on_stderr(
 
 
 @pytest.mark.slow
-def test_a_planning_policy_plans_on_its_period_and_at_arrivals_and_departures(ipc_env, tmp_path):
-    manager = ManagerProcess(tmp_path, ipc_env, (50, 50, 50, 50), "--policy", "plan", "--plan-period", "0.3")
-    try:
-        first = toy_app("first", "--epochs", "6", "--iterations", "5", "--sleep", "0.1")
-        second = toy_app("second", "--epochs", "2", "--iterations", "5", "--sleep", "0.05")
-        for app in (second, first):  # the shorter job ends first: a departure with an app left
-            out, err = app.communicate(timeout=120)
-            assert app.returncode == 0, err
-        wait_for(lambda: any(event["trigger"] == "departure" and not event.get("error")
-                             for event in manager.events("plan")), timeout=30)
-    finally:
-        code, err = manager.stop()
-    assert code == 0, err
-    plans = manager.events("plan")
-    assert plans and all(event["branch"] != "policy-error" for event in plans), plans[:3]
-    triggers = [event["trigger"] for event in plans]
-    assert triggers[0] == "arrival" and "period" in triggers and "departure" in triggers
-    assert all(event["plan_us"] > 0 for event in plans)
-
-
-@pytest.mark.slow
 def test_a_manager_on_a_machine_without_gpus_says_how_and_starts_on_the_jobs_emulated_gpus(ipc_env, tmp_path,
                                                                                           monkeypatch):
     """The README's ``drbalance-manager`` on a machine without NVIDIA GPUs: not only "NVML

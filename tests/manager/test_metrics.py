@@ -60,7 +60,8 @@ def scrape_until(url: str, predicate, timeout: float) -> dict:
 def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     metrics = ManagerMetrics("ns1", "fair")
     metrics.update(MetricsSnapshot(
-        apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)), AppMetrics("b", None, None, (), slowdown_estimated=True),
+        apps=(AppMetrics("a", 1.25, 0.5, (0.75, 0.25)),
+              AppMetrics("b", None, None, (), slowdown_estimated=True, slowdown_from_manager=True),
               AppMetrics("c", 0.4, 0.1, (), slowdown_estimated=True, slowdown_bound=True)),
         utilization=(40.0, None),
         memory=(MemoryInfo(16 * GIB, 4 * GIB, 12 * GIB), None),
@@ -77,6 +78,8 @@ def test_the_collector_shows_a_snapshot_and_leaves_out_unknown_readings():
     assert named(found, "drbalance_app_slowdown_lower_bound") == {(("app", "c"),): 0.4}
     assert named(found, "drbalance_app_slowdown_estimated") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0,
                                                                 (("app", "c"),): 1.0}
+    assert named(found, "drbalance_app_slowdown_manager_estimate") == {(("app", "a"),): 0.0, (("app", "b"),): 1.0,
+                                                                       (("app", "c"),): 0.0}
     assert named(found, "drbalance_app_iteration_seconds") == {(("app", "a"),): 0.5, (("app", "c"),): 0.1}
     assert named(found, "drbalance_app_dr_share_ratio") == {(("app", "a"), ("gpu", "0")): 0.75,
                                                             (("app", "a"), ("gpu", "1")): 0.25}

@@ -167,3 +167,25 @@ def test_records_without_a_session_clock_are_ordered_by_time_and_the_last_one_gi
     app = run.apps["a"]
     assert app.times == pytest.approx([1.0, 1.5, 2.0]) and app.sds == [1.0, 1.7, 2.0]
     assert app.sd_at(1.2) == 1.0 and app.final_sd == 1.7 and app.end == pytest.approx(1.5)
+
+
+def test_the_table_marks_a_final_sd_from_an_estimated_solo_time_and_says_whose(tmp_path):
+    # a job given no solo time: its SD divides by its own estimate ("~") or, where it had no GPU
+    # alone, by the manager's ("*"); the last record with an SD says which the final SD used
+    from drbalance.report.command import format_table
+
+    def records(basis):
+        return [{"t": 1000.0, "event": "start"},
+                {"t": 1001.0, "event": "report", "sd": 1.2, "solo_estimated": True, "solo_basis": "shared"},
+                {"t": 1002.0, "event": "finish", "sd": 1.4, "solo_estimated": basis is not None,
+                 "solo_basis": basis}]
+
+    from drbalance.report.metrics import load_run
+
+    _write_run(tmp_path / "run", {"own": records("alone"), "mgr": records("manager"), "given": records(None)}, [])
+    summary = summarise(load_run(tmp_path / "run"))  # read from the run directory's logs, as the command does
+    assert summary.solo_basis == {"mgr": "manager", "own": "alone"}
+    table = format_table([summary])
+    rows = {line.split()[2]: line.split()[-1] for line in table.splitlines() if line.startswith("final SD ")}
+    assert rows == {"given": "1.400", "mgr": "*1.400", "own": "~1.400"}
+    assert "* final SD from the manager's estimate" in table and "~ final SD from the job's own" in table

@@ -152,15 +152,6 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="'nobody' has no user"):
         wrapper.decide("nobody", "boundary", snapshot)
 
-    class Planning(FairPolicy):
-        plan_period = 10.0
-
-        def plan(self, trigger, snapshot):
-            raise AssertionError("never asked")
-
-    with pytest.raises(TypeError, match="plans every app at once"):
-        PerUserPolicy({"a1": "alice"}, Planning)
-
     class Impostor(FairPolicy):
         def decide(self, app, trigger, snapshot):
             return Decision(snapshot.apps[-1].name, snapshot.apps[-1].ratio, "keep")
