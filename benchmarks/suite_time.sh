@@ -13,6 +13,7 @@
 set -u
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 work=${1:-$(mktemp -d /tmp/drbalance-suite-time.XXXXXX)}
+chmod 755 "$work"  # tests that run as other users (setpriv) read the clones' code and venv
 command=$(grep -E '^    .*pytest -q -n 2' "$repo/README.md" | sed 's/^    //')
 [ -n "$command" ] || { echo "README.md has no test command" >&2; exit 2; }
 echo "commit $(git -C "$repo" rev-parse --short HEAD), $(nproc) cores; command: $command" | tee "$work/summary.txt"
