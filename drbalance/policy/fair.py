@@ -18,7 +18,9 @@ measured a window. At app i's decision:
    ``ban_windows`` windows; a move of i alone between GPUs nobody else uses is undone on its own
    measurements once they show a loss of ``idle_tolerance``.
 3. Otherwise, unless i is protected (moved less than ``protect_windows`` windows ago) or has
-   used its ``max_moves_per_epoch``, candidates are scored: i consolidated onto one GPU, a share
+   used its ``max_moves_per_epoch``: if i's solo time is still an upper bound and i is split,
+   i goes whole onto one of its GPUs that nobody else uses, once, to measure it (branch
+   ``measure-solo``; ``_measure_solo``). Else candidates are scored: i consolidated onto one GPU, a share
    (half or all of it) moved between two GPUs (which also takes a replica away), i's DR swapped
    with another app's (the other app's half is pushed to it at once), i and an app split over
    the same two GPUs as i each put on one of them (``untangle_pairs``). The best candidate by
@@ -148,6 +150,7 @@ class _Track:
     last_move: _Move | None = None
     moves: dict[int, int] = field(default_factory=dict)  # epoch -> moves made in it
     banned: dict[tuple[int, ...], int] = field(default_factory=dict)  # shares -> banned until this iteration
+    solo_measured: bool = False  # sent whole onto a GPU of its own to measure its solo time (``_measure_solo``)
 
     def record(self, move: _Move, epoch: int) -> None:
         """A move made to the app in its ``epoch`` (its own, a revert or a push): judged and protected
@@ -224,6 +227,9 @@ class FairPolicy:
             return Decision.of(app, me.ratio, "protected", decisions_left=move.quiet)
         if self.capped(me):
             return Decision.of(app, me.ratio, "move-cap", epoch=me.epoch)
+        measuring = self._measure_solo(me, ratio, search, track)
+        if measuring is not None:
+            return measuring
         best = search.best(ratio)
         if best is None:
             return Decision.of(app, me.ratio, "keep", locked=sorted(search.locked))
@@ -312,6 +318,39 @@ class FairPolicy:
                                    yielded_by=split.name)
             return replace(decision, others=MappingProxyType({split.name: consolidated}))
         return None
+
+    def _measure_solo(self, me: AppView, ratio: DataRatio, search: _Search, track: _Track) -> Decision | None:
+        """An app whose solo time is still an upper bound (``solo_basis`` ``shared``: the job's own
+        estimate from chunks smaller than its batch or from shared GPUs) and that is split over
+        several GPUs goes whole onto one of them that no other app uses, once (branch
+        ``measure-solo``): that window measures its solo iteration (a whole batch alone on one GPU,
+        the host time of one replica), which no split shows. Until then both its SD and what the
+        predictor derives from its solo time (its work, host time and overhead) rest on a bound
+        that can be several times too high: a small model split evenly over four emulated GPUs
+        runs 3.4x slower than on one, and its own bound is 5.5x its solo iteration.
+
+        The GPU: the app's largest share among its GPUs that no other app uses (then the lowest
+        index); none if there is no such GPU, the move breaks the app's constraints or was undone
+        lately, or the app has less than one decision window left. Unlike the search's moves, it is
+        made in the app's closing windows too: a short job would otherwise end on its bound. The
+        move is judged as any move of an app alone: undone if its window measured slower than
+        before, or if going back wins by the objective with the measured solo time. It teaches the
+        replica penalty nothing (its prediction rested on the bound)."""
+        if me.solo_basis != "shared" or track.solo_measured or len(ratio.used) < 2 or self.windows_left(me) < 1:
+            return None  # less than the window it measures left: it could not be judged and undone
+        config = search.config
+        free = [gpu for gpu in ratio.used if not search.others_on({gpu}) and gpu not in search.locked]
+        if not free:
+            return None
+        gpu = max(free, key=lambda index: (ratio[index], -index))
+        candidate = DataRatio.single(config.gpu_count, gpu, config.dr_total)
+        if violations(me, candidate, config) or self.banned(me, candidate):
+            return None
+        track.solo_measured = True
+        alone = self._alone_measurement(me, ratio, {me.name: candidate}, search, track)
+        track.record(_Move(ratio, candidate, me.iteration, 0.0, quiet=self.config.protect_windows,
+                           alone_before=alone), me.epoch)
+        return Decision.of(me.name, candidate, "measure-solo", gpu=gpu)
 
     def _locked_gpus(self, app: str, live: set[str]) -> set[int]:
         """GPUs that another app's recent move added load to, and whose effect is not measured yet.
