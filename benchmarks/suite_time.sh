@@ -9,7 +9,7 @@
 # it: on a 2-core machine, more runnable work than cores. Pass "slow" runs `pytest -m slow` in
 # the quiet pass's venv. Each pass's output is WORKDIR/<pass>.txt; one line per pass (exit
 # status, wall seconds, load average, pytest's last line) goes to WORKDIR/summary.txt and to
-# stdout. docs/testing.md states the result; benchmarks/results/suite_time.txt keeps it.
+# stdout. The clones are removed at the end. docs/testing.md states the result; benchmarks/results/suite_time.txt keeps it.
 set -u
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 work=${1:-$(mktemp -d /tmp/drbalance-suite-time.XXXXXX)}
@@ -32,3 +32,5 @@ python3 -c "while True: pass" & burner1=$!
 python3 -c "while True: pass" & burner2=$!
 trap 'kill $burner1 $burner2' EXIT
 run_pass busy "$command"
+# Each clone's venv holds a CUDA build of torch (about 6 GB): the outputs stay, the clones go.
+rm -rf "$work/quiet" "$work/busy"

@@ -46,7 +46,7 @@ FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 
 class ClusterUnavailable(RuntimeError):
-    """The machine cannot host the cluster (not root, no packages, no mknod): a reason to skip."""
+    """The machine cannot host the cluster (not root, no apt-get, no mknod): a reason to skip."""
 
 
 @dataclass(frozen=True)

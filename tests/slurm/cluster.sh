@@ -21,7 +21,7 @@ readonly SCHED_INTERVAL=2      # seconds between the scheduler's passes over pen
                                # its wait is over
 readonly DAEMON_STOP_WAIT=20   # seconds a daemon gets after SIGTERM before SIGKILL
 readonly JOBS_END_WAIT=$((KILL_WAIT + 30))  # seconds `stop` waits for cancelled jobs to end
-readonly EXIT_UNSUPPORTED=3    # this machine cannot host the cluster (not root, no packages, no mknod)
+readonly EXIT_UNSUPPORTED=3    # this machine cannot host the cluster (not root, no apt-get, no mknod)
 readonly GPU_DEVICE_MAJOR=195  # the NVIDIA driver's character-device major number
 # Every process the script starts carries this variable in its environment: a pid read from a
 # pid file is signalled only if its /proc environ has it (a stale pid file never kills a stranger),
@@ -195,7 +195,8 @@ ensure_packages() {
     if ! flock /var/lock/drbalance-slurm-apt.lock bash -c '"$@" update && DEBIAN_FRONTEND=noninteractive "$@" install -y slurm-wlm munge' \
         apt "${apt[@]}" >"$log" 2>&1; then
         tail -n 15 "$log" >&2
-        unsupported "cannot install slurm-wlm and munge from Debian's packages (apt-get's output: $log)"
+        # a failure, not "unsupported": the tests must not pass by skipping an install that broke
+        die "cannot install slurm-wlm and munge from Debian's packages (apt-get's output: $log)"
     fi
     rm -f "$log"
 }

@@ -2,8 +2,8 @@
 
 ``slurm_cluster`` gives a test the run's cluster (started by the first test that asks, stopped
 after the last: ``tests/helpers/slurm.py``) and the cluster to itself while it runs. Without root,
-or where the packages cannot be installed, the tests skip with the reason; a cluster that fails to
-start fails them with its logs.
+apt-get or mknod, the tests skip with the reason; packages that fail to install and a cluster that
+fails to start fail them with the logs.
 
 Under ``pytest -n 2`` both xdist workers may run Slurm tests: they share the one cluster (a count
 of its users in the run's common folder) and take turns on it (a lock each test holds). xdist's
