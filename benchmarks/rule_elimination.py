@@ -35,6 +35,7 @@ overrides the methods that make it (``RULES``); nothing here changes `fair` itse
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -233,12 +234,24 @@ def variant_policy(off: Iterable[str]) -> FairPolicy:
     return policy_type(config)
 
 
+LABEL_LIMIT = 120
+"""Characters: the longest ``off-A+B`` label; a longer one (a later round's 24 rules off, 280
+characters) would make file names past the file system's 255 bytes."""
+
+
 def label(off: Iterable[str] | None) -> str:
-    """A variant's file label: ``observe`` (None), ``fair`` (nothing off) or ``off-A+B``."""
+    """A variant's file label: ``observe`` (None), ``fair`` (nothing off) or ``off-A+B``; with
+    too many rules for a file name, ``off-<N>-rules-<hash>`` (the first 10 hex digits of the
+    SHA-1 of ``A+B``: the same rules, the same label)."""
     if off is None:
         return "observe"
     names = sorted(set(off))
-    return "off-" + "+".join(names) if names else "fair"
+    if not names:
+        return "fair"
+    joined = "+".join(names)
+    if len(joined) + 4 <= LABEL_LIMIT:
+        return "off-" + joined
+    return f"off-{len(names)}-rules-{hashlib.sha1(joined.encode()).hexdigest()[:10]}"
 
 
 # --- running ------------------------------------------------------------------------------------------

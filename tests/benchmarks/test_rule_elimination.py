@@ -28,6 +28,9 @@ def test_every_rule_has_a_variant_that_differs_from_fair():
     assert together._locked_gpus("a", {"a", "b"}) == set()
     assert variant_policy([]).config == FairConfig()
     assert label(None) == "observe" and label([]) == "fair" and label(["b", "a"]) == "off-a+b"
+    many = sorted(RULES)[:24]  # a later round's reference: every rule removed so far, off together
+    assert len(label(many)) < 40 and label(many) == label(reversed(many)) != label(many[:23])
+    assert label(many).startswith("off-24-rules-")
 
 
 @pytest.mark.slow
