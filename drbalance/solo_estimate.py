@@ -43,6 +43,9 @@ from dataclasses import dataclass
 
 ALONE = "alone"
 SHARED = "shared"
+MANAGER = "manager"
+"""The bases of a solo time estimated online (``AppStatus.solo_basis``, ``AppView.solo_basis``):
+the job's own from GPUs it had alone, its own bound from shared ones, the manager's estimate."""
 
 HISTORY = 32
 """Windows of host times kept for the estimate, and chunk sizes seen alone (the line is fitted to
@@ -185,8 +188,6 @@ def line_through(chunks: Sequence[tuple[float, float]]) -> tuple[float, float] |
     fixed = mean_t - slope * mean_n
     return (fixed, slope) if slope > 0 and fixed >= 0 else None
 
-
-MANAGER = "manager"
 
 
 def chosen_solo(own: SoloEstimate | None, manager_seconds: float | None) -> tuple[float, str] | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from drbalance.ipc.names import APP_NAME_PATTERN
 from drbalance.ratio import MAX_TOTAL, DataRatio
+from drbalance.solo_estimate import ALONE, MANAGER, SHARED
 
 LAYOUT_VERSION = 5  # 3: the status flag FLAG_SOLO_ESTIMATED; 4: FLAG_SD_BOUND; 5: FLAG_SOLO_MANAGER,
 # AppCommand.solo_iteration
@@ -87,7 +88,7 @@ FLAG_SOLO_ESTIMATED = 4  # the solo time (and so the SD) is estimated online, no
 FLAG_SD_BOUND = 8  # ...by the job, and can only be too high: the SD is a lower bound (layout version 4)
 FLAG_SOLO_MANAGER = 16  # ...by the manager (``AppCommand.solo_iteration``; layout version 5)
 STATUS_FLAGS = FLAG_SD_KNOWN | FLAG_ITER_TIME_KNOWN | FLAG_SOLO_ESTIMATED | FLAG_SD_BOUND | FLAG_SOLO_MANAGER
-SOLO_BASIS_FLAGS = {"alone": 0, "shared": FLAG_SD_BOUND, "manager": FLAG_SOLO_MANAGER}
+SOLO_BASIS_FLAGS = {ALONE: 0, SHARED: FLAG_SD_BOUND, MANAGER: FLAG_SOLO_MANAGER}
 """``AppStatus.solo_basis`` -> its status flag (with ``FLAG_SOLO_ESTIMATED``)."""
 COMMAND_PUSHED = 1  # AppCommand flag: a DR the manager pushed without a notice of the app's
 UUID_BYTES = 64  # a GPU UUID ("GPU-" or "MIG-" + 36 hex and dashes) fits with room to spare
@@ -201,7 +202,7 @@ class AppStatus:
     def sd_bound(self) -> bool:
         """Whether the SD is a lower bound: the job's own solo-time estimate can still only be too
         high (``solo_basis`` ``shared``)."""
-        return self.solo_basis == "shared"
+        return self.solo_basis == SHARED
 
     def encode(self) -> bytes:
         flags = ((FLAG_SD_KNOWN if self.slowdown is not None else 0)
@@ -276,7 +277,7 @@ def _solo_basis(flags: int, where: str) -> str | None:
                           f"or two bases")
     if not flags & FLAG_SOLO_ESTIMATED:
         return None
-    return found[0] if found else "alone"
+    return found[0] if found else ALONE
 
 
 @dataclass(frozen=True)

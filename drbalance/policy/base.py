@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from drbalance import defaults
 from drbalance.ratio import DEFAULT_TOTAL, DataRatio
+from drbalance.solo_estimate import ALONE, MANAGER, SHARED
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class PolicyConfig:
             raise ValueError(f"util_threshold must be within 0..100 percentage points; got {self.util_threshold!r}")
 
 
-SOLO_BASES = (None, "alone", "shared", "manager")
+SOLO_BASES = (None, ALONE, SHARED, MANAGER)
 """``AppView.solo_basis`` values."""
 
 
@@ -96,7 +97,7 @@ class AppView:
     def solo_measured(self) -> bool:
         """Whether ``solo_time`` is the job's own (given, profiled, or estimated from GPUs it had
         alone): not an upper bound, nor the manager's estimate."""
-        return self.solo_basis is None or self.solo_basis == "alone"
+        return self.solo_basis is None or self.solo_basis == ALONE
 
     def usable(self, gpu: int) -> bool:
         """Whether the app may hold a share on ``gpu``."""

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 from drbalance.policy.base import AppView, Decision, PolicyConfig, Snapshot, current_ratio, violations
 from drbalance.policy.predictor import Neighbourhood, Predictor, PredictorConfig
 from drbalance.ratio import DataRatio
+from drbalance.solo_estimate import SHARED
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ class FairPolicy:
         move is judged as any move of an app alone: undone if its window measured slower than
         before, or if going back wins by the objective with the measured solo time. It teaches the
         replica penalty nothing (its prediction rested on the bound)."""
-        if me.solo_basis != "shared" or track.solo_measured or len(ratio.used) < 2 or self.windows_left(me) < 1:
+        if me.solo_basis != SHARED or track.solo_measured or len(ratio.used) < 2 or self.windows_left(me) < 1:
             return None  # less than the window it measures left: it could not be judged and undone
         config = search.config
         free = [gpu for gpu in ratio.used if not search.others_on({gpu}) and gpu not in search.locked]

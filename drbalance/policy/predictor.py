@@ -320,11 +320,16 @@ class Predictor:
         work = model.work(config)
         longest = 0.0
         for gpu, duties in others.items():
-            crowd = len(duties) > 1
-            stretch = 1.0 + sum(self.pair_kappa(view.name, name, crowd) * duty for name, duty in duties.items())
+            stretch = self._stretch(view.name, duties)
             longest = max(longest, work * self.size_factor(placement[gpu], model.batch) / self.speed[gpu] * stretch)
         alone = model.host_time(config) + model.overhead_time(config) * (len(others) - 1) + longest
         return alone * self.replica_factor(len(others))
+
+    def _stretch(self, app: str, duties: Mapping[str, float]) -> float:
+        """How much the app's chunk on a GPU stretches beside the other apps there (by name: their
+        duty): 1 + the sum of ``pair_kappa`` x duty, in a crowd's context when there are two or more."""
+        crowd = len(duties) > 1
+        return 1.0 + sum(self.pair_kappa(app, other, crowd) * duty for other, duty in duties.items())
 
     def _learn_host(self, view: AppView, model: AppModel, placement: Sequence[int]) -> None:
         config = self.config
@@ -542,8 +547,7 @@ class Predictor:
         for gpu, duties in others.items():
             seconds = view.chunk_seconds[gpu]
             if seconds:
-                crowd = len(duties) > 1
-                stretch = 1.0 + sum(self.pair_kappa(name, other, crowd) * duty for other, duty in duties.items())
+                stretch = self._stretch(name, duties)
                 works.append(seconds * self.speed[gpu] / (self.size_factor(placement[gpu], model.batch) * stretch))
         if not works:
             return None
